@@ -1,0 +1,128 @@
+"""Guides for :class:`models.capsule_model.CapsuleModel` (SPEC §1 "Guides").
+
+The amortised encoder maps an image to the part capsules (a CNN with attentive pooling, one capsule per
+template) and the set of part capsules to the object capsules (a set transformer).  There is no direct path
+from the image to the objects.  :class:`DeltaGuide` places point masses on the poses (MAP) and concrete
+distributions on the presences; it is how the model is trained from scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+import pyro
+import pyro.distributions as dist
+import torch
+import torch.nn as nn
+from pyro.nn import PyroModule
+
+from probcaps.distributions import ClampedRelaxedBernoulli
+from probcaps.encoders import PartEncoder, SetTransformer
+
+__all__ = ["EncoderConfig", "CapsuleEncoder", "Latents", "DeltaGuide"]
+
+
+@dataclass
+class EncoderConfig:
+    channels: list = field(default_factory=lambda: [128, 128, 128, 128])
+    strides: list = field(default_factory=lambda: [2, 2, 1, 1])
+    set_hidden: int = 128          # ISAB / PMA width
+    set_heads: int = 4
+    set_inducing: int = 16
+    set_blocks: int = 2            # ISAB blocks before the PMA
+    parent_code: int = 32          # per-object encoding fed to the heads
+    head_hidden: int = 64          # the one-hidden-layer MLP heads
+    part_embedding: int = 16       # learned identity of each part (which template it is)
+    min_scale: float = 0.3
+    max_scale: float = 2.0
+    max_translation: float = 1.0
+    parent_pose_scale: float = 1.0  # multiplies the raw parent-pose head output
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Latents(NamedTuple):
+    """Encoder outputs (all ``B`` first): part presence logits ``(B, M)``, part poses ``(B, M, 6)``,
+    object presence logits ``(B, K)``, object poses ``(B, K, 6)``."""
+
+    part_logits: torch.Tensor
+    part_poses: torch.Tensor
+    parent_logits: torch.Tensor
+    parent_poses: torch.Tensor
+
+
+def _head(dim_in: int, hidden: int, dim_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(dim_in, hidden), nn.ELU(), nn.Linear(hidden, dim_out))
+
+
+class CapsuleEncoder(nn.Module):
+    """Image -> part capsules -> object capsules."""
+
+    def __init__(self, num_parts: int, num_parents: int, config: EncoderConfig | None = None):
+        super().__init__()
+        cfg = self.config = config or EncoderConfig()
+        self.parts = PartEncoder(
+            num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides),
+            pose_kwargs=dict(min_scale=cfg.min_scale, max_scale=cfg.max_scale, max_translation=cfg.max_translation),
+        )
+        self.part_embedding = nn.Parameter(0.1 * torch.randn(num_parts, cfg.part_embedding))
+        self.set_transformer = SetTransformer(
+            7 + cfg.part_embedding, num_parents, cfg.parent_code, dim_hidden=cfg.set_hidden,
+            num_heads=cfg.set_heads, num_inds=cfg.set_inducing, num_isab=cfg.set_blocks,
+        )
+        self.presence_head = _head(cfg.parent_code, cfg.head_hidden, 1)
+        self.pose_head = _head(cfg.parent_code, cfg.head_hidden, 6)
+
+    def encode_parts(self, x: torch.Tensor):
+        """``x (B, 1, H, W)`` -> ``(presence logits (B, M), poses (B, M, 6))``."""
+        out = self.parts(x)
+        return out.presence_logit, out.pose
+
+    def encode_parents(self, part_poses: torch.Tensor, part_presences: torch.Tensor):
+        """Part poses ``(B, M, 6)`` and presences ``(B, M)`` -> ``(logits (B, K), poses (B, K, 6))``.
+
+        Absent parts are masked out of the attention by their presence.
+        """
+        B = part_poses.shape[0]
+        emb = self.part_embedding.expand(B, *self.part_embedding.shape)
+        tokens = torch.cat([part_poses, part_presences.unsqueeze(-1), emb], -1)
+        code = self.set_transformer(tokens, key_weights=part_presences)
+        return self.presence_head(code).squeeze(-1), self.config.parent_pose_scale * self.pose_head(code)
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor) -> Latents:
+        """Deterministic encoding for evaluation: presences at their means instead of samples."""
+        part_logits, part_poses = self.encode_parts(x)
+        parent_logits, parent_poses = self.encode_parents(part_poses, torch.sigmoid(part_logits))
+        return Latents(part_logits, part_poses, parent_logits, parent_poses)
+
+
+class DeltaGuide(PyroModule):
+    """Amortised guide with delta (MAP) poses and concrete presences."""
+
+    def __init__(self, encoder: CapsuleEncoder, temperature: float):
+        super().__init__()
+        self.encoder = encoder
+        self.temperature = temperature
+
+    def pose_distribution(self, loc: torch.Tensor, name: str):
+        """The variational family of the poses ``name`` (here a point mass)."""
+        return dist.Delta(loc).to_event(1)
+
+    def forward(self, x: torch.Tensor):
+        if x.dim() == 3:
+            x = x.unsqueeze(1)
+        B = x.shape[0]
+        tau = x.new_tensor(self.temperature)
+        part_logits, part_poses = self.encoder.encode_parts(x)
+        data = pyro.plate("data", B, dim=-2)
+        with data, pyro.plate("children", part_logits.shape[-1], dim=-1):
+            z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=part_logits))
+            y0 = pyro.sample("y0", self.pose_distribution(part_poses, "y0"))
+        parent_logits, parent_poses = self.encoder.encode_parents(y0, z0)
+        with data, pyro.plate("parents", parent_logits.shape[-1], dim=-1):
+            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
+            y1 = pyro.sample("y1", self.pose_distribution(parent_poses, "y1"))
+        return z1, y1, z0, y0

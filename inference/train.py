@@ -1,0 +1,248 @@
+"""The one training loop of the package: SVI for the Pyro models, plain losses for the baselines.
+
+``train_loop`` drives any ``loss_fn(batch) -> scalar`` over the parameters of one ``nn.Module`` with a
+``torch.optim`` optimiser (for Pyro models: ``pyro.settings.set(module_local_params=True)`` and
+``loss_fn = lambda x: elbo.differentiable_loss(model, guide, x)``).  It gives every model the same guarantees:
+
+- a progress bar and a JSON-lines log (``log.jsonl``);
+- periodic and final checkpoints written atomically (a crash never leaves a half-written file);
+- exact resume: the data order is a pure function of (seed, epoch), and the RNG states are checkpointed;
+- a NaN guard: a non-finite loss or gradient stops training with a message, and nothing from the broken state
+  is written;
+- Ctrl-C writes a checkpoint of the last completed step before stopping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pyro
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from probcaps.errors import CheckpointError, TrainingDiverged
+from probcaps.io import atomic_torch_save
+
+__all__ = ["TrainConfig", "TrainState", "train_loop", "load_checkpoint", "make_elbo"]
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 128
+    lr: float = 1e-3
+    warmup_steps: int = 100        # linear warm-up, then cosine decay to ``final_lr_fraction * lr``
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 100.0       # max global gradient norm
+    log_every: int = 25
+    checkpoint_every: int = 500
+    seed: int = 0
+    jit: bool = False              # JitTraceEnum_ELBO (rests on the deprecated torch.jit.trace)
+    validate: bool = False         # Pyro's validation checks (a few ms a step)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    wall_time_s: float = 0.0
+
+
+def make_elbo(jit: bool = False, max_plate_nesting: int = 2):
+    """``TraceEnum_ELBO`` (or its JIT version) with an explicit plate nesting, as the enumerated models need."""
+    cls = pyro.infer.JitTraceEnum_ELBO if jit else pyro.infer.TraceEnum_ELBO
+    kwargs = dict(max_plate_nesting=max_plate_nesting)
+    if jit:
+        kwargs["ignore_jit_warnings"] = True
+    return cls(**kwargs)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    pyro.set_rng_seed(seed)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.final_lr_fraction + (1 - cfg.final_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    """Read a checkpoint written by :func:`train_loop`; a missing or unreadable file is a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a corrupt file
+        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(ckpt, dict) or "module" not in ckpt:
+        raise CheckpointError(f"{path}: not a probcaps checkpoint (no 'module' state)")
+    return ckpt
+
+
+def load_module_state(module: nn.Module, state: dict, path: str | Path) -> None:
+    """``load_state_dict`` that names the checkpoint and the first mismatching tensor instead of a torch dump."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+    for k, v in state.items():
+        if own[k].shape != v.shape:
+            raise CheckpointError(f"{path}: '{k}' has shape {tuple(v.shape)} in the checkpoint but "
+                                  f"{tuple(own[k].shape)} in the model (different config?)")
+    module.load_state_dict(state)
+
+
+def train_loop(
+    module: nn.Module,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    batches: Callable[[int, int], Iterator],
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    metadata: dict | None = None,
+    progress: bool = True,
+    on_checkpoint: Callable[[TrainState], None] | None = None,
+) -> TrainState:
+    """Optimise ``module``'s parameters on ``loss_fn`` for ``cfg.steps`` steps.
+
+    Args:
+        module: holds every trainable parameter (e.g. ``nn.ModuleDict(model=..., guide=...)``).
+        loss_fn: ``batch -> scalar loss`` (mean over the batch, so the learning rate does not depend on it).
+        batches: ``(epoch, start_batch) -> iterator of batches``; must be deterministic in its arguments.
+        out_dir: receives ``checkpoint.pt`` (latest, periodic), ``final.pt`` and ``log.jsonl``.
+        resume: continue from ``out_dir/checkpoint.pt`` (exactly: same parameters as an uninterrupted run).
+        metadata: stored in every checkpoint (configs, so a checkpoint can rebuild its model).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimiser = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, _lr_factor(cfg))
+    state = TrainState()
+    ckpt_path, log_path = out_dir / "checkpoint.pt", out_dir / "log.jsonl"
+    if resume:
+        ckpt = load_checkpoint(ckpt_path)
+        load_module_state(module, ckpt["module"], ckpt_path)
+        optimiser.load_state_dict(ckpt["optimiser"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        state = TrainState(**ckpt["state"])
+        _set_rng_state(ckpt["rng"])
+    else:
+        seed_everything(cfg.seed)
+        log_path.unlink(missing_ok=True)
+
+    def snapshot() -> dict:
+        return {
+            "module": module.state_dict(),
+            "optimiser": optimiser.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "state": asdict(state),
+            "rng": _rng_state(),
+            "train_config": cfg.to_dict(),
+            "metadata": metadata or {},
+        }
+
+    def save(path: Path) -> None:
+        atomic_torch_save(snapshot(), path)
+        if on_checkpoint is not None:
+            on_checkpoint(state)
+
+    bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", unit="step",
+               dynamic_ncols=True)
+    log = open(log_path, "a")
+    window_loss, window_n, window_t = 0.0, 0, time.perf_counter()
+    try:
+        while state.step < cfg.steps:
+            for batch in batches(state.epoch, state.batch_in_epoch):
+                t0 = time.perf_counter()
+                optimiser.zero_grad(set_to_none=True)
+                loss = loss_fn(batch)
+                if not torch.isfinite(loss):
+                    raise TrainingDiverged(f"step {state.step}: loss is {loss.item()}; stopped without writing the "
+                                           f"broken model (last good checkpoint: {ckpt_path})")
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                if not torch.isfinite(grad_norm):
+                    raise TrainingDiverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without "
+                                           f"writing the broken model (last good checkpoint: {ckpt_path})")
+                optimiser.step()
+                scheduler.step()
+                state.step += 1
+                state.batch_in_epoch += 1
+                state.wall_time_s += time.perf_counter() - t0
+                window_loss += loss.item()
+                window_n += 1
+                bar.update(1)
+                if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+                    now = time.perf_counter()
+                    n_items = window_n * _batch_len(batch)
+                    record = {"step": state.step, "epoch": state.epoch, "loss": window_loss / window_n,
+                              "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                              "items_per_s": n_items / max(now - window_t, 1e-9), "wall_time_s": state.wall_time_s}
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    bar.set_postfix(loss=f"{record['loss']:.1f}", ips=f"{record['items_per_s']:.0f}")
+                    window_loss, window_n, window_t = 0.0, 0, now
+                if state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
+                    save(ckpt_path)
+                if state.step >= cfg.steps:
+                    break
+            else:
+                state.epoch += 1
+                state.batch_in_epoch = 0
+    except KeyboardInterrupt:
+        save(ckpt_path)
+        bar.write(f"interrupted at step {state.step}: checkpoint written to {ckpt_path}; continue with --resume")
+        raise
+    finally:
+        bar.close()
+        log.close()
+    save(ckpt_path)
+    atomic_torch_save(snapshot(), out_dir / "final.pt")
+    return state
+
+
+def _batch_len(batch) -> int:
+    if isinstance(batch, (tuple, list)):
+        batch = batch[0]
+    return len(batch)

@@ -1,0 +1,192 @@
+"""The generative capsule model of Smith, Schut, Gal & van der Wilk (2020) as a Pyro model (SPEC §1).
+
+Sites, per image (plates: ``data`` at dim -2; ``parents`` / ``children`` at dim -1):
+
+- ``z1`` (B, K)     parent presences, relaxed Bernoulli(τ, π)
+- ``y1`` (B, K, 6)  parent poses, Normal(0, σ_p²)
+- ``s``  (B, M)     each child's parent in {0 = dummy, 1..K}; enumerated in parallel, summed out exactly
+- ``z0`` (B, M)     child presences, relaxed Bernoulli(τ, γ[s])
+- ``y0`` (B, M, 6)  child poses, Normal(pose6(P(y1[s]) P(Δ[s])), z0 σ[s]² + (1 − z0) σ_off²)
+- ``x``  (B, H, W)  the image, Normal(composite of the rendered templates, σ_x²)
+
+The quantities that define these distributions are computed once, by :meth:`CapsuleModel.child_tables` and
+:meth:`CapsuleModel.render`; the Pyro model and the plain-torch :meth:`CapsuleModel.log_joint` (used by the
+benchmark and the tests) only differ in how ``s`` is summed out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import pyro
+import pyro.distributions as dist
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pyro.nn import PyroModule
+from pyro.ops.indexing import Vindex
+
+from probcaps.distributions import ClampedRelaxedBernoulli
+from probcaps.geometry import compose_pose6, pose6_to_matrix
+from probcaps.render import composite_over, render_templates
+
+__all__ = ["CapsuleModelConfig", "CapsuleModel"]
+
+
+@dataclass
+class CapsuleModelConfig:
+    num_parents: int = 16          # K object capsules (plus the dummy clutter parent)
+    num_parts: int = 24            # M part capsules, one template each
+    template_size: int = 11        # t
+    canvas_size: int = 40          # H = W
+    temperature: float = 0.5       # τ of every relaxed presence
+    pixel_std: float = 0.1         # σ_x
+    parent_pose_std: float = 1.0   # σ_p
+    part_pose_std_init: float = 0.1
+    part_pose_std_min: float = 0.02  # σ_min: the floor on the learned σ_km
+    off_pose_std: float = 1.0      # σ_off: pose spread of an absent child
+    clutter_pose_std: float = 1.0  # pose spread of a child of the dummy parent
+    dummy_affinity: float = 0.05   # ρ_0m
+    dummy_presence: float = 0.1    # γ_0m
+    expected_parents: float = 2.0  # π_k = expected_parents / K: one or two objects per digit
+    learn_parent_prior: bool = False
+    init_offset_std: float = 0.5   # spread of the initial Δ_km translations
+    seed: int = 0                  # parameter initialisation
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _orthogonal_logits(n: int, size: int, gen: torch.Generator, gain: float) -> torch.Tensor:
+    # SCAE: templates start mutually orthogonal, so that each part starts with its own shape.
+    a = torch.randn(max(n, size * size), size * size, generator=gen)
+    q, _ = torch.linalg.qr(a.T)  # (t², ·) orthonormal columns
+    return (q.T[:n] * gain * size).reshape(n, 1, size, size)
+
+
+class CapsuleModel(PyroModule):
+    """Pyro generative model of SPEC §1.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``."""
+
+    def __init__(self, config: CapsuleModelConfig | None = None):
+        super().__init__()
+        cfg = self.config = config or CapsuleModelConfig()
+        K, M, t = cfg.num_parents, cfg.num_parts, cfg.template_size
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.template_logits = nn.Parameter(_orthogonal_logits(M, t, gen, gain=1.0))
+        self.alpha_logits = nn.Parameter(_orthogonal_logits(M, t, gen, gain=1.0))
+        self.log_affinity = nn.Parameter(torch.zeros(K, M))                  # log ρ_km
+        self.presence_logits = nn.Parameter(torch.zeros(K, M))               # logit γ_km
+        offsets = torch.zeros(K, M, 6)
+        offsets[..., [2, 5]] = cfg.init_offset_std * torch.randn(K, M, 2, generator=gen)
+        self.offsets = nn.Parameter(offsets)                                 # Δ_km (pose 6-vectors)
+        inv_softplus = math.log(math.expm1(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4)))
+        self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), inv_softplus))  # σ_km = σ_min + softplus(·)
+        prior_logit = torch.logit(torch.tensor(min(cfg.expected_parents / K, 0.99)))
+        if cfg.learn_parent_prior:
+            self.parent_prior_logits = nn.Parameter(prior_logit.expand(K).clone())
+        else:
+            self.register_buffer("parent_prior_logits", prior_logit.expand(K).clone())
+
+    # ---------------------------------------------------------------- parameters in their natural units
+    def templates(self) -> torch.Tensor:
+        """``(M, 2, t, t)``: channel 0 the template intensity, channel 1 its alpha, both in (0, 1)."""
+        return torch.sigmoid(torch.cat([self.template_logits, self.alpha_logits], 1))
+
+    def part_pose_std(self) -> torch.Tensor:
+        """``(K, M, 6)`` learned σ_km, floored at ``part_pose_std_min``."""
+        return self.config.part_pose_std_min + F.softplus(self.pose_std_raw)
+
+    # ---------------------------------------------------------------- the shared computations
+    def child_tables(self, z1: torch.Tensor, y1: torch.Tensor):
+        """Everything that defines ``p(s, z0, y0 | z1, y1)``, for every candidate parent (the dummy first).
+
+        Args: ``z1`` ``(..., K)``, ``y1`` ``(..., K, 6)``.
+        Returns: ``selection_logits (..., M, K+1)`` (unnormalised log P(s_m = k)), ``presence_probs (M, K+1)``
+        (γ), ``pose_mean (..., M, K+1, 6)``, ``pose_var_on (M, K+1, 6)`` (σ² of a present child).
+        """
+        cfg = self.config
+        M = cfg.num_parts
+        dummy_rho = self.log_affinity.new_full((1, M), math.log(cfg.dummy_affinity))
+        log_rho = torch.cat([dummy_rho, self.log_affinity], 0).T                  # (M, K+1)
+        z1_full = torch.cat([torch.ones_like(z1[..., :1]), z1], -1)                # dummy is always present
+        selection_logits = log_rho + torch.log(z1_full).unsqueeze(-2)             # (..., M, K+1)
+        dummy_gamma = self.presence_logits.new_full((1, M), cfg.dummy_presence)
+        presence_probs = torch.cat([dummy_gamma, torch.sigmoid(self.presence_logits)], 0).T  # (M, K+1)
+        # pose6(P(y1_k) P(Δ_km)) for every (k, m); the dummy predicts the origin
+        parent_mean = compose_pose6(y1.unsqueeze(-2), self.offsets)               # (..., K, M, 6)
+        pose_mean = torch.cat([torch.zeros_like(parent_mean[..., :1, :, :]), parent_mean], -3).transpose(-3, -2)
+        dummy_var = self.offsets.new_full((1, M, 6), cfg.clutter_pose_std**2)
+        pose_var_on = torch.cat([dummy_var, self.part_pose_std() ** 2], 0).transpose(0, 1)  # (M, K+1, 6)
+        return selection_logits, presence_probs, pose_mean, pose_var_on
+
+    def child_pose_std(self, z0: torch.Tensor, pose_var_on: torch.Tensor) -> torch.Tensor:
+        """Std of ``y0`` interpolated by the relaxed presence: ``sqrt(z0 σ² + (1 − z0) σ_off²)``."""
+        z = z0.unsqueeze(-1)
+        return (z * pose_var_on + (1 - z) * self.config.off_pose_std**2).sqrt()
+
+    def render(self, z0: torch.Tensor, y0: torch.Tensor):
+        """Composite image ``(B, 1, H, W)`` and per-part compositing weights ``(B, M, 1, H, W)``.
+
+        Templates are warped by ``P(y0)``, their alphas weighted by ``z0``, and composited back to front (part 0 at
+        the back) over a black background.
+        """
+        layers = render_templates(self.templates(), pose6_to_matrix(y0), self.config.canvas_size)
+        colours, alphas = layers[:, :, :1], layers[:, :, 1:] * z0[..., None, None, None]
+        image, weights = composite_over(colours, alphas, dim=1)
+        return image, weights * colours
+
+    def parent_prior_probs(self) -> torch.Tensor:
+        return torch.sigmoid(self.parent_prior_logits)
+
+    # ---------------------------------------------------------------- the Pyro model
+    def forward(self, x: torch.Tensor):
+        cfg = self.config
+        x = self._check_images(x)
+        B, K, M = x.shape[0], cfg.num_parents, cfg.num_parts
+        tau = x.new_tensor(cfg.temperature)
+        data = pyro.plate("data", B, dim=-2)
+        with data, pyro.plate("parents", K, dim=-1):
+            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs().expand(B, K)))
+            y1 = pyro.sample("y1", dist.Normal(x.new_zeros(()), cfg.parent_pose_std).expand([B, K, 6]).to_event(1))
+        selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
+        with data, pyro.plate("children", M, dim=-1):
+            s = pyro.sample("s", dist.Categorical(logits=selection_logits), infer={"enumerate": "parallel"})
+            # tables are (..., M, K+1[, 6]): Vindex broadcasts their leading dims against s, whose shape is
+            # (B, M) when sampled and (K+1, 1, 1) when enumerated
+            z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, probs=Vindex(gamma)[..., s]))
+            std = self.child_pose_std(z0, Vindex(pose_var_on)[..., s, :])
+            y0 = pyro.sample("y0", dist.Normal(Vindex(pose_mean)[..., s, :], std).to_event(1))
+        image, _ = self.render(z0, y0)
+        with data:
+            pyro.sample("x", dist.Normal(image.flatten(1).unsqueeze(1), cfg.pixel_std).to_event(1),
+                        obs=x.flatten(1).unsqueeze(1))
+        return image
+
+    # ---------------------------------------------------------------- plain-torch reference
+    def log_joint(self, x, z1, y1, z0, y0) -> torch.Tensor:
+        """``log p(x, z1, y1, z0, y0)`` per image ``(B,)``, with ``s`` summed out by ``logsumexp`` in plain torch.
+
+        The same density the Pyro model's enumerated ELBO scores; used as the reference in tests and benchmarks.
+        """
+        cfg = self.config
+        x = self._check_images(x)
+        tau = x.new_tensor(cfg.temperature)
+        lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs()).log_prob(z1).sum(-1)
+        lp = lp + dist.Normal(0.0, cfg.parent_pose_std).log_prob(y1).sum((-1, -2))
+        selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
+        log_sel = selection_logits.log_softmax(-1)                                 # (B, M, K+1)
+        lp_z = ClampedRelaxedBernoulli(tau, probs=gamma).log_prob(z0.unsqueeze(-1))
+        std = self.child_pose_std(z0.unsqueeze(-1), pose_var_on)                  # (B, M, K+1, 6)
+        lp_y = dist.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
+        lp = lp + torch.logsumexp(log_sel + lp_z + lp_y, -1).sum(-1)
+        image, _ = self.render(z0, y0)
+        return lp + dist.Normal(image, cfg.pixel_std).log_prob(x).flatten(1).sum(-1)
+
+    def _check_images(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3:
+            x = x.unsqueeze(1)
+        H = self.config.canvas_size
+        if x.dim() != 4 or x.shape[1:] != (1, H, H):
+            raise ValueError(f"CapsuleModel: expected images of shape (B, 1, {H}, {H}), got {tuple(x.shape)}")
+        return x

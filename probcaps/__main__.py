@@ -1,0 +1,5 @@
+import sys
+
+from probcaps.cli import main
+
+sys.exit(main())

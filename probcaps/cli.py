@@ -1,0 +1,171 @@
+"""The ``probcaps`` command line.
+
+    probcaps train --config experiments/configs/mnist.toml --out runs/mnist [--resume] [--set train.steps=100]
+    probcaps evaluate --checkpoint runs/mnist/final.pt [--name mnist] [--results-dir results]
+    probcaps demo                      # a few minutes of training on real MNIST, then the probe report
+    probcaps download [--data-dir D]   # fetch MNIST (needs a network)
+    probcaps report                    # regenerate the README tables from results/*.json
+
+Errors in input (files, configs, checkpoints) are printed as one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from probcaps.errors import ProbcapsError
+
+# glibc hands large per-step buffers back to the OS and page-faults them in again every step; keeping them
+# mapped makes a training step 25-40% faster on CPU.  These must be set before the process starts.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
+
+
+def _reexec_with_allocator_settings(argv: list[str]) -> None:
+    if sys.platform != "linux" or os.environ.get("PROBCAPS_NO_REEXEC") or all(k in os.environ for k in MALLOC_ENV):
+        return
+    env = {**os.environ, **MALLOC_ENV, "PROBCAPS_NO_REEXEC": "1"}
+    os.execve(sys.executable, [sys.executable, "-m", "probcaps", *argv], env)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--data-dir", default=None, help="data root holding mnist/ (default: $PROBCAPS_DATA, else the "
+                                                    "user cache)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="probcaps", description="Probabilistic capsule networks in Pyro.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train the generative capsule model with SVI")
+    p.add_argument("--config", default=None, help="experiment TOML (default: built-in defaults)")
+    p.add_argument("--out", required=True, help="run folder for checkpoints and the log")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--seed", type=int, default=None, help="training seed (overrides train.seed)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (overrides train.steps)")
+    p.add_argument("--jit", action="store_true", help="use JitTraceEnum_ELBO")
+    p.add_argument("--validate", action="store_true", help="turn on Pyro's validation checks")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+    p.add_argument("--evaluate", action="store_true", help="evaluate the final checkpoint afterwards")
+    p.add_argument("--results-dir", default="results")
+    _common(p)
+
+    p = sub.add_parser("evaluate", help="probe accuracies, k-means accuracy and figures of a checkpoint")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--name", default=None, help="results/<name>.json (default: the run's config name)")
+    p.add_argument("--results-dir", default="results")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--no-figures", action="store_true")
+    _common(p)
+
+    p = sub.add_parser("demo", help="train a small model on real MNIST for a few minutes and report the probes")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--results-dir", default="runs/demo/results")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    _common(p)
+
+    p = sub.add_parser("download", help="download MNIST into the data root (needs a network)")
+    p.add_argument("--data-dir", default=None)
+
+    p = sub.add_parser("report", help="regenerate the README's result tables from results/*.json")
+    p.add_argument("--results-dir", default="results")
+    p.add_argument("--readme", default="README.md")
+    return parser
+
+
+def _setup_torch(args) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ProbcapsError(f"--device {args.device}: CUDA is not available on this machine")
+
+
+def _train(args) -> None:
+    from inference.capsule_svi import load_experiment_config, train_capsules
+
+    overrides = list(args.set)
+    if args.seed is not None:
+        overrides.append(f"train.seed={args.seed}")
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    if args.jit:
+        overrides.append("train.jit=true")
+    if args.validate:
+        overrides.append("train.validate=true")
+    cfg = load_experiment_config(args.config, overrides)
+    state = train_capsules(cfg, args.out, resume=args.resume, device=args.device, data_dir=args.data_dir,
+                           progress=not args.quiet)
+    print(f"trained {state.step} steps in {state.wall_time_s:.0f} s; checkpoint: {Path(args.out) / 'final.pt'}")
+    if args.evaluate:
+        _print_metrics(_evaluate_path(Path(args.out) / "final.pt", args, name=cfg["name"]))
+
+
+def _evaluate_path(checkpoint, args, name=None, overrides=()):
+    from inference.evaluate import evaluate_checkpoint
+
+    return evaluate_checkpoint(checkpoint, name=name, results_dir=args.results_dir, data_dir=args.data_dir,
+                               device=args.device, overrides=list(overrides), progress=not args.quiet,
+                               figures=not getattr(args, "no_figures", False))
+
+
+def _print_metrics(metrics: dict) -> None:
+    for key, value in metrics.items():
+        print(f"  {key:32s} {value:.4f}" if isinstance(value, float) else f"  {key:32s} {value}")
+
+
+def _demo(args) -> None:
+    from inference.capsule_svi import load_experiment_config, train_capsules
+
+    config = Path(__file__).resolve().parent.parent / "experiments" / "configs" / "demo.toml"
+    overrides = list(args.set) + ([f"train.steps={args.steps}"] if args.steps else [])
+    cfg = load_experiment_config(config if config.is_file() else None, overrides)
+    state = train_capsules(cfg, args.out, device=args.device, data_dir=args.data_dir, progress=not args.quiet)
+    print(f"trained {state.step} steps in {state.wall_time_s:.0f} s on {args.device}")
+    metrics = _evaluate_path(Path(args.out) / "final.pt", args, name="demo")
+    print("linear probe on MNIST test (fit on train features):")
+    _print_metrics(metrics)
+    print(f"metrics and figures written under {args.results_dir}/ (demo.json, demo_templates.png, "
+          f"demo_reconstructions.png)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.command in ("train", "demo", "evaluate"):
+        _reexec_with_allocator_settings(argv)
+    try:
+        if args.command == "download":
+            from probcaps.data import download_mnist, resolve_data_root
+
+            download_mnist(resolve_data_root(args.data_dir))
+        elif args.command == "report":
+            from probcaps.report import update_readme
+
+            update_readme(args.results_dir, args.readme)
+        else:
+            _setup_torch(args)
+            if args.command == "train":
+                _train(args)
+            elif args.command == "evaluate":
+                metrics = _evaluate_path(args.checkpoint, args, name=args.name, overrides=args.set)
+                _print_metrics(metrics)
+            elif args.command == "demo":
+                _demo(args)
+    except ProbcapsError as e:
+        print(f"probcaps {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""MNIST: where the files live, loading them (checked), and downloading them.
+
+The four official gzip IDX files live in ``<data root>/mnist/``.  The data root is, in order: the
+``data_dir`` argument (the CLI's ``--data-dir``), the environment variable ``PROBCAPS_DATA``, or
+``$XDG_CACHE_HOME/probcaps`` (default ``~/.cache/probcaps``).  Data is never stored in the repository.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+from ..io import atomic_write
+from .idx import read_idx
+
+__all__ = [
+    "MNIST_FILES",
+    "MNIST_SPLITS",
+    "MNIST_MIRRORS",
+    "DATA_ENV_VAR",
+    "resolve_data_root",
+    "mnist_dir",
+    "md5_file",
+    "load_mnist",
+    "download_mnist",
+    "clear_mnist_cache",
+]
+
+DATA_ENV_VAR = "PROBCAPS_DATA"
+
+# The official files: name -> (size in bytes, md5).  Sizes and md5s from the published MNIST files.
+MNIST_FILES: dict[str, tuple[int, str]] = {
+    "train-images-idx3-ubyte.gz": (9912422, "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
+    "train-labels-idx1-ubyte.gz": (28881, "d53e105ee54ea40749a09fcbcd1e9432"),
+    "t10k-images-idx3-ubyte.gz": (1648877, "9fb629c4189551a2d022fa330f9573f3"),
+    "t10k-labels-idx1-ubyte.gz": (4542, "ec29112dd5afa0611ce80d1b7f02629c"),
+}
+
+# split -> (images file, labels file, number of examples)
+MNIST_SPLITS: dict[str, tuple[str, str, int]] = {
+    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", 60000),
+    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", 10000),
+}
+
+MNIST_MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "http://yann.lecun.com/exdb/mnist/",
+)
+
+_HOW_TO_FIX = (f"pass --data-dir DIR (the folder holding mnist/), set {DATA_ENV_VAR}=DIR, "
+               f"or run `probcaps download` to fetch the files")
+
+# In-process caches, keyed by (resolved path, size, mtime_ns) so a rewritten file is re-read.
+_ARRAY_CACHE: dict[tuple, np.ndarray] = {}
+_MD5_CACHE: dict[tuple, str] = {}
+
+
+def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
+    """The data root: ``data_dir`` if given, else ``$PROBCAPS_DATA``, else ``$XDG_CACHE_HOME/probcaps``
+    (``~/.cache/probcaps`` when ``XDG_CACHE_HOME`` is unset or empty)."""
+    if data_dir is not None and str(data_dir) != "":
+        return Path(data_dir).expanduser()
+    env = os.environ.get(DATA_ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME")
+    base = Path(cache).expanduser() if cache else Path.home() / ".cache"
+    return base / "probcaps"
+
+
+def mnist_dir(root: str | os.PathLike) -> Path:
+    """``root/"mnist"``: the folder holding the four IDX files."""
+    return Path(root) / "mnist"
+
+
+def _file_key(path: Path) -> tuple:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def md5_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
+    """Hex md5 of a file, read in chunks."""
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(chunk_size), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_md5(path: Path, key: tuple) -> None:
+    if key not in _MD5_CACHE:
+        _MD5_CACHE[key] = md5_file(path)
+    expected = MNIST_FILES[path.name][1]
+    found = _MD5_CACHE[key]
+    if found != expected:
+        raise DataError(f"{path}: md5 mismatch: expected {expected}, found {found} (corrupt or not the official "
+                        f"file; delete it and run `probcaps download`, or load with verify=False for test files)")
+
+
+def _load_file(path: Path, ndim: int, verify: bool) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"{path}: MNIST file not found; {_HOW_TO_FIX}")
+    key = _file_key(path)
+    if verify:
+        _check_md5(path, key)
+    if key not in _ARRAY_CACHE:
+        _ARRAY_CACHE[key] = read_idx(path, ndim=ndim)
+    return _ARRAY_CACHE[key]
+
+
+def clear_mnist_cache() -> None:
+    """Forget the decoded arrays and md5s cached by :func:`load_mnist`."""
+    _ARRAY_CACHE.clear()
+    _MD5_CACHE.clear()
+
+
+def load_mnist(split: str, data_dir: str | os.PathLike | None = None,
+               verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Load an MNIST split.
+
+    Args:
+        split: ``"train"`` (60000 examples) or ``"test"`` (10000).
+        data_dir: the data root (see :func:`resolve_data_root`); the files are read from ``data_dir/mnist``.
+        verify: check each file's md5 against :data:`MNIST_FILES`.  Files written by
+            :func:`probcaps.data.write_fake_mnist` need ``verify=False``.
+    Returns:
+        ``images`` uint8 ``(N, 28, 28)`` and ``labels`` int64 ``(N,)`` (fresh tensors: safe to modify).
+    Raises:
+        DataError: missing folder or file, md5 mismatch, malformed IDX file, or label/image count mismatch.
+    """
+    if split not in MNIST_SPLITS:
+        raise ValueError(f"load_mnist: split must be one of {sorted(MNIST_SPLITS)}, got {split!r}")
+    folder = mnist_dir(resolve_data_root(data_dir))
+    if not folder.is_dir():
+        raise DataError(f"{folder}: MNIST folder not found; {_HOW_TO_FIX}")
+    images_name, labels_name, _ = MNIST_SPLITS[split]
+    images = _load_file(folder / images_name, ndim=3, verify=verify)
+    labels = _load_file(folder / labels_name, ndim=1, verify=verify)
+    if images.shape[1:] != (28, 28):
+        raise DataError(f"{folder / images_name}: expected 28x28 images, found {images.shape[1]}x{images.shape[2]}")
+    if labels.shape[0] != images.shape[0]:
+        raise DataError(f"{folder / labels_name}: {labels.shape[0]} labels but {folder / images_name} has "
+                        f"{images.shape[0]} images")
+    if labels.size and labels.max() > 9:
+        raise DataError(f"{folder / labels_name}: label {int(labels.max())} out of range 0..9")
+    # copies, so callers can modify what they get without corrupting the cache
+    return torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
+
+
+def _fetch(url: str, timeout: float) -> bytes:
+    req = urllib.request.Request(url, headers={"User-Agent": "probcaps"})
+    with urllib.request.urlopen(req, timeout=timeout) as response:
+        return response.read()
+
+
+def download_mnist(root: str | os.PathLike | None = None, mirrors=MNIST_MIRRORS, timeout: float = 60.0,
+                   force: bool = False, log=print) -> Path:
+    """Download the four MNIST files into ``root/mnist`` (root resolved as in :func:`resolve_data_root`).
+
+    Each file is tried on every mirror in turn, checked against the expected size and md5, and only then
+    written (atomically, so an interrupted download never leaves a partial file).  Files already present with
+    the right md5 are kept unless ``force``.  Returns the mnist folder.  Raises DataError if a file cannot be
+    fetched intact from any mirror.
+    """
+    folder = mnist_dir(resolve_data_root(root))
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, (size, md5) in MNIST_FILES.items():
+        target = folder / name
+        if not force and target.is_file() and md5_file(target) == md5:
+            log(f"{target}: present, md5 ok")
+            continue
+        failures = []
+        for mirror in mirrors:
+            url = mirror + name
+            try:
+                payload = _fetch(url, timeout)
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                failures.append(f"{url}: {e}")
+                continue
+            found_md5 = hashlib.md5(payload).hexdigest()
+            if len(payload) != size or found_md5 != md5:
+                failures.append(f"{url}: got {len(payload)} bytes with md5 {found_md5}, expected {size} bytes "
+                                f"with md5 {md5}")
+                continue
+            atomic_write(target, lambda f: f.write(payload))
+            log(f"{target}: downloaded from {url}")
+            break
+        else:
+            raise DataError(f"{target}: could not download from any mirror ({'; '.join(failures)})")
+    return folder

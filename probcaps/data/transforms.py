@@ -1,0 +1,101 @@
+"""Image transforms for digits, vectorised over the batch (no Python loops over images or pixels).
+
+Conventions: images are ``(N, H, W)`` (or ``(N, C, H, W)`` where noted), row 0 at the top, so the image
+``y`` axis points *down*.  Offsets are ``(dx, dy)`` in pixels: ``dx > 0`` moves right, ``dy > 0`` moves down.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..geometry import degrees, rotation_matrix
+from ..render import warp
+
+__all__ = ["random_offsets", "place_on_canvas", "rotate", "to_float"]
+
+
+def random_offsets(n: int, max_shift: int = 6, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``(n, 2)`` int64 offsets ``(dx, dy)``, each uniform over the integers ``[-max_shift, max_shift]``."""
+    if max_shift < 0:
+        raise ValueError(f"random_offsets: max_shift must be >= 0, got {max_shift}")
+    return torch.randint(-max_shift, max_shift + 1, (n, 2), generator=generator, dtype=torch.int64)
+
+
+def place_on_canvas(digits: torch.Tensor, offsets: torch.Tensor, canvas: int = 40) -> torch.Tensor:
+    """Paste each digit onto an empty ``canvas x canvas`` image, centred, then shifted by its offset.
+
+    The SCAE placement: no interpolation, pixels are copied with one advanced-indexing assignment.
+
+    Args:
+        digits: ``(N, h, w)``, any dtype (uint8 or float).
+        offsets: ``(N, 2)`` integer ``(dx, dy)``; digit pixel ``(r, c)`` lands at canvas
+            ``(top + dy + r, left + dx + c)`` with ``top = (canvas - h) // 2``, ``left = (canvas - w) // 2``.
+        canvas: output side length.
+    Returns:
+        ``(N, canvas, canvas)``, same dtype and device as ``digits``; zeros outside the digit.
+    Raises:
+        ValueError: if a shifted digit would leave the canvas.
+    """
+    if digits.dim() != 3:
+        raise ValueError(f"place_on_canvas: digits must be (N, h, w), got shape {tuple(digits.shape)}")
+    n, h, w = digits.shape
+    offsets = torch.as_tensor(offsets, device=digits.device)
+    if offsets.shape != (n, 2) or offsets.is_floating_point():
+        raise ValueError(f"place_on_canvas: offsets must be integer (N, 2) = ({n}, 2), got "
+                         f"{offsets.dtype} {tuple(offsets.shape)}")
+    offsets = offsets.long()
+    top, left = (canvas - h) // 2, (canvas - w) // 2
+    row0 = top + offsets[:, 1]  # (N,) first canvas row of each digit
+    col0 = left + offsets[:, 0]
+    outside = (row0 < 0) | (row0 + h > canvas) | (col0 < 0) | (col0 + w > canvas)
+    if bool(outside.any()):
+        i = int(outside.nonzero()[0, 0])
+        raise ValueError(f"place_on_canvas: offset (dx, dy) = {tuple(offsets[i].tolist())} of digit {i} moves a "
+                         f"{h}x{w} digit off the {canvas}x{canvas} canvas (allowed dx in [{-left}, "
+                         f"{canvas - w - left}], dy in [{-top}, {canvas - h - top}])")
+    out = digits.new_zeros((n, canvas, canvas))
+    rows = row0[:, None] + torch.arange(h, device=digits.device)  # (N, h)
+    cols = col0[:, None] + torch.arange(w, device=digits.device)  # (N, w)
+    batch = torch.arange(n, device=digits.device)
+    out[batch[:, None, None], rows[:, :, None], cols[:, None, :]] = digits
+    return out
+
+
+def rotate(images: torch.Tensor, angles_deg, canvas: int | None = None) -> torch.Tensor:
+    """Rotate square float images about their centre; positive angles turn **counter-clockwise on screen**.
+
+    "On screen" means as displayed with row 0 at the top (``plt.imshow``): at +90 degrees a pixel right of the
+    centre moves to above the centre.  Because the image ``y`` axis points down, this is the matrix
+    ``rotation_matrix(-angle)`` in image coordinates.  Bilinear sampling (via :func:`probcaps.render.warp`,
+    the package's one affine warp); what comes from outside the source is 0.
+
+    Args:
+        images: float ``(N, H, W)`` or ``(N, C, H, W)`` with ``H == W``.
+        angles_deg: a scalar or ``(N,)`` angles in degrees.
+        canvas: output side length (default ``H``); the image stays centred on a larger/smaller canvas.
+    Returns:
+        the rotated images, ``(N, canvas, canvas)`` or ``(N, C, canvas, canvas)`` (same rank as the input).
+    """
+    if not images.is_floating_point():
+        raise TypeError(f"rotate: images must be floating point (use to_float first), got {images.dtype}")
+    squeeze = images.dim() == 3
+    x = images.unsqueeze(1) if squeeze else images
+    if x.dim() != 4 or x.shape[-1] != x.shape[-2]:
+        raise ValueError(f"rotate: images must be square (N, H, W) or (N, C, H, W), got {tuple(images.shape)}")
+    n = x.shape[0]
+    angles = degrees(angles_deg).to(device=x.device, dtype=x.dtype)
+    if angles.dim() == 0:
+        angles = angles.expand(n)
+    if angles.shape != (n,):
+        raise ValueError(f"rotate: angles must be a scalar or ({n},), got shape {tuple(angles.shape)}")
+    # warp's normalised frame has y pointing down, so a screen-counter-clockwise turn is a negative angle there
+    P = rotation_matrix(-angles).to(dtype=x.dtype)
+    out = warp(x, P, canvas if canvas is not None else x.shape[-1])
+    return out.squeeze(1) if squeeze else out
+
+
+def to_float(images: torch.Tensor) -> torch.Tensor:
+    """uint8 images (any shape) -> float32 in ``[0, 1]``."""
+    if images.dtype != torch.uint8:
+        raise TypeError(f"to_float: expected uint8 images, got {images.dtype}")
+    return images.to(torch.float32).div_(255.0)

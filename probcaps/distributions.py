@@ -1,0 +1,26 @@
+"""Distributions shared by the Pyro models."""
+
+from __future__ import annotations
+
+import pyro.distributions as dist
+import torch
+
+__all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP"]
+
+#: Relaxed samples are kept in ``[RELAXED_CLAMP, 1 - RELAXED_CLAMP]``.  Float32 concrete samples otherwise reach
+#: exactly 0 or 1, where the density's log-Jacobian is infinite and gradients become NaN.
+RELAXED_CLAMP = 1e-4
+
+
+class ClampedRelaxedBernoulli(dist.RelaxedBernoulli):
+    """Concrete (relaxed Bernoulli) distribution whose samples and log-density arguments are clamped away from
+    0 and 1 by :data:`RELAXED_CLAMP`: the log-density at the clamp is large but finite, and so are its gradients.
+    """
+
+    eps = RELAXED_CLAMP
+
+    def rsample(self, sample_shape=torch.Size()):
+        return super().rsample(sample_shape).clamp(self.eps, 1 - self.eps)
+
+    def log_prob(self, value):
+        return super().log_prob(value.clamp(self.eps, 1 - self.eps))

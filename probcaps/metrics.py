@@ -1,0 +1,291 @@
+"""Evaluation metrics: linear probes, cluster accuracy, R^2 and reconstruction error.
+
+Every function accepts numpy arrays or torch tensors (anything ``np.asarray`` understands,
+plus tensors on any device / with gradients) and returns plain Python floats or numpy arrays.
+Bad input raises ``ValueError`` whose message names the offending argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "LinearProbe",
+    "probe_accuracy",
+    "hungarian_accuracy",
+    "kmeans_accuracy",
+    "r2_scores",
+    "r2_score",
+    "reconstruction_mse",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _to_numpy(x: Any, name: str) -> np.ndarray:
+    """Convert a torch tensor / array-like to a numpy array (detached, on CPU)."""
+    if x is None:
+        raise ValueError(f"{name} must not be None")
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor without importing torch
+        x = x.detach().cpu().numpy()
+    try:
+        arr = np.asarray(x)
+    except Exception as e:  # pragma: no cover - exotic inputs
+        raise ValueError(f"{name} could not be converted to an array: {e}") from e
+    if arr.dtype == object:
+        raise ValueError(f"{name} could not be converted to a numeric array (got dtype=object)")
+    return arr
+
+
+def _features(x: Any, name: str) -> np.ndarray:
+    arr = _to_numpy(x, name)
+    if arr.ndim == 1:
+        arr = arr[:, None]
+    elif arr.ndim > 2:
+        arr = arr.reshape(arr.shape[0], -1)
+    elif arr.ndim == 0:
+        raise ValueError(f"{name} must be a 2-D (N, D) array, got a scalar")
+    if not np.issubdtype(arr.dtype, np.number) and arr.dtype != np.bool_:
+        raise ValueError(f"{name} must be numeric, got dtype={arr.dtype}")
+    arr = arr.astype(np.float64, copy=False)
+    if arr.shape[0] == 0:
+        raise ValueError(f"{name} is empty (0 rows)")
+    if not np.all(np.isfinite(arr)):
+        n_bad = int((~np.isfinite(arr)).sum())
+        raise ValueError(f"{name} contains {n_bad} NaN/Inf value(s)")
+    return arr
+
+
+def _labels(y: Any, name: str) -> np.ndarray:
+    arr = _to_numpy(y, name)
+    if arr.ndim == 2 and arr.shape[1] == 1:
+        arr = arr[:, 0]
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array of labels, got shape {arr.shape}")
+    if arr.shape[0] == 0:
+        raise ValueError(f"{name} is empty")
+    if np.issubdtype(arr.dtype, np.floating):
+        if not np.all(np.isfinite(arr)):
+            raise ValueError(f"{name} contains NaN/Inf")
+        if not np.all(arr == np.round(arr)):
+            raise ValueError(f"{name} must contain integer class labels, got non-integer floats")
+        arr = arr.astype(np.int64)
+    return arr
+
+
+def _check_same_length(a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(
+            f"{a_name} has {a.shape[0]} rows but {b_name} has {b.shape[0]}; they must match"
+        )
+
+
+# --------------------------------------------------------------------------- linear probe
+
+
+class LinearProbe:
+    """Multinomial logistic regression on standardised features.
+
+    ``StandardScaler`` followed by ``LogisticRegression(solver="lbfgs")`` in a scikit-learn
+    ``Pipeline``. ``C`` is the inverse L2 regularisation strength.
+    """
+
+    def __init__(self, C: float = 1.0, max_iter: int = 1000, tol: float = 1e-4, seed: int = 0):
+        if not (C > 0):
+            raise ValueError(f"C must be > 0, got {C}")
+        if int(max_iter) < 1:
+            raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+        self.C = float(C)
+        self.max_iter = int(max_iter)
+        self.tol = float(tol)
+        self.seed = seed
+        self.pipeline_ = None
+
+    def _make_pipeline(self):
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.pipeline import Pipeline
+        from sklearn.preprocessing import StandardScaler
+
+        return Pipeline(
+            [
+                ("scaler", StandardScaler()),
+                (
+                    "logreg",
+                    LogisticRegression(
+                        C=self.C,
+                        solver="lbfgs",
+                        max_iter=self.max_iter,
+                        tol=self.tol,
+                        random_state=self.seed,
+                    ),
+                ),
+            ]
+        )
+
+    def fit(self, features: Any, labels: Any) -> "LinearProbe":
+        import warnings
+
+        from sklearn.exceptions import ConvergenceWarning
+
+        X = _features(features, "features")
+        y = _labels(labels, "labels")
+        _check_same_length(X, "features", y, "labels")
+        if np.unique(y).size < 2:
+            raise ValueError("labels must contain at least 2 distinct classes to fit a probe")
+        self.pipeline_ = self._make_pipeline()
+        with warnings.catch_warnings():
+            # Non-convergence at max_iter is an accepted budget choice for a probe.
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            self.pipeline_.fit(X, y)
+        return self
+
+    @property
+    def classes_(self) -> np.ndarray:
+        self._check_fitted()
+        return self.pipeline_.classes_
+
+    def _check_fitted(self) -> None:
+        if self.pipeline_ is None:
+            raise RuntimeError("LinearProbe is not fitted; call fit(features, labels) first")
+
+    def predict(self, features: Any) -> np.ndarray:
+        self._check_fitted()
+        X = _features(features, "features")
+        n_in = self.pipeline_.named_steps["scaler"].n_features_in_
+        if X.shape[1] != n_in:
+            raise ValueError(f"features has {X.shape[1]} columns but the probe was fitted on {n_in}")
+        return self.pipeline_.predict(X)
+
+    def predict_proba(self, features: Any) -> np.ndarray:
+        self._check_fitted()
+        return self.pipeline_.predict_proba(_features(features, "features"))
+
+    def accuracy(self, features: Any, labels: Any) -> float:
+        X = _features(features, "features")
+        y = _labels(labels, "labels")
+        _check_same_length(X, "features", y, "labels")
+        return float(np.mean(self.predict(X) == y))
+
+
+def probe_accuracy(
+    train_features: Any,
+    train_labels: Any,
+    test_features: Any,
+    test_labels: Any,
+    **kw: Any,
+) -> float:
+    """Fit a :class:`LinearProbe` (``**kw`` go to its constructor) on train, return test accuracy."""
+    Xtr = _features(train_features, "train_features")
+    ytr = _labels(train_labels, "train_labels")
+    _check_same_length(Xtr, "train_features", ytr, "train_labels")
+    Xte = _features(test_features, "test_features")
+    yte = _labels(test_labels, "test_labels")
+    _check_same_length(Xte, "test_features", yte, "test_labels")
+    if Xtr.shape[1] != Xte.shape[1]:
+        raise ValueError(
+            f"test_features has {Xte.shape[1]} columns but train_features has {Xtr.shape[1]}"
+        )
+    return LinearProbe(**kw).fit(Xtr, ytr).accuracy(Xte, yte)
+
+
+# --------------------------------------------------------------------------- clustering
+
+
+def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
+    """Accuracy under the best one-to-one assignment of clusters to labels.
+
+    Builds the (n_clusters, n_labels) contingency matrix and maximises the matched count
+    with ``scipy.optimize.linear_sum_assignment``. With more clusters than labels the
+    surplus clusters are unmatched (their points count as errors), and vice versa.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    c = _labels(cluster_ids, "cluster_ids")
+    y = _labels(labels, "labels")
+    _check_same_length(c, "cluster_ids", y, "labels")
+    c_vals, c_idx = np.unique(c, return_inverse=True)
+    y_vals, y_idx = np.unique(y, return_inverse=True)
+    counts = np.zeros((c_vals.size, y_vals.size), dtype=np.int64)
+    np.add.at(counts, (c_idx.ravel(), y_idx.ravel()), 1)
+    rows, cols = linear_sum_assignment(counts, maximize=True)
+    return float(counts[rows, cols].sum() / c.shape[0])
+
+
+def kmeans_accuracy(
+    features: Any,
+    labels: Any,
+    n_clusters: int = 10,
+    seed: int = 0,
+    n_init: int = 10,
+) -> float:
+    """K-means on ``features`` then :func:`hungarian_accuracy` against ``labels`` (SCAE's score)."""
+    from sklearn.cluster import KMeans
+
+    X = _features(features, "features")
+    y = _labels(labels, "labels")
+    _check_same_length(X, "features", y, "labels")
+    if int(n_clusters) < 1:
+        raise ValueError(f"n_clusters must be >= 1, got {n_clusters}")
+    if int(n_clusters) > X.shape[0]:
+        raise ValueError(f"n_clusters={n_clusters} exceeds the number of samples in features ({X.shape[0]})")
+    km = KMeans(n_clusters=int(n_clusters), random_state=seed, n_init=int(n_init))
+    ids = km.fit_predict(X)
+    return hungarian_accuracy(ids, y)
+
+
+# --------------------------------------------------------------------------- regression / reconstruction
+
+
+def _pair(pred: Any, true: Any, pred_name: str = "pred", true_name: str = "true"):
+    p = _to_numpy(pred, pred_name).astype(np.float64)
+    t = _to_numpy(true, true_name).astype(np.float64)
+    if p.shape != t.shape:
+        raise ValueError(f"{pred_name} has shape {p.shape} but {true_name} has shape {t.shape}")
+    if p.size == 0:
+        raise ValueError(f"{pred_name} is empty")
+    if not np.all(np.isfinite(p)):
+        raise ValueError(f"{pred_name} contains NaN/Inf")
+    if not np.all(np.isfinite(t)):
+        raise ValueError(f"{true_name} contains NaN/Inf")
+    return p, t
+
+
+def r2_scores(pred: Any, true: Any) -> np.ndarray:
+    """Per-column coefficient of determination ``1 - SS_res / SS_tot`` for (N, K) inputs.
+
+    A 1-D input is treated as a single column; >2-D inputs are flattened to (N, -1).
+    A column whose target is constant (SS_tot = 0) gets 1.0 if predicted exactly and 0.0
+    otherwise (scikit-learn's convention), never NaN.
+    """
+    p, t = _pair(pred, true)
+    if p.ndim == 1:
+        p, t = p[:, None], t[:, None]
+    elif p.ndim != 2:
+        p, t = p.reshape(p.shape[0], -1), t.reshape(t.shape[0], -1)
+    ss_res = ((t - p) ** 2).sum(axis=0)
+    ss_tot = ((t - t.mean(axis=0)) ** 2).sum(axis=0)
+    out = np.empty(p.shape[1], dtype=np.float64)
+    const = ss_tot == 0
+    out[~const] = 1.0 - ss_res[~const] / ss_tot[~const]
+    out[const] = np.where(ss_res[const] == 0, 1.0, 0.0)
+    return out
+
+
+def r2_score(pred: Any, true: Any) -> float:
+    """R^2 of a 1-D prediction (a single column)."""
+    p = _to_numpy(pred, "pred")
+    t = _to_numpy(true, "true")
+    if p.ndim != 1 and not (p.ndim == 2 and p.shape[1] == 1):
+        raise ValueError(f"pred must be 1-D for r2_score (use r2_scores for (N, K)), got shape {p.shape}")
+    if t.ndim != 1 and not (t.ndim == 2 and t.shape[1] == 1):
+        raise ValueError(f"true must be 1-D for r2_score (use r2_scores for (N, K)), got shape {t.shape}")
+    return float(r2_scores(p.reshape(-1), t.reshape(-1))[0])
+
+
+def reconstruction_mse(recon: Any, target: Any) -> float:
+    """Mean squared error over all elements of ``recon`` and ``target`` (same shape)."""
+    r, t = _pair(recon, target, "recon", "target")
+    return float(np.mean((r - t) ** 2))

@@ -1,0 +1,179 @@
+"""Provenance records written next to every result: what ran, from which commit, on what hardware."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["git_commit", "device_description", "provenance", "write_results"]
+
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _find_git_root(start: Path) -> Path | None:
+    for d in (start, *start.parents):
+        if (d / ".git").exists():  # a directory, or a file for worktrees/submodules
+            return d
+    return None
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args],
+            cwd=str(cwd),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip()
+
+
+def git_commit(repo_dir: str | os.PathLike | None = None) -> str | None:
+    """Short commit hash of the checkout at ``repo_dir`` (default: the one holding this package).
+
+    Returns None if it is not a git checkout, git is unavailable, or there is no commit yet.
+    Appends ``"+dirty"`` when tracked files have uncommitted changes.
+    """
+    start = Path(repo_dir).resolve() if repo_dir is not None else _PACKAGE_ROOT
+    if not start.is_dir():
+        return None
+    root = _find_git_root(start)
+    if root is None:
+        return None
+    commit = _git(["rev-parse", "--short", "HEAD"], start)
+    if not commit:
+        return None
+    status = _git(["status", "--porcelain", "--untracked-files=no"], start)
+    if status:  # non-empty -> tracked changes (None means status failed: don't claim dirty)
+        commit += "+dirty"
+    return commit
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip().lower() in ("model name", "hardware", "processor name", "cpu model"):
+                    value = value.strip()
+                    if value:
+                        return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_description(device: Any = "cpu") -> str:
+    """Human-readable description of a torch device, e.g. ``"cpu: Intel Xeon ... (2 cores, 2 torch threads)"``."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"{dev} (CUDA unavailable)"
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(idx)
+        try:
+            mem_gib = torch.cuda.get_device_properties(idx).total_memory / 2**30
+            return f"cuda:{idx}: {name} ({mem_gib:.0f} GiB)"
+        except Exception:  # pragma: no cover
+            return f"cuda:{idx}: {name}"
+    if dev.type == "cpu":
+        return (
+            f"cpu: {_cpu_model_name()} ({os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} torch threads)"
+        )
+    return str(dev)
+
+
+def _version(module_name: str) -> str | None:
+    try:
+        mod = __import__(module_name)
+    except Exception:
+        return None
+    return getattr(mod, "__version__", None)
+
+
+def provenance(
+    command: str | None = None,
+    seed: int | None = None,
+    steps: int | None = None,
+    wall_time_s: float | None = None,
+    device: Any = "cpu",
+    **extra: Any,
+) -> dict:
+    """Provenance record for a result file. ``extra`` keys are added verbatim (and may override)."""
+    record = {
+        "command": command if command is not None else " ".join(sys.argv),
+        "git_commit": git_commit(),
+        "seed": seed,
+        "steps": steps,
+        "wall_time_s": wall_time_s,
+        "device": device_description(device),
+        "torch_version": _version("torch"),
+        "pyro_version": _version("pyro"),
+        "python_version": platform.python_version(),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    record.update(extra)
+    return record
+
+
+def _jsonable(obj: Any) -> Any:
+    """Convert numpy / torch scalars and arrays, paths and tuples to plain JSON types.
+
+    Non-finite floats become None so the output is strict JSON.
+    """
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if hasattr(obj, "detach") and hasattr(obj, "cpu"):  # torch.Tensor
+        obj = obj.detach().cpu().numpy()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        np = None
+    if np is not None:
+        if isinstance(obj, np.ndarray):
+            return _jsonable(obj.tolist())
+        if isinstance(obj, np.generic):
+            return _jsonable(obj.item())
+    if hasattr(obj, "item"):
+        try:
+            return _jsonable(obj.item())
+        except Exception:
+            pass
+    return str(obj)
+
+
+def write_results(path: str | os.PathLike, metrics: dict, provenance: dict) -> Path:
+    """Atomically write ``{"metrics": ..., "provenance": ...}`` as JSON to ``path``."""
+    from .io import write_json
+
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a dict, got {type(metrics).__name__}")
+    if not isinstance(provenance, dict):
+        raise ValueError(f"provenance must be a dict, got {type(provenance).__name__}")
+    return write_json(path, {"metrics": _jsonable(metrics), "provenance": _jsonable(provenance)})

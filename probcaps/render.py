@@ -1,0 +1,117 @@
+"""Template rendering and alpha compositing: the one affine warp and the one compositing rule of the package.
+
+Coordinates follow ``grid_sample(align_corners=False)``: ``[-1, 1]`` spans an image edge to edge.  A pose
+``P`` maps a source image's *placed* coordinates to canvas coordinates: at ``P = I`` a ``t x t`` template lands
+in the centre of the canvas at its own pixel size, and ``P = translation(2k/W, 0)`` moves it ``k`` pixels right.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .geometry import invert
+
+__all__ = ["sampling_grid", "warp", "render_templates", "alpha_over", "composite_over"]
+
+_GRID_CACHE: dict = {}
+
+
+def _pixel_centres(n: int, device, dtype) -> torch.Tensor:
+    key = (n, device, dtype)
+    if key not in _GRID_CACHE:
+        _GRID_CACHE[key] = (torch.arange(n, device=device, dtype=dtype) * 2 + 1) / n - 1
+    return _GRID_CACHE[key]
+
+
+def sampling_grid(A: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
+    """Sampling grid for ``grid_sample`` from ``(N, 2, 3)`` affine maps (canvas -> source coordinates).
+
+    Built by broadcasting two 1-D coordinate vectors: much cheaper than ``F.affine_grid``'s batched matmul
+    against a full base grid.  Returns ``(N, H, W, 2)``.
+    """
+    H, W = out_size
+    xs = _pixel_centres(W, A.device, A.dtype).view(1, 1, W)
+    ys = _pixel_centres(H, A.device, A.dtype).view(1, H, 1)
+    a = A.unsqueeze(-1).unsqueeze(-1)  # (N, 2, 3, 1, 1)
+    gx = a[:, 0, 0] * xs + a[:, 0, 1] * ys + a[:, 0, 2]
+    gy = a[:, 1, 0] * xs + a[:, 1, 1] * ys + a[:, 1, 2]
+    return torch.stack([gx, gy], -1)
+
+
+def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
+    """Warp ``(N, C, h, w)`` images by poses ``(N, 3, 3)`` onto an ``out_size`` canvas: ``(N, C, H, W)``.
+
+    Bilinear sampling with zeros outside the source.  Each source is first scaled to its native pixel size
+    on the canvas (``w/W``, ``h/H``), then mapped by ``P``.
+    """
+    if isinstance(out_size, int):
+        out_size = (out_size, out_size)
+    H, W = out_size
+    if images.dim() != 4 or P.shape != (images.shape[0], 3, 3):
+        raise ValueError(f"warp: expected images (N, C, h, w) and poses (N, 3, 3); got {tuple(images.shape)} and "
+                         f"{tuple(P.shape)}")
+    h, w = images.shape[-2:]
+    # source coords v = S^-1 P^-1 u with S = diag(w/W, h/H): scale the two rows of P^-1.
+    Pinv = invert(P)[:, :2, :]
+    row_scale = Pinv.new_tensor([W / w, H / h]).view(1, 2, 1)
+    grid = sampling_grid(Pinv * row_scale, (H, W))
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def render_templates(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
+    """Render ``M`` templates at per-image poses in one call.
+
+    Args:
+        templates: ``(M, C, t, t)`` shared by the batch, or ``(B, M, C, t, t)`` per image.
+        poses: ``(B, M, 3, 3)`` template -> canvas maps.
+        out_size: canvas ``H`` (square) or ``(H, W)``.
+    Returns:
+        ``(B, M, C, H, W)``.
+    """
+    B, M = poses.shape[:2]
+    if templates.dim() == 4:
+        templates = templates.unsqueeze(0).expand(B, *templates.shape)
+    if templates.shape[:2] != (B, M):
+        raise ValueError(f"render_templates: templates {tuple(templates.shape)} do not match poses {tuple(poses.shape)}")
+    C, t1, t2 = templates.shape[2:]
+    out = warp(templates.reshape(B * M, C, t1, t2), poses.reshape(B * M, 3, 3), out_size)
+    return out.view(B, M, C, *out.shape[-2:])
+
+
+def alpha_over(a: torch.Tensor, alpha_a: torch.Tensor, b: torch.Tensor, alpha_b: torch.Tensor, eps: float = 1e-8):
+    """Porter-Duff "over": layer ``a`` (front) over ``b`` (back), straight (non-premultiplied) colours.
+
+    ``colour = (a α_a + b α_b (1 − α_a)) / (α_a + α_b (1 − α_a))``, ``alpha = α_a + α_b (1 − α_a)``.
+    Returns ``(colour, alpha)``; where both alphas are zero the colour is 0.
+    """
+    alpha = alpha_a + alpha_b * (1 - alpha_a)
+    colour = (a * alpha_a + b * alpha_b * (1 - alpha_a)) / alpha.clamp_min(eps)
+    return colour, alpha
+
+
+def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, background: float = 0.0):
+    """Fold :func:`alpha_over` over layers along ``dim`` (index 0 at the back), onto an opaque background.
+
+    Closed form of the fold: layer ``m`` contributes ``α_m ∏_{j>m} (1 − α_j)``, the background what is left.
+    Vectorised with one reversed cumulative product, no loop over layers.
+
+    Args:
+        colours: ``(..., M, C, H, W)`` layer colours (``dim`` indexes the layers).
+        alphas: alphas broadcastable to ``colours``.
+    Returns:
+        ``(image, weights)``: the composite with ``dim`` reduced, and the per-layer weights (which sum with the
+        background's share to 1).
+    """
+    dim = dim % colours.dim()
+    one_minus = 1 - alphas
+    front_first = torch.flip(one_minus, [dim])
+    trans = torch.cumprod(front_first, dim)
+    ones = torch.ones_like(trans.narrow(dim, 0, 1))
+    # transmittance through every layer in front of m (exclusive product), back in back-to-front order
+    in_front = torch.flip(torch.cat([ones, trans.narrow(dim, 0, trans.shape[dim] - 1)], dim), [dim])
+    weights = alphas * in_front
+    image = (weights * colours).sum(dim)
+    if background != 0.0:
+        image = image + background * trans.narrow(dim, trans.shape[dim] - 1, 1).squeeze(dim)
+    return image, weights

@@ -1,0 +1,214 @@
+"""Tests for probcaps.encoders: shapes, key masking, permutation symmetry, PartEncoder outputs and gradients."""
+
+import pytest
+import torch
+
+from probcaps import encoders
+from probcaps.encoders import ISAB, MAB, PMA, SAB, PartEncoder, PartOutput, SetTransformer
+
+B, N, D = 3, 7, 8
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=[False, True], ids=["explicit", "sdpa"])
+def attention_kernel(request, monkeypatch):
+    monkeypatch.setattr(encoders, "USE_SDPA", request.param)
+    return request.param
+
+
+def _mask():
+    w = torch.rand(B, N) * 0.9 + 0.1
+    w[:, -3:] = 0.0  # last three elements hard-masked
+    w[1, 0] = 0.0  # and one more in the middle of the set, in one batch row
+    return w
+
+
+def _perturb_masked(x, w):
+    x2 = x.clone()
+    x2[w == 0] = 3.0 * torch.randn_like(x2[w == 0])
+    return x2
+
+
+def _blocks():
+    # name -> (module, fn(module, x, w) -> output)
+    Q = torch.randn(B, 4, 5)
+    return {
+        "MAB": (MAB(5, D, 16, 4), lambda m, x, w: m(Q, x, w)),
+        "SAB": (SAB(D, 16, 4), lambda m, x, w: m(x, w)),
+        "ISAB": (ISAB(D, 16, 4, 5), lambda m, x, w: m(x, w)),
+        "PMA": (PMA(D, 2, 3), lambda m, x, w: m(x, w)),
+        "SetTransformer": (SetTransformer(D, 3, 10, dim_hidden=32), lambda m, x, w: m(x, w)),
+    }
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("MAB", (B, 4, 16)),
+        ("SAB", (B, N, 16)),
+        ("ISAB", (B, N, 16)),
+        ("PMA", (B, 3, D)),
+        ("SetTransformer", (B, 3, 10)),
+    ],
+)
+def test_shapes(name, shape, attention_kernel):
+    m, f = _blocks()[name]
+    x = torch.randn(B, N, D)
+    assert f(m, x, None).shape == shape
+    assert f(m, x, _mask()).shape == shape
+
+
+def test_no_ln_and_defaults():
+    st = SetTransformer(16, 5, 12, ln=False)
+    assert st(torch.randn(2, 40, 16)).shape == (2, 5, 12)
+    with pytest.raises(ValueError):
+        MAB(4, 4, 10, 4)
+
+
+@pytest.mark.parametrize("name", ["MAB", "ISAB", "PMA", "SetTransformer", "SAB"])
+def test_hard_mask_ignores_masked_values(name, attention_kernel):
+    m, f = _blocks()[name]
+    x, w = torch.randn(B, N, D), _mask()
+    x2 = _perturb_masked(x, w)
+    with torch.no_grad():
+        y, y2 = f(m, x, w), f(m, x2, w)
+        y_nomask, y2_nomask = f(m, x, None), f(m, x2, None)
+    if name in ("SAB", "ISAB"):  # equivariant: masked elements' own outputs may change; compare the others
+        keep = w > 0
+        y, y2, y_nomask, y2_nomask = y[keep], y2[keep], y_nomask[keep], y2_nomask[keep]
+    torch.testing.assert_close(y, y2, atol=1e-5, rtol=0)
+    # the test can fail: without the mask the same perturbation does change the output
+    assert (y_nomask - y2_nomask).abs().max() > 1e-2
+
+
+def test_bool_mask_matches_float_mask(attention_kernel):
+    st = SetTransformer(D, 2, 4, dim_hidden=16)
+    x, w = torch.randn(B, N, D), _mask()
+    torch.testing.assert_close(st(x, w > 0), st(x, (w > 0).float()))
+
+
+def test_soft_weights_count_as_copies(attention_kernel):
+    # weight w on a key is the same as w copies of it: {a:0.5, a:0.5, b:1} == {a:1, b:1}
+    m = MAB(5, D, 16, 4)
+    Q, a, b = torch.randn(B, 4, 5), torch.randn(B, 1, D), torch.randn(B, 1, D)
+    y1 = m(Q, torch.cat([a, b], 1), torch.ones(B, 2))
+    y2 = m(Q, torch.cat([a, a, b], 1), torch.tensor([0.5, 0.5, 1.0]).expand(B, 3))
+    torch.testing.assert_close(y1, y2, atol=1e-5, rtol=1e-5)
+    y3 = m(Q, torch.cat([a, b], 1), torch.tensor([0.2, 1.0]).expand(B, 2))
+    assert (y1 - y3).abs().max() > 1e-3
+
+
+def test_all_keys_masked_is_finite(attention_kernel):
+    st = SetTransformer(D, 2, 4, dim_hidden=16)
+    y = st(torch.randn(B, N, D), torch.zeros(B, N))
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_permutation_symmetry(use_mask, attention_kernel):
+    blocks = _blocks()
+    x = torch.randn(B, N, D)
+    w = _mask() if use_mask else None
+    perm = torch.randperm(N)
+    while (perm == torch.arange(N)).all():
+        perm = torch.randperm(N)
+    xp, wp = x[:, perm], (w[:, perm] if use_mask else None)
+    with torch.no_grad():
+        for name in ("SetTransformer", "PMA", "MAB"):  # invariant in the key set
+            m, f = blocks[name]
+            torch.testing.assert_close(f(m, xp, wp), f(m, x, w), atol=1e-5, rtol=1e-5)
+        for name in ("SAB", "ISAB"):  # equivariant
+            m, f = blocks[name]
+            torch.testing.assert_close(f(m, xp, wp), f(m, x, w)[:, perm], atol=1e-5, rtol=1e-5)
+        # and the test can fail: permuting x but not the weights changes the output
+        if use_mask:
+            m, f = blocks["SetTransformer"]
+            assert (f(m, xp, w) - f(m, x, w)).abs().max() > 1e-3
+
+
+def test_set_transformer_grads():
+    st = SetTransformer(D, 3, 10, dim_hidden=32)
+    x = torch.randn(B, N, D, requires_grad=True)
+    st(x, _mask()).square().sum().backward()
+    for name, p in st.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert x.grad[_mask() > 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("hw", [(40, 40), (28, 28), (33, 21)])
+def test_part_encoder_shapes_finite_and_grads(hw):
+    M, F_ = 10, 5
+    enc = PartEncoder(M, channels=(16, 16, 16, 16), feature_dim=F_)
+    x = torch.rand(2, 1, *hw)
+    out = enc(x)
+    assert isinstance(out, PartOutput)
+    assert out.presence_logit.shape == (2, M)
+    assert out.pose.shape == out.pose_raw.shape == (2, M, 6)
+    assert out.features.shape == (2, M, F_)
+    for t in out:
+        assert torch.isfinite(t).all()
+    (out.presence_logit.sum() + out.pose.square().sum() + out.features.square().sum()).backward()
+    convs = [m for m in enc.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 5
+    for c in convs:
+        assert c.weight.grad is not None and torch.isfinite(c.weight.grad).all()
+        assert c.weight.grad.abs().sum() > 0
+    # the attention logits (last of each part's head channels) are trained too
+    att_grad = enc.head.weight.grad.view(M, 6 + 1 + F_ + 1, -1)[:, -1]
+    assert (att_grad.abs().sum(-1) > 0).all()
+
+
+def test_part_encoder_initialisation():
+    enc = PartEncoder(40, channels=(32, 32, 32, 32))
+    out = enc(torch.rand(8, 1, 40, 40))
+    assert out.presence_logit.abs().max() < 0.5  # presence probabilities start near 1/2
+    t = out.pose[..., [2, 5]]  # translations, (B, M, 2)
+    assert t.std(dim=1).min() > 0.15  # parts start spread over the canvas...
+    assert t.abs().max() < 0.75  # ...within its central part
+    # distinct starting positions for (nearly) all parts
+    d = torch.cdist(t[0], t[0]) + torch.eye(40) * 10
+    assert d.min() > 0.05
+    # and the pose still depends on the image
+    out2 = enc(torch.rand(8, 1, 40, 40))
+    assert (out.pose_raw - out2.pose_raw).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kw", [dict(max_translation=0.4), dict(min_scale=0.5, max_scale=1.2, max_translation=0.7)])
+def test_part_encoder_pose_ranges(kw):
+    enc = PartEncoder(12, channels=(8, 8), strides=(2, 1), feature_dim=3, pose_kwargs=kw)
+    with torch.no_grad():  # blow up the head so the squashing saturates and the range limits are exercised
+        enc.head.weight.mul_(300.0)
+        enc.head.bias.mul_(30.0)
+    out = enc(torch.rand(16, 1, 28, 28) * 4 - 2)
+    max_t = kw["max_translation"]
+    t = out.pose[..., [2, 5]]
+    assert t.abs().max() <= max_t + 1e-6
+    assert t.abs().max() > 0.9 * max_t  # the bound is reached, so the check above is not vacuous
+    # scales: the columns of the linear part A = R Sh S have norms sx (first column) ...
+    A = out.pose[..., [0, 1, 3, 4]].reshape(16, 12, 2, 2) + torch.eye(2)
+    sx = A[..., :, 0].norm(dim=-1)
+    lo, hi = kw.get("min_scale", 0.3), kw.get("max_scale", 2.0)
+    assert sx.min() >= lo - 1e-5 and sx.max() <= hi + 1e-5
+    torch.testing.assert_close(out.pose, encoders.constrained_pose(out.pose_raw, **kw))
+
+
+def test_part_encoder_bad_config():
+    with pytest.raises(ValueError):
+        PartEncoder(4, channels=(8, 8), strides=(2,))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_cuda_matches_cpu():
+    st, enc = SetTransformer(D, 3, 10, dim_hidden=32), PartEncoder(6, channels=(8, 8, 8, 8))
+    x, w, img = torch.randn(B, N, D), _mask(), torch.rand(2, 1, 28, 28)
+    y = st(x, w)
+    p = enc(img)
+    y_cuda = st.cuda()(x.cuda(), w.cuda()).cpu()
+    p_cuda = enc.cuda()(img.cuda())
+    torch.testing.assert_close(y_cuda, y, atol=1e-4, rtol=1e-4)
+    for a, b in zip(p_cuda, p):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)

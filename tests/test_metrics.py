@@ -1,0 +1,184 @@
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from probcaps.metrics import (
+    LinearProbe,
+    hungarian_accuracy,
+    kmeans_accuracy,
+    probe_accuracy,
+    r2_score,
+    r2_scores,
+    reconstruction_mse,
+)
+from probcaps.provenance import device_description, git_commit, provenance, write_results
+
+
+# --------------------------------------------------------------------------- linear probe
+
+
+def _separable(n, seed, W):
+    X = np.random.default_rng(seed).normal(size=(n, 5))
+    return X, np.argmax(X @ W, axis=1)  # linear decision regions -> linearly separable
+
+
+def test_probe_separable_three_class_torch_inputs():
+    W = np.random.default_rng(0).normal(size=(5, 3))
+    Xtr, ytr = _separable(600, 1, W)
+    Xte, yte = _separable(300, 2, W)
+    probe = LinearProbe(C=100.0, max_iter=2000).fit(torch.as_tensor(Xtr, dtype=torch.float32), torch.as_tensor(ytr))
+    assert set(probe.classes_.tolist()) == {0, 1, 2}
+    acc = probe.accuracy(torch.as_tensor(Xte), torch.as_tensor(yte))
+    assert isinstance(acc, float)
+    assert acc > 0.95
+    assert probe.predict(Xte).shape == (300,)
+    assert probe_accuracy(Xtr, ytr, Xte, yte, C=100.0) > 0.95
+
+
+def test_probe_shuffled_labels_is_chance():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(900, 20))
+    y = rng.permutation(np.repeat(np.arange(3), 300))  # shuffled labels carry no signal
+    acc = probe_accuracy(X[:600], y[:600], X[600:], y[600:])
+    assert 0.2 < acc < 0.47
+
+
+def test_probe_rejects_bad_inputs():
+    X = np.zeros((10, 3))
+    y = np.arange(10) % 2
+    with pytest.raises(ValueError, match="labels"):
+        LinearProbe().fit(X, y[:9])
+    Xbad = X.copy()
+    Xbad[2, 1] = np.nan
+    with pytest.raises(ValueError, match="features.*NaN"):
+        LinearProbe().fit(Xbad, y)
+    Xbad[2, 1] = np.inf
+    with pytest.raises(ValueError, match="features"):
+        LinearProbe().fit(Xbad, y)
+    with pytest.raises(ValueError, match="test_features"):
+        probe_accuracy(X, y, np.full((4, 3), np.nan), y[:4])
+    with pytest.raises(ValueError, match="test_labels"):
+        probe_accuracy(X, y, X, y[:4])
+    with pytest.raises(RuntimeError, match="not fitted"):
+        LinearProbe().predict(X)
+
+
+# --------------------------------------------------------------------------- clustering
+
+
+def test_hungarian_permuted_labelling_is_perfect():
+    labels = np.repeat(np.arange(4), 5)
+    perm = np.array([2, 0, 3, 1])
+    assert hungarian_accuracy(perm[labels], labels) == 1.0
+    assert hungarian_accuracy(torch.as_tensor(perm[labels] + 10), torch.as_tensor(labels)) == 1.0
+
+
+def test_hungarian_hand_values():
+    clusters = [0, 0, 0, 0, 1, 1, 1, 1]
+    labels = [0, 0, 0, 1, 1, 1, 1, 0]
+    assert hungarian_accuracy(clusters, labels) == pytest.approx(0.75)
+    # More clusters than labels: one-to-one, so the third cluster gets no label
+    # (majority-vote mapping would give 1.0 here).
+    assert hungarian_accuracy([0, 0, 1, 1, 2, 2], [5, 5, 7, 7, 5, 5]) == pytest.approx(4 / 6)
+    # Fewer clusters than labels.
+    assert hungarian_accuracy([0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 2]) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="labels"):
+        hungarian_accuracy([0, 1], [0, 1, 2])
+
+
+def test_kmeans_accuracy_on_separated_blobs():
+    rng = np.random.default_rng(0)
+    centres = rng.normal(scale=20.0, size=(4, 6))
+    labels = np.repeat(np.arange(4), 50)
+    X = centres[labels] + rng.normal(size=(200, 6))
+    assert kmeans_accuracy(X, labels, n_clusters=4, seed=0, n_init=4) > 0.99
+    with pytest.raises(ValueError, match="features"):
+        kmeans_accuracy(X[:10], labels)
+
+
+# --------------------------------------------------------------------------- regression / reconstruction
+
+
+def test_r2_values():
+    true = np.array([1.0, 2.0, 3.0, 4.0])
+    assert r2_score(true, true) == 1.0
+    assert r2_score(np.full(4, true.mean()), true) == pytest.approx(0.0)
+    assert r2_score(np.array([1.0, 2.0, 3.0, 5.0]), true) == pytest.approx(0.8)  # 1 - 1/5
+    pred2 = np.stack([true, np.full(4, 2.5)], 1)
+    true2 = np.stack([true, true], 1)
+    np.testing.assert_allclose(r2_scores(pred2, true2), [1.0, 0.0])
+    np.testing.assert_allclose(r2_scores(torch.as_tensor(pred2), torch.as_tensor(true2)), [1.0, 0.0])
+    # constant target: defined, no NaN
+    np.testing.assert_allclose(r2_scores(np.ones((3, 1)), np.ones((3, 1))), [1.0])
+    with pytest.raises(ValueError, match="pred"):
+        r2_scores(np.zeros((4, 2)), np.zeros((4, 3)))
+    with pytest.raises(ValueError, match="true"):
+        r2_score(np.zeros(3), np.array([0.0, np.nan, 1.0]))
+
+
+def test_reconstruction_mse():
+    a = torch.zeros(2, 3, 3)
+    b = torch.ones(2, 3, 3) * 0.5
+    assert reconstruction_mse(a, b) == pytest.approx(0.25)
+    assert reconstruction_mse(b, b) == 0.0
+    with pytest.raises(ValueError, match="target"):
+        reconstruction_mse(a, b[:1])
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+def test_provenance_keys_and_write_results_round_trip(tmp_path):
+    prov = provenance(command="probcaps train x", seed=3, steps=100, wall_time_s=1.5, device="cpu", note="hi")
+    for key in (
+        "command", "git_commit", "seed", "steps", "wall_time_s", "device",
+        "torch_version", "pyro_version", "python_version", "timestamp",
+    ):
+        assert key in prov
+    assert prov["command"] == "probcaps train x" and prov["seed"] == 3 and prov["note"] == "hi"
+    assert prov["torch_version"] == torch.__version__
+    assert prov["timestamp"].endswith("+00:00")
+    assert "cpu" in prov["device"] and str(os.cpu_count()) in prov["device"]
+    assert provenance()["command"]  # defaults to sys.argv
+
+    metrics = {"acc": np.float32(0.5), "n": np.int64(7), "curve": np.arange(3), "t": torch.tensor(2.0)}
+    path = write_results(tmp_path / "sub" / "results.json", metrics, prov)
+    data = json.loads(path.read_text())
+    assert data["metrics"] == {"acc": 0.5, "n": 7, "curve": [0, 1, 2], "t": 2.0}
+    assert data["provenance"]["seed"] == 3 and data["provenance"]["command"] == "probcaps train x"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["results.json"]  # no temp files left
+
+
+def test_git_commit_outside_and_inside_a_checkout(tmp_path):
+    assert git_commit(tmp_path) is None
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True)
+
+    git("init", "-q")
+    assert git_commit(repo) is None  # no commits yet
+    (repo / "f.txt").write_text("a")
+    git("add", "f.txt")
+    git("commit", "-q", "-m", "init")
+    clean = git_commit(repo)
+    assert clean and "+dirty" not in clean
+    (repo / "untracked.txt").write_text("u")
+    assert git_commit(repo) == clean  # untracked files do not count
+    (repo / "f.txt").write_text("b")
+    assert git_commit(repo) == clean + "+dirty"
+
+
+def test_device_description_cpu():
+    d = device_description("cpu")
+    assert d.startswith("cpu") and "cores" in d
+    assert device_description(torch.device("cpu")) == d
