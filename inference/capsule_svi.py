@@ -15,6 +15,7 @@ import torch.nn as nn
 from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents
 from inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
 from models.capsule_model import CapsuleModel, CapsuleModelConfig
+from probcaps.distributions import ClampedRelaxedBernoulli
 from probcaps.config import DataConfig, EvalConfig, load_sections
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
 from probcaps.data.loaders import seeded_generator
@@ -73,6 +74,22 @@ class CapsuleSystem(nn.Module):
     def loss(self, elbo, x: torch.Tensor) -> torch.Tensor:
         """Negative ELBO per image (``s`` enumerated out)."""
         return elbo.differentiable_loss(self.model, self.guide, x) / x.shape[0]
+
+    def reference_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).
+
+        Draws the guide's latents in the same order as :class:`DeltaGuide`, so under the same RNG state it returns
+        the same value as :meth:`loss`.  The reference for the tests and the Pyro-overhead benchmark.
+        """
+        tau = x.new_tensor(self.model.config.temperature)
+        part_logits, y0 = self.encoder.encode_parts(x)
+        q_z0 = ClampedRelaxedBernoulli(tau, logits=part_logits)
+        z0 = q_z0.rsample()
+        parent_logits, y1 = self.encoder.encode_parents(y0, z0)
+        q_z1 = ClampedRelaxedBernoulli(tau, logits=parent_logits)
+        z1 = q_z1.rsample()
+        elbo = self.model.log_joint(x, z1, y1, z0, y0) - q_z0.log_prob(z0).sum(-1) - q_z1.log_prob(z1).sum(-1)
+        return -elbo.mean()
 
 
 def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, device: str = "cpu", data_dir=None,

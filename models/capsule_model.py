@@ -65,6 +65,24 @@ def _orthogonal_logits(n: int, size: int, gen: torch.Generator, gain: float) -> 
     return (q.T[:n] * gain * size).reshape(n, 1, size, size)
 
 
+def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> torch.Tensor:
+    """``table[..., m, s_m, *event]`` for a per-candidate table ``(..., M, K+1, *event)``.
+
+    A sampled ``s`` ``(B, M)`` is gathered with ``Vindex``.  Under parallel enumeration ``s`` is ``arange(K+1)``
+    laid along a new left dimension, and the selection is the table itself with its candidate dimension moved
+    there: a view instead of a gather (whose backward would be a scatter), the same values.
+    """
+    cand = table.dim() - 1 - event_dims
+    if s.dim() > 1 and s.numel() == table.shape[cand] == s.shape[0] and all(d == 1 for d in s.shape[1:]):
+        if torch.equal(s.reshape(-1), torch.arange(s.shape[0], device=s.device)):
+            moved = table.movedim(cand, 0)
+            n_batch = cand  # batch dims of the table, M included
+            pad = s.dim() - 1 - n_batch
+            return moved.reshape(moved.shape[:1] + (1,) * pad + moved.shape[1:])
+    index = (Ellipsis, s) + (slice(None),) * event_dims
+    return Vindex(table)[index]
+
+
 class CapsuleModel(PyroModule):
     """Pyro generative model of SPEC §1.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``."""
 
@@ -152,11 +170,9 @@ class CapsuleModel(PyroModule):
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         with data, pyro.plate("children", M, dim=-1):
             s = pyro.sample("s", dist.Categorical(logits=selection_logits), infer={"enumerate": "parallel"})
-            # tables are (..., M, K+1[, 6]): Vindex broadcasts their leading dims against s, whose shape is
-            # (B, M) when sampled and (K+1, 1, 1) when enumerated
-            z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, probs=Vindex(gamma)[..., s]))
-            std = self.child_pose_std(z0, Vindex(pose_var_on)[..., s, :])
-            y0 = pyro.sample("y0", dist.Normal(Vindex(pose_mean)[..., s, :], std).to_event(1))
+            z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, probs=select_parent(gamma, s)))
+            std = self.child_pose_std(z0, select_parent(pose_var_on, s, event_dims=1))
+            y0 = pyro.sample("y0", dist.Normal(select_parent(pose_mean, s, event_dims=1), std).to_event(1))
         image, _ = self.render(z0, y0)
         with data:
             pyro.sample("x", dist.Normal(image.flatten(1).unsqueeze(1), cfg.pixel_std).to_event(1),
@@ -173,7 +189,7 @@ class CapsuleModel(PyroModule):
         x = self._check_images(x)
         tau = x.new_tensor(cfg.temperature)
         lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs()).log_prob(z1).sum(-1)
-        lp = lp + dist.Normal(0.0, cfg.parent_pose_std).log_prob(y1).sum((-1, -2))
+        lp = lp + dist.Normal(y1.new_zeros(()), cfg.parent_pose_std).log_prob(y1).sum((-1, -2))
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         log_sel = selection_logits.log_softmax(-1)                                 # (B, M, K+1)
         lp_z = ClampedRelaxedBernoulli(tau, probs=gamma).log_prob(z0.unsqueeze(-1))

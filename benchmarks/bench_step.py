@@ -1,0 +1,103 @@
+"""Time one training step of the Pyro model against the same ELBO written directly in torch.
+
+Both steps use the same parameters and the same latents (same RNG state), and the script checks that the two
+losses agree before timing.  The two variants are timed interleaved in one run, so the printed ratio does not
+depend on how busy the machine is.  Also reports images/s of the full training step and peak memory.
+
+    python benchmarks/bench_step.py                       # SCAE's MNIST sizes: 40 parts, 32 objects, batch 128
+    python benchmarks/bench_step.py --parts 24 --parents 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pyro  # noqa: E402
+import torch  # noqa: E402
+
+from inference.capsule_svi import CapsuleSystem, load_experiment_config  # noqa: E402
+from inference.train import make_elbo  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="experiment TOML for the model/encoder sizes")
+    p.add_argument("--parts", type=int, default=40)
+    p.add_argument("--parents", type=int, default=32)
+    p.add_argument("--template-size", type=int, default=11)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--jit", action="store_true")
+    p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        print("note: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ unset; `make bench` sets them (25-40% faster)")
+    pyro.settings.set(module_local_params=True)
+    pyro.enable_validation(False)
+    cfg = load_experiment_config(args.config, [f"model.num_parts={args.parts}", f"model.num_parents={args.parents}",
+                                               f"model.template_size={args.template_size}"])
+    system = CapsuleSystem(cfg["model"], cfg["encoder"]).to(args.device)
+    opt = torch.optim.Adam(system.parameters(), lr=1e-4)
+    elbo = make_elbo(args.jit)
+    x = torch.rand(args.batch, 1, cfg["model"].canvas_size, cfg["model"].canvas_size, device=args.device)
+
+    torch.manual_seed(1)
+    pyro_loss = system.loss(elbo, x).item()
+    torch.manual_seed(1)
+    torch_loss = system.reference_loss(x).item()
+    agree = abs(pyro_loss - torch_loss) <= 1e-4 * abs(torch_loss)
+    print(f"loss per image: pyro {pyro_loss:.4f}  torch {torch_loss:.4f}  ({'agree' if agree else 'DISAGREE'})")
+
+    def step(loss_fn):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(x).backward()
+        opt.step()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    variants = {"pyro": lambda x: system.loss(elbo, x), "torch": system.reference_loss}
+    for fn in variants.values():  # warm-up
+        step(fn)
+        step(fn)
+    times = {k: [] for k in variants}
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            step(fn)
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.device.startswith("cuda"):
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    result = {
+        "batch": args.batch, "parts": args.parts, "parents": args.parents, "threads": torch.get_num_threads(),
+        "pyro_step_ms": 1000 * med["pyro"], "torch_step_ms": 1000 * med["torch"],
+        "ratio_pyro_over_torch": med["pyro"] / med["torch"], "pyro_images_per_s": args.batch / med["pyro"],
+        "peak_memory_mb": peak_mb, "losses_agree": agree, "device": args.device,
+    }
+    print(f"batch {args.batch}, {args.parts} parts, {args.parents} objects, {torch.get_num_threads()} threads, "
+          f"{args.device}")
+    print(f"  full training step (encoder + model + guide + optimiser), median of {args.repeats}:")
+    print(f"    pyro TraceEnum_ELBO  {result['pyro_step_ms']:.1f} ms  ({result['pyro_images_per_s']:.0f} images/s)")
+    print(f"    plain torch ELBO     {result['torch_step_ms']:.1f} ms")
+    print(f"    ratio pyro / torch   {result['ratio_pyro_over_torch']:.3f}")
+    print(f"  peak memory            {peak_mb:.0f} MB ({'CUDA allocated' if args.device.startswith('cuda') else 'max RSS'})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Headline result: train the generative capsule model on MNIST (40x40, SCAE placement) over several seeds and
+report the linear probes and k-means accuracy (paper §5, Table 1; SCAE's anchors).
+
+    python experiments/mnist_probe.py --seeds 0 1 2                    # the headline run (configs/mnist_probe.toml)
+    python experiments/mnist_probe.py --seeds 0 --resume               # continue interrupted runs
+    python experiments/mnist_probe.py --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
+
+Writes ``results/mnist_probe_seed<S>.json`` per seed, ``results/mnist_probe.json`` (per-seed metrics, mean and
+std), the figures of the first seed, and ``checkpoints/mnist_probe.pt`` (the first seed's final model, without
+optimiser state) so the result can be evaluated without training:
+``probcaps evaluate --checkpoint checkpoints/mnist_probe.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from inference.capsule_svi import load_experiment_config, train_capsules  # noqa: E402
+from inference.evaluate import evaluate_checkpoint  # noqa: E402
+from inference.train import load_checkpoint  # noqa: E402
+from probcaps.errors import ProbcapsError  # noqa: E402
+from probcaps.io import atomic_torch_save  # noqa: E402
+from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist_probe.toml"
+
+
+def export_checkpoint(src: Path, dst: Path) -> Path:
+    """The model and its config without optimiser state: what a user needs to evaluate (a few MB)."""
+    ckpt = load_checkpoint(src)
+    slim = {k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}
+    slim["module"] = {k: v.clone() for k, v in slim["module"].items()}
+    return atomic_torch_save(slim, dst)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", default="runs/mnist_probe", help="run folders (one per seed)")
+    p.add_argument("--results-dir", default=str(ROOT / "results"))
+    p.add_argument("--checkpoint-out", default=str(ROOT / "checkpoints" / "mnist_probe.pt"))
+    p.add_argument("--name", default="mnist_probe")
+    p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--jit", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        runs = []
+        for seed in args.seeds:
+            overrides = [*args.set, f"train.seed={seed}"] + (["train.jit=true"] if args.jit else [])
+            cfg = load_experiment_config(args.config, overrides)
+            out = Path(args.out) / f"seed{seed}"
+            final = out / "final.pt"
+            if not (args.resume and final.is_file()):
+                resume = args.resume and (out / "checkpoint.pt").is_file()
+                train_capsules(cfg, out, resume=resume, device=args.device, data_dir=args.data_dir,
+                               progress=not args.quiet)
+            state = load_checkpoint(final)["state"]
+            metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
+                                          data_dir=args.data_dir, device=args.device, progress=not args.quiet,
+                                          figures=seed == args.seeds[0])
+            runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})
+            print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
+                  f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
+                  f"training {state['wall_time_s'] / 60:.1f} min")
+        summary = {"per_seed": runs}
+        for key in runs[0]:
+            if key in ("seed", "steps") or not isinstance(runs[0][key], float):
+                continue
+            values = np.array([r[key] for r in runs])
+            summary[f"{key}_mean"] = float(values.mean())
+            summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+        cfg = load_experiment_config(args.config, args.set)
+        prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
+                          wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
+                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+        prov["device"] = device_description(args.device)
+        write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
+        if args.checkpoint_out:
+            export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", Path(args.checkpoint_out))
+        print(f"wrote {Path(args.results_dir) / (args.name + '.json')}")
+    except ProbcapsError as e:
+        print(f"mnist_probe: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.platform == "linux" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        from probcaps.cli import MALLOC_ENV
+
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""README tables generated from the JSON files under ``results/`` (``probcaps report``).
+
+Each table sits between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` in the README; the text between
+the markers is replaced, everything else is left alone.  Numbers are never typed into the README by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+from probcaps.io import atomic_write
+
+__all__ = ["update_readme", "TABLES", "fmt_mean_std"]
+
+
+def fmt_mean_std(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    import numpy as np
+
+    a = np.asarray(values, dtype=float) * scale
+    if len(a) == 1:
+        return f"{a[0]:.{digits}f}"
+    return f"{a.mean():.{digits}f} ± {a.std(ddof=1):.{digits}f}"
+
+
+def _mnist_probe_table(results_dir: Path) -> str | None:
+    path = results_dir / "mnist_probe.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    runs = data["metrics"]["per_seed"]
+    prov = data["provenance"]
+    rows = [
+        ("Linear probe, object presences + poses (%)", "probe_presence_pose_test_acc", "99.0 (SCAE, presences)"),
+        ("Linear probe, object presences alone (%)", "probe_presence_test_acc", "99.0 (SCAE)"),
+        ("k-means (10) + Hungarian on presences (%)", "kmeans_presence_test_acc", "98.7 (SCAE)"),
+        ("Test reconstruction MSE per pixel (×100)", "test_recon_mse", "—"),
+        ("Test ELBO per image (nats)", "test_elbo_per_image", "—"),
+    ]
+    lines = [f"| metric (MNIST test, 40×40) | ours: mean ± std over {len(runs)} seeds | published |",
+             "| --- | --- | --- |"]
+    for label, key, anchor in rows:
+        scale = 1.0 if key == "test_elbo_per_image" else 100.0
+        lines.append(f"| {label} | {fmt_mean_std([r[key] for r in runs], scale=scale)} | {anchor} |")
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    walls = ", ".join(f"{r['train_wall_time_s'] / 60:.0f}" for r in runs)
+    lines.append("")
+    lines.append(f"Seeds {seeds}; {runs[0]['steps']} steps of batch {prov.get('batch_size', '?')} each; "
+                 f"training wall time per seed (min): {walls}; device: {prov.get('device', '?')}; "
+                 f"command: `{prov.get('command', '?')}`; commit {prov.get('git_commit', '?')}.")
+    return "\n".join(lines)
+
+
+def _benchmark_table(results_dir: Path) -> str | None:
+    path = results_dir / "bench_step.json"
+    if not path.is_file():
+        return None
+    rows = json.loads(path.read_text())
+    rows = rows if isinstance(rows, list) else [rows]
+    lines = ["| parts × objects | batch | Pyro step (ms) | torch step (ms) | ratio | images/s | peak memory (MB) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['parts']} × {r['parents']} | {r['batch']} | {r['pyro_step_ms']:.0f} | "
+                     f"{r['torch_step_ms']:.0f} | {r['ratio_pyro_over_torch']:.3f} | {r['pyro_images_per_s']:.0f} | "
+                     f"{r['peak_memory_mb']:.0f} |")
+    lines.append("")
+    lines.append(f"Device: {rows[0].get('device_description', rows[0].get('device'))}, "
+                 f"{rows[0]['threads']} threads; command: `{rows[0].get('command', 'make bench')}`.")
+    return "\n".join(lines)
+
+
+#: name -> function building the table's markdown from the results folder (None when its JSON is missing)
+TABLES: dict[str, Callable[[Path], str | None]] = {
+    "mnist_probe": _mnist_probe_table,
+    "bench_step": _benchmark_table,
+}
+
+
+def update_readme(results_dir: str | Path = "results", readme: str | Path = "README.md") -> list[str]:
+    """Rewrite every marked table of ``readme`` from ``results_dir``; returns the names updated."""
+    results_dir, readme = Path(results_dir), Path(readme)
+    text = readme.read_text()
+    updated = []
+    for name, build in TABLES.items():
+        pattern = re.compile(rf"(<!-- results:{name} -->\n)(.*?)(<!-- /results:{name} -->)", re.S)
+        if not pattern.search(text):
+            continue
+        table = build(results_dir)
+        if table is None:
+            table = f"_No results yet: run the command above to create `{results_dir}/{name}.json`._"
+        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(3), text)
+        updated.append(name)
+    atomic_write(readme, lambda f: f.write(text), mode="w")
+    return updated
