@@ -45,6 +45,10 @@ def load_experiment_config(path: str | Path | None, overrides: list[str] = ()) -
     if cfg["model"].canvas_size != cfg["data"].canvas_size:
         raise ConfigError(f"{path}: model.canvas_size ({cfg['model'].canvas_size}) differs from data.canvas_size "
                           f"({cfg['data'].canvas_size})")
+    data = cfg["data"]
+    if data.canvas_size < 28 + 2 * data.max_shift:
+        raise ConfigError(f"{path}: data.canvas_size ({data.canvas_size}) is too small for a 28-px digit shifted by "
+                          f"up to {data.max_shift} px (needs >= {28 + 2 * data.max_shift})")
     return cfg
 
 

@@ -60,7 +60,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
     name = name or cfg["name"]
     ecfg = cfg["eval"]
-    train_images, train_labels = load_images(cfg["data"], "train", data_dir, limit=ecfg.probe_train_limit)
+    # the probe is fit on the first probe_train_limit training images (0: the training set the model saw)
+    train_images, train_labels = load_images(cfg["data"], "train", data_dir, limit=ecfg.probe_train_limit or None)
     test_images, test_labels = load_images(cfg["data"], "test", data_dir)
     train_lat = encode_dataset(system.encoder, train_images, ecfg.batch_size, device, progress=progress)
     test_lat = encode_dataset(system.encoder, test_images, ecfg.batch_size, device, progress=progress)

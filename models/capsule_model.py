@@ -73,7 +73,7 @@ def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> 
     there: a view instead of a gather (whose backward would be a scatter), the same values.
     """
     cand = table.dim() - 1 - event_dims
-    if s.dim() > 1 and s.numel() == table.shape[cand] == s.shape[0] and all(d == 1 for d in s.shape[1:]):
+    if s.dim() - 1 >= cand and s.numel() == table.shape[cand] == s.shape[0] and all(d == 1 for d in s.shape[1:]):
         if torch.equal(s.reshape(-1), torch.arange(s.shape[0], device=s.device)):
             moved = table.movedim(cand, 0)
             n_batch = cand  # batch dims of the table, M included

@@ -112,17 +112,24 @@ def affine_matrix(
     )
 
 
+def _as_float_tensor(x) -> torch.Tensor:
+    """Floating tensors keep their dtype and device; numbers become tensors of the default dtype."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x
+    return torch.as_tensor(x, dtype=torch.get_default_dtype())
+
+
 def rotation_matrix(theta: torch.Tensor) -> torch.Tensor:
     """Rotation by ``theta`` radians about the canvas centre: ``(...) -> (..., 3, 3)``."""
-    theta = torch.as_tensor(theta, dtype=torch.get_default_dtype())
+    theta = _as_float_tensor(theta)
     one, zero = torch.ones_like(theta), torch.zeros_like(theta)
     return affine_matrix(one, one, theta, zero, zero, zero)
 
 
 def translation_matrix(tx: torch.Tensor, ty: torch.Tensor) -> torch.Tensor:
     """Translation by ``(tx, ty)`` in normalised coordinates: ``(...) -> (..., 3, 3)``."""
-    tx = torch.as_tensor(tx, dtype=torch.get_default_dtype())
-    ty = torch.as_tensor(ty, dtype=tx.dtype)
+    tx = _as_float_tensor(tx)
+    ty = torch.as_tensor(ty, dtype=tx.dtype, device=tx.device)
     tx, ty = torch.broadcast_tensors(tx, ty)
     one, zero = torch.ones_like(tx), torch.zeros_like(tx)
     return affine_matrix(one, one, zero, zero, tx, ty)
@@ -135,7 +142,7 @@ def pixels_to_normalised(pixels: float | torch.Tensor, size: int):
 
 def degrees(angle_deg) -> torch.Tensor:
     """Degrees to radians as a tensor."""
-    return torch.as_tensor(angle_deg, dtype=torch.get_default_dtype()) * (math.pi / 180.0)
+    return _as_float_tensor(angle_deg) * (math.pi / 180.0)
 
 
 def constrained_pose(

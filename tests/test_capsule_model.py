@@ -1,0 +1,401 @@
+"""The generative capsule model: its enumerated Pyro loss against a brute-force sum over every assignment of ``s``,
+against the plain-torch ``log_joint``, numerical safety at the presence clamps, enumeration set-up, and SVI.
+
+Each test says in a comment which bug it would catch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+import torch.nn.functional as F
+from pyro import poutine
+from pyro.infer import TraceEnum_ELBO
+from pyro.ops.indexing import Vindex
+
+from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig
+from models.capsule_model import CapsuleModel, CapsuleModelConfig, select_parent
+from probcaps.data import synthetic_digits, to_float
+from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
+
+K, M, T, S = 2, 3, 5, 12
+DT = torch.float64
+
+# hyperparameters away from the defaults (and from each other), so that a swapped or ignored one shows up
+HYPER = dict(temperature=0.6, pixel_std=0.3, parent_pose_std=0.9, part_pose_std_init=0.15, part_pose_std_min=0.03,
+             off_pose_std=0.7, clutter_pose_std=1.3, dummy_affinity=0.07, dummy_presence=0.15, expected_parents=0.8,
+             init_offset_std=0.4)
+
+
+def _model(dtype=DT, seed=0) -> CapsuleModel:
+    model = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, seed=seed,
+                                            **HYPER)).to(dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # move every table away from its (symmetric) initial value
+        model.log_affinity.copy_(torch.randn(K, M, generator=g))
+        model.presence_logits.copy_(torch.randn(K, M, generator=g))
+        model.offsets.add_(0.2 * torch.randn(K, M, 6, generator=g))
+        model.pose_std_raw.add_(0.5 * torch.randn(K, M, 6, generator=g))
+        # the buffer is built in float32: recompute it in the model's dtype so π is exactly expected_parents / K
+        pi = torch.tensor(HYPER["expected_parents"] / K, dtype=torch.float64)
+        model.parent_prior_logits.copy_(torch.logit(pi).expand(K))
+    return model
+
+
+def _latents(B=2, dtype=DT, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    z1 = 0.05 + 0.9 * torch.rand(B, K, generator=g)
+    y1 = 0.3 * torch.randn(B, K, 6, generator=g)
+    z0 = 0.05 + 0.9 * torch.rand(B, M, generator=g)
+    y0 = 0.3 * torch.randn(B, M, 6, generator=g)
+    return tuple(v.to(dtype) for v in (z1, y1, z0, y0))
+
+
+def _images(model, z0, y0, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        image, _ = model.render(z0, y0)
+    noise = 0.2 * torch.randn(image.shape, generator=g).to(image.dtype)
+    return (image + noise).clamp(0, 1)
+
+
+class FixedGuide:
+    """Delta guide at given values, with the model's plates: data at dim -2, parents/children at dim -1."""
+
+    def __init__(self, z1, y1, z0, y0):
+        self.values = z1, y1, z0, y0
+
+    def __call__(self, x):
+        z1, y1, z0, y0 = self.values
+        data = pyro.plate("data", x.shape[0], dim=-2)
+        with data, pyro.plate("parents", z1.shape[-1], dim=-1):
+            pyro.sample("z1", dist.Delta(z1))
+            pyro.sample("y1", dist.Delta(y1).to_event(1))
+        with data, pyro.plate("children", z0.shape[-1], dim=-1):
+            pyro.sample("z0", dist.Delta(z0))
+            pyro.sample("y0", dist.Delta(y0).to_event(1))
+
+
+@pytest.fixture(autouse=True)
+def _setup(pyro_clean, seed):
+    yield
+
+
+# --------------------------------------------------------------------------------------------- brute force
+
+def _relaxed_bernoulli_log_density(y, p, tau):
+    """First principles: logit(Y) ~ Logistic(logit(p) / τ, 1 / τ), then the sigmoid's Jacobian.
+
+    log p(y) = log τ + (l − τ u) − 2 log(1 + exp(l − τ u)) − log y − log(1 − y),
+    with u = logit(y), l = logit(p).
+    """
+    y, p = torch.as_tensor(y, dtype=DT), torch.as_tensor(p, dtype=DT)
+    u = torch.log(y) - torch.log1p(-y)
+    l = torch.log(p) - torch.log1p(-p)
+    a = l - tau * u
+    return math.log(tau) + a - 2 * F.softplus(a) - torch.log(y) - torch.log1p(-y)
+
+
+def _normal_log_density(x, mean, var):
+    return -0.5 * (math.log(2 * math.pi) + torch.log(var) + (x - mean) ** 2 / var)
+
+
+def _brute_force_neg_log_marginal(model, x, z1, y1, z0, y0):
+    """−Σ_b log Σ_s p(x_b, z_b, y_b, s) by explicit loops over all (K+1)^M assignments, from the raw parameters.
+
+    Written without ``child_tables`` / ``child_pose_std`` / ``log_joint``; only the rendering (``model.render``) is
+    shared with the model.  Differentiable w.r.t. the model's parameters.
+    """
+    cfg = model.config
+    tau = cfg.temperature
+    rho = torch.cat([torch.full((1, M), cfg.dummy_affinity, dtype=DT), model.log_affinity.exp()], 0)   # (K+1, M)
+    gamma = torch.cat([torch.full((1, M), cfg.dummy_presence, dtype=DT), torch.sigmoid(model.presence_logits)], 0)
+    sigma = cfg.part_pose_std_min + F.softplus(model.pose_std_raw)                                      # (K, M, 6)
+    pi = cfg.expected_parents / K
+    total = 0.0
+    for b in range(x.shape[0]):
+        lp_parents = sum(_relaxed_bernoulli_log_density(z1[b, k], pi, tau) for k in range(K))
+        var_parent = torch.tensor(cfg.parent_pose_std ** 2, dtype=DT)
+        lp_parents = lp_parents + _normal_log_density(y1[b], 0.0, var_parent).sum()
+        image, _ = model.render(z0[b:b + 1], y0[b:b + 1])
+        lp_pixels = _normal_log_density(x[b], image[0], torch.tensor(cfg.pixel_std ** 2, dtype=DT)).sum()
+        z1_full = torch.cat([torch.ones(1, dtype=DT), z1[b]])
+        terms = []
+        for s in itertools.product(range(K + 1), repeat=M):
+            lp = lp_parents + lp_pixels
+            for m, k in enumerate(s):
+                weights = [rho[j, m] * z1_full[j] for j in range(K + 1)]
+                lp = lp + torch.log(weights[k] / sum(weights))
+                lp = lp + _relaxed_bernoulli_log_density(z0[b, m], gamma[k, m], tau)
+                if k == 0:  # clutter: a wide zero-mean Normal
+                    mean = torch.zeros(6, dtype=DT)
+                    var_on = torch.full((6,), cfg.clutter_pose_std ** 2, dtype=DT)
+                else:
+                    P = _pose_matrix(y1[b, k - 1]) @ _pose_matrix(model.offsets[k - 1, m])
+                    mean = torch.stack([P[0, 0] - 1, P[0, 1], P[0, 2], P[1, 0], P[1, 1] - 1, P[1, 2]])
+                    var_on = sigma[k - 1, m] ** 2
+                var = z0[b, m] * var_on + (1 - z0[b, m]) * cfg.off_pose_std ** 2
+                lp = lp + _normal_log_density(y0[b, m], mean, var).sum()
+            terms.append(lp)
+        total = total - torch.logsumexp(torch.stack(terms), 0)
+    return total
+
+
+def _pose_matrix(y):
+    """P(y) built entry by entry (differentiable, independent of probcaps.geometry)."""
+    one, zero = torch.ones((), dtype=y.dtype), torch.zeros((), dtype=y.dtype)
+    return torch.stack([torch.stack([1 + y[0], y[1], y[2]]), torch.stack([y[3], 1 + y[4], y[5]]),
+                        torch.stack([zero, zero, one])])
+
+
+def _enum_loss(model, guide, x):
+    return TraceEnum_ELBO(max_plate_nesting=2).differentiable_loss(model, guide, x)
+
+
+def test_relaxed_bernoulli_first_principles_matches_pyro():
+    # catches: a mistake in the brute force's own density (so the comparison below tests the model, not this file)
+    y = torch.tensor([0.01, 0.3, 0.5, 0.97], dtype=DT)
+    p = torch.tensor([0.2, 0.5, 0.9, 0.4], dtype=DT)
+    ref = dist.RelaxedBernoulli(torch.tensor(0.6, dtype=DT), probs=p).log_prob(y)
+    assert torch.allclose(_relaxed_bernoulli_log_density(y, p, 0.6), ref, rtol=1e-10)
+    # and it integrates to one
+    grid = torch.linspace(1e-6, 1 - 1e-6, 200001, dtype=DT)
+    dens = _relaxed_bernoulli_log_density(grid, torch.tensor(0.3, dtype=DT), 0.6).exp()
+    assert abs(torch.trapezoid(dens, grid).item() - 1) < 2e-3
+
+
+def test_enumerated_loss_equals_brute_force_sum_over_assignments():
+    # catches: any error in the selection probabilities (ρ z1 / Σ ρ z1 with the dummy first), γ or the dummy's
+    # presence, the pose means pose6(P(y1) P(Δ)) (e.g. composed in the wrong order), the interpolated variance,
+    # the clutter Normal, a mis-indexed Vindex gather, enumeration summing over the wrong dim, or ``s`` being
+    # enumerated per image instead of per child; and gradients of the same.
+    model = _model()
+    z1, y1, z0, y0 = _latents()
+    x = _images(model, z0, y0)
+    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    brute = _brute_force_neg_log_marginal(model, x, z1, y1, z0, y0)
+    brute_grads = torch.autograd.grad(brute, params, allow_unused=True)
+    assert loss.dtype == DT
+    assert math.isclose(loss.item(), brute.item(), rel_tol=1e-9), (loss.item(), brute.item())
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, g, gb in zip(names, grads, brute_grads):
+        g = torch.zeros_like(gb) if g is None else g
+        gb = torch.zeros_like(g) if gb is None else gb
+        assert torch.allclose(g, gb, rtol=1e-7, atol=1e-9), name
+    # the pose and selection terms matter here (not swamped by the pixels): changing Δ changes the loss
+    with torch.no_grad():
+        model.offsets.add_(0.1)
+    assert abs(_enum_loss(model, FixedGuide(z1, y1, z0, y0), x).item() - loss.item()) > 1e-3
+
+
+def test_enumerated_loss_float32_close_to_brute_force():
+    # catches: float32-only problems (e.g. a log of a clamped zero) in the path training actually uses
+    model64 = _model()
+    model32 = _model(dtype=torch.float32)
+    z1, y1, z0, y0 = _latents()
+    x = _images(model64, z0, y0)
+    loss32 = _enum_loss(model32, FixedGuide(*(v.float() for v in (z1, y1, z0, y0))), x.float())
+    brute = _brute_force_neg_log_marginal(model64, x, z1, y1, z0, y0)
+    assert math.isclose(loss32.item(), brute.item(), rel_tol=1e-4)
+
+
+def test_enumerated_loss_equals_negative_log_joint():
+    # catches: the Pyro model and the plain-torch reference (used by benchmarks) drifting apart
+    model = _model()
+    z1, y1, z0, y0 = _latents(B=3, seed=7)
+    x = _images(model, z0, y0, seed=8)
+    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
+    log_joint = model.log_joint(x, z1, y1, z0, y0)
+    assert log_joint.shape == (3,)
+    assert math.isclose(loss.item(), -log_joint.sum().item(), rel_tol=1e-10)
+    # images given as (B, H, W) are accepted too
+    assert torch.allclose(model.log_joint(x[:, 0], z1, y1, z0, y0), log_joint)
+
+
+def test_selection_ignores_absent_parent():
+    # catches: a parent that is off (z1 -> 0) still being selectable: with z1_k tiny, the children's marginal
+    # must not depend on that parent's offsets at all
+    model = _model()
+    z1, y1, z0, y0 = _latents()
+    z1 = z1.clone()
+    z1[:, 1] = 1e-30
+    x = _images(model, z0, y0)
+    before = model.log_joint(x, z1, y1, z0, y0)
+    with torch.no_grad():
+        model.offsets[1].add_(5.0)
+    assert torch.allclose(model.log_joint(x, z1, y1, z0, y0), before, rtol=1e-12, atol=1e-10)
+
+
+# --------------------------------------------------------------------------------------------- clamp boundaries
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clamped_relaxed_bernoulli_log_prob_finite_at_boundaries(dtype):
+    # catches: infinite/NaN log-density or gradients at presences of exactly 0 or 1 (the unclamped concrete
+    # density has log y and log(1 − y) terms)
+    values = torch.tensor([0.0, 1e-12, 1 - 1e-12, 1.0, 0.5], dtype=dtype)
+    logits = torch.tensor([-3.0, 0.0, 2.0, 50.0, -50.0], dtype=dtype, requires_grad=True)
+    d = ClampedRelaxedBernoulli(torch.tensor(0.5, dtype=dtype), logits=logits)
+    lp = d.log_prob(values)
+    assert torch.isfinite(lp).all()
+    (g,) = torch.autograd.grad(lp.sum(), logits)
+    assert torch.isfinite(g).all()
+    # values beyond the clamp score exactly as the clamp itself
+    eps = RELAXED_CLAMP
+    assert torch.equal(d.log_prob(torch.zeros(5, dtype=dtype)), d.log_prob(torch.full((5,), eps, dtype=dtype)))
+    assert torch.equal(d.log_prob(torch.ones(5, dtype=dtype)), d.log_prob(torch.full((5,), 1 - eps, dtype=dtype)))
+
+
+def test_clamped_relaxed_bernoulli_rsample_never_hits_zero_or_one():
+    # catches: float32 concrete samples saturating to exactly 0/1 with extreme logits (infinite log-Jacobian)
+    logits = torch.tensor([-50.0, 50.0, -20.0, 20.0])
+    d = ClampedRelaxedBernoulli(torch.tensor(0.1), logits=logits)
+    z = d.rsample((2000,))
+    assert (z > 0).all() and (z < 1).all()
+    eps = torch.tensor(RELAXED_CLAMP, dtype=z.dtype)
+    assert (z >= eps).all() and (z <= 1 - eps).all()
+    assert torch.isfinite(d.log_prob(z)).all()
+    # the sampler still reaches the clamp (i.e. it is the clamp that stops it, not luck)
+    assert z[:, 0].min().item() == pytest.approx(RELAXED_CLAMP, rel=1e-3)
+    assert z[:, 1].max().item() == pytest.approx(1 - RELAXED_CLAMP, rel=1e-3)
+
+
+@pytest.mark.parametrize("extreme", [0.0, 1e-12, RELAXED_CLAMP, "mixed"])
+def test_model_loss_and_gradients_finite_at_extreme_presences(extreme):
+    # catches: NaN/inf in the enumerated loss or in any parameter's gradient when presences sit at (or beyond)
+    # the clamp: log(z1 = 0) in the selection, variance interpolation at z0 in {0, 1}, alpha weighting
+    model = _model(dtype=torch.float32)
+    z1, y1, z0, y0 = (v.float() for v in _latents())
+    if extreme == "mixed":
+        z1 = torch.tensor([[0.0, 1.0], [1 - 1e-12, 1e-12]])
+        z0 = torch.tensor([[0.0, 1.0, 1e-12], [1.0, 1 - 1e-12, 0.0]])
+    else:
+        z1 = torch.stack([torch.full((2,), float(extreme)), torch.full((2,), 1 - float(extreme))], 1).T.contiguous()
+        z0 = torch.full((2, M), float(extreme))
+        z0[1] = 1 - float(extreme)
+    x = _images(model, z0, y0).float()
+    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
+    assert torch.isfinite(loss)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+def test_gradients_wrt_latents_finite_at_clamp():
+    # catches: NaN gradients flowing back to the guide when its presence samples sit at the clamp values the
+    # guide's own rsample can return (1e-4 and 1 − 1e-4)
+    model = _model(dtype=torch.float32)
+    _, y1, _, y0 = (v.float() for v in _latents())
+    eps = RELAXED_CLAMP
+    z1 = torch.tensor([[eps, 1 - eps], [1 - eps, eps]], requires_grad=True)
+    z0 = torch.tensor([[eps, 1 - eps, eps], [1 - eps, eps, 1 - eps]], requires_grad=True)
+    y1, y0 = y1.requires_grad_(), y0.requires_grad_()
+    x = _images(model, z0.detach(), y0.detach()).float()
+    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
+    grads = torch.autograd.grad(loss, [z1, y1, z0, y0])
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+# --------------------------------------------------------------------------------------------- enumeration set-up
+
+def test_s_is_enumerated_in_parallel():
+    # catches: ``s`` not marked for enumeration (TraceEnum would then sample it and the loss would be noisy),
+    # or enumerated into a dim that collides with the plates
+    model = _model(dtype=torch.float32)
+    z1, y1, z0, y0 = (v.float() for v in _latents())
+    x = _images(model, z0, y0).float()
+    guide = FixedGuide(z1, y1, z0, y0)
+    guide_tr = poutine.trace(guide).get_trace(x)
+    model_tr = poutine.trace(poutine.enum(poutine.replay(model, trace=guide_tr), first_available_dim=-3)).get_trace(x)
+    node = model_tr.nodes["s"]
+    assert node["infer"].get("enumerate") == "parallel"
+    assert node["value"].shape == (K + 1, 1, 1)
+    assert torch.equal(node["value"].flatten(), torch.arange(K + 1))
+    model_tr.compute_log_prob()
+    assert model_tr.nodes["s"]["log_prob"].shape == (K + 1, 2, M)
+    assert model_tr.nodes["z0"]["log_prob"].shape == (K + 1, 2, M)
+    assert model_tr.nodes["y0"]["log_prob"].shape == (K + 1, 2, M)
+    # the image does not depend on s
+    assert model_tr.nodes["x"]["log_prob"].shape == (2, 1)
+    # without enumeration, s is one sample per (image, child)
+    plain = poutine.trace(poutine.replay(model, trace=guide_tr)).get_trace(x)
+    assert plain.nodes["s"]["value"].shape == (2, M)
+    # the loss is deterministic for a fixed guide: enumeration, not sampling
+    assert _enum_loss(model, guide, x).item() == _enum_loss(model, guide, x).item()
+
+
+@pytest.mark.parametrize("B, M_, event", [(2, 3, 0), (2, 3, 1), (3, 1, 0), (3, 1, 1), (4, 2, 1)])
+def test_select_parent_equals_vindex(B, M_, event):
+    # catches: the enumeration fast path (a view instead of a gather) disagreeing with Vindex, either for the
+    # enumerated s = arange(K+1) laid along dim -3, or for a *sampled* s that merely looks like it: with M = 1 and
+    # B = K + 1 a sampled (B, 1) s can equal arange(K+1) and must still be gathered per image
+    ev = (6,) * event
+    for table in (torch.randn(M_, K + 1, *ev), torch.randn(B, M_, K + 1, *ev)):
+        index = lambda s: (Ellipsis, s) + (slice(None),) * event  # noqa: E731
+        enum_s = torch.arange(K + 1).view(K + 1, 1, 1)
+        assert torch.equal(select_parent(table, enum_s, event), Vindex(table)[index(enum_s)])
+        for sampled in (torch.randint(0, K + 1, (B, M_)), torch.arange(B).remainder(K + 1).view(B, 1).expand(B, M_)):
+            assert torch.equal(select_parent(table, sampled, event), Vindex(table)[index(sampled)])
+
+
+def test_model_traces_with_a_sampled_s_that_looks_enumerated():
+    # catches: the same fast-path confusion inside the model (M = 1, B = K + 1, s conditioned to 0..K)
+    model = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=1, template_size=T, canvas_size=S))
+    s = torch.arange(K + 1).view(K + 1, 1)
+    tr = poutine.trace(poutine.condition(model, data={"s": s})).get_trace(torch.rand(K + 1, 1, S, S))
+    assert tr.nodes["y0"]["value"].shape == (K + 1, 1, 6)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, S + 1, S + 1), (2, 3, S, S), (2, S, S + 2), (S, S)])
+def test_model_rejects_wrongly_shaped_images(shape):
+    # catches: images of the wrong size being broadcast against the rendered canvas instead of rejected
+    model = _model(dtype=torch.float32)
+    with pytest.raises(ValueError, match="expected images"):
+        model(torch.zeros(shape))
+    with pytest.raises(ValueError):
+        model.log_joint(torch.zeros(shape), *(v.float() for v in _latents()))
+
+
+def test_model_forward_samples_have_the_documented_shapes():
+    # catches: a plate on the wrong dim (sites would get (K, B) or (B, 1, K) shapes)
+    model = _model(dtype=torch.float32)
+    x = torch.rand(3, 1, S, S)
+    tr = poutine.trace(model).get_trace(x)
+    assert tr.nodes["z1"]["value"].shape == (3, K)
+    assert tr.nodes["y1"]["value"].shape == (3, K, 6)
+    assert tr.nodes["z0"]["value"].shape == (3, M)
+    assert tr.nodes["y0"]["value"].shape == (3, M, 6)
+    assert tr.nodes["_RETURN"]["value"].shape == (3, 1, S, S)
+
+
+# --------------------------------------------------------------------------------------------- SVI smoke
+
+def test_svi_with_delta_guide_decreases_loss():
+    # catches: a model/guide pair that does not train (detached parameters, wrong sign, guide/model plate mismatch
+    # that validation would flag)
+    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, temperature=0.5)
+    model = CapsuleModel(cfg)
+    enc_cfg = EncoderConfig(channels=[8, 8], strides=[2, 2], set_hidden=16, set_heads=2, set_inducing=4,
+                            set_blocks=1, parent_code=8, head_hidden=8, part_embedding=4)
+    guide = DeltaGuide(CapsuleEncoder(M, K, enc_cfg), cfg.temperature)
+    digits, _ = synthetic_digits(4, size=S, seed=0)
+    x = to_float(digits).unsqueeze(1)
+    elbo = TraceEnum_ELBO(max_plate_nesting=2)
+    params = list(model.parameters()) + list(guide.parameters())
+    opt = torch.optim.Adam(params, lr=0.01)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = elbo.differentiable_loss(model, guide, x) / x.shape[0]
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.05 * abs(first), losses

@@ -1,0 +1,297 @@
+"""Pose geometry, the affine warp and alpha compositing, checked against hand-computed values.
+
+Each test says in a comment which bug it would catch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probcaps.geometry import (
+    affine_matrix,
+    compose,
+    compose_pose6,
+    invert,
+    matrix_to_pose6,
+    pixels_to_normalised,
+    pose6_to_matrix,
+    rotation_matrix,
+    translation_matrix,
+)
+from probcaps.render import alpha_over, composite_over, render_templates, sampling_grid, warp
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _random_poses(*shape, scale=0.3):
+    return scale * torch.randn(*shape, 6, dtype=DT)
+
+
+# --------------------------------------------------------------------------------------------- pose geometry
+
+def test_pose6_identity_and_layout():
+    # catches: the identity not being added (y = 0 must be the identity map), or entries in the wrong slots
+    assert torch.equal(pose6_to_matrix(torch.zeros(6, dtype=DT)), torch.eye(3, dtype=DT))
+    y = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], dtype=DT)
+    expected = torch.tensor([[2.0, 2.0, 3.0], [4.0, 6.0, 6.0], [0.0, 0.0, 1.0]], dtype=DT)
+    assert torch.equal(pose6_to_matrix(y), expected)
+
+
+def test_pose6_matrix_round_trip_batched():
+    # catches: matrix_to_pose6 not being the inverse of pose6_to_matrix, or broadcasting over leading dims broken
+    y = _random_poses(4, 3)
+    P = pose6_to_matrix(y)
+    assert P.shape == (4, 3, 3, 3)
+    assert torch.allclose(P[..., 2, :], torch.tensor([0.0, 0.0, 1.0], dtype=DT).expand(4, 3, 3))
+    assert torch.allclose(matrix_to_pose6(P), y, atol=1e-15)
+
+
+def test_pose6_shape_errors():
+    # catches: silently accepting a 5-vector or a 2x3 matrix (would mis-slice poses)
+    with pytest.raises(ValueError):
+        pose6_to_matrix(torch.zeros(5))
+    with pytest.raises(ValueError):
+        matrix_to_pose6(torch.zeros(2, 3))
+
+
+def test_compose_pose6_equals_matrix_product():
+    # catches: a wrong entry in the closed-form product, or composing in the wrong order (P(b) P(a))
+    a, b = _random_poses(5, 2), _random_poses(5, 2)
+    expected = matrix_to_pose6(pose6_to_matrix(a) @ pose6_to_matrix(b))
+    assert torch.allclose(compose_pose6(a, b), expected, atol=1e-12)
+    # the order matters for these random maps, so a swapped product would fail above
+    assert not torch.allclose(compose_pose6(b, a), expected, atol=1e-6)
+    # and broadcasting (K, 1, 6) against (M, 6) as the model uses it
+    y1, offsets = _random_poses(3, 1), _random_poses(3, 4)
+    assert torch.allclose(compose_pose6(y1, offsets),
+                          matrix_to_pose6(pose6_to_matrix(y1) @ pose6_to_matrix(offsets)), atol=1e-12)
+    A, B = pose6_to_matrix(a), pose6_to_matrix(b)
+    assert torch.allclose(compose(A, B), A @ B)
+
+
+def test_invert_is_inverse():
+    # catches: sign or cofactor errors in the closed-form inverse (incl. the translation column)
+    P = pose6_to_matrix(_random_poses(6))
+    eye = torch.eye(3, dtype=DT).expand(6, 3, 3)
+    assert torch.allclose(invert(P) @ P, eye, atol=1e-12)
+    assert torch.allclose(P @ invert(P), eye, atol=1e-12)
+    assert torch.allclose(invert(P), torch.linalg.inv(P), atol=1e-12)
+
+
+def test_affine_matrix_known_values():
+    # catches: cos/sin swapped, rotation direction flipped, scales applied to rows instead of columns, shear misplaced
+    t = lambda v: torch.tensor(v, dtype=DT)  # noqa: E731
+    R = affine_matrix(t(1.0), t(1.0), t(math.pi / 2), t(0.0), t(0.0), t(0.0))
+    assert torch.allclose(R, t([[0.0, -1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]), atol=1e-15)
+    # S(2, 3) first, then R(90°): x-axis -> (0, 2), y-axis -> (-3, 0); translation in the last column
+    M = affine_matrix(t(2.0), t(3.0), t(math.pi / 2), t(0.0), t(0.5), t(-0.25))
+    assert torch.allclose(M, t([[0.0, -3.0, 0.5], [2.0, 0.0, -0.25], [0.0, 0.0, 1.0]]), atol=1e-15)
+    Sh = affine_matrix(t(1.0), t(1.0), t(0.0), t(0.5), t(0.0), t(0.0))
+    assert torch.allclose(Sh, t([[1.0, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))
+    # the general case equals the explicit product T R Sh S
+    sx, sy, th, sh, tx, ty = (t(v) for v in (1.3, 0.7, 0.4, -0.2, 0.1, 0.3))
+    c, s = math.cos(0.4), math.sin(0.4)
+    T_ = t([[1, 0, 0.1], [0, 1, 0.3], [0, 0, 1]])
+    R_ = t([[c, -s, 0], [s, c, 0], [0, 0, 1]])
+    Sh_ = t([[1, -0.2, 0], [0, 1, 0], [0, 0, 1]])
+    S_ = t([[1.3, 0, 0], [0, 0.7, 0], [0, 0, 1]])
+    assert torch.allclose(affine_matrix(sx, sy, th, sh, tx, ty), T_ @ R_ @ Sh_ @ S_, atol=1e-14)
+    # (rotation_matrix / translation_matrix build float32 matrices, see test_matrix_helpers_keep_float64)
+    assert torch.allclose(rotation_matrix(t(0.4)).to(DT), R_, atol=1e-7)
+    assert torch.allclose(translation_matrix(0.1, 0.3).to(DT), T_, atol=1e-7)
+    assert pixels_to_normalised(3, 12) == 0.5
+
+
+# --------------------------------------------------------------------------------------------- the warp
+
+def _dot_template(t=3, value=1.0, where=None):
+    """``(1, 1, t, t)`` template, zero except one pixel (the centre by default)."""
+    img = torch.zeros(1, 1, t, t, dtype=DT)
+    r, c = where if where is not None else (t // 2, t // 2)
+    img[0, 0, r, c] = value
+    return img
+
+
+def test_warp_identity_places_template_centred():
+    # catches: the template being stretched to the canvas (missing S^-1), or an off-by-one/half-pixel shift
+    tmpl = torch.arange(9, dtype=DT).view(1, 1, 3, 3) + 1
+    out = warp(tmpl, torch.eye(3, dtype=DT)[None], 9)
+    expected = torch.zeros(1, 1, 9, 9, dtype=DT)
+    expected[0, 0, 3:6, 3:6] = tmpl[0, 0]
+    assert torch.allclose(out, expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 2, -3])
+def test_warp_translation_moves_k_pixels(k):
+    # catches: translations in the wrong units (pixels vs normalised), wrong sign, or x/y swapped
+    W = 9
+    tmpl = _dot_template(3)
+    P = translation_matrix(pixels_to_normalised(k, W), 0.0).to(DT)[None]
+    out = warp(tmpl, P, W)[0, 0]
+    expected = torch.zeros(W, W, dtype=DT)
+    expected[4, 4 + k] = 1.0  # the centre pixel, k columns to the right
+    assert torch.allclose(out, expected, atol=1e-6)  # translation_matrix is float32
+    # vertical: +k moves it k rows down (image y axis points down)
+    P = translation_matrix(0.0, pixels_to_normalised(k, W)).to(DT)[None]
+    out = warp(tmpl, P, W)[0, 0]
+    expected = torch.zeros(W, W, dtype=DT)
+    expected[4 + k, 4] = 1.0
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_warp_translation_on_rectangular_canvas():
+    # catches: using H where W belongs (or vice versa) when converting translations / scaling the source
+    H, W = 9, 11
+    tmpl = _dot_template(3)
+    P = translation_matrix(pixels_to_normalised(2, W), pixels_to_normalised(-1, H)).to(DT)[None]
+    out = warp(tmpl, P, (H, W))[0, 0]
+    expected = torch.zeros(H, W, dtype=DT)
+    expected[4 - 1, 5 + 2] = 1.0
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_warp_scale_two_doubles_footprint():
+    # catches: scale inverted (P applied canvas->source instead of source->canvas), i.e. a halved footprint
+    W = 9
+    P = torch.diag(torch.tensor([2.0, 2.0, 1.0], dtype=DT))[None]
+    # one bright pixel at scale 2: bilinear tent sampled at half-pixel steps -> outer([.5, 1, .5]) at the centre
+    out = warp(_dot_template(3), P, W)[0, 0]
+    expected = torch.zeros(W, W, dtype=DT)
+    profile = torch.tensor([0.5, 1.0, 0.5], dtype=DT)
+    expected[3:6, 3:6] = torch.outer(profile, profile)
+    assert torch.allclose(out, expected, atol=1e-12)
+    # an all-ones 3x3 template covers 6x6 "pixels" of mass: 1-D profile [0, .5, 1, 1, 1, 1, 1, .5, 0] (sum 6 = 2 * 3)
+    out = warp(torch.ones(1, 1, 3, 3, dtype=DT), P, W)[0, 0]
+    profile = torch.tensor([0, 0.5, 1, 1, 1, 1, 1, 0.5, 0], dtype=DT)
+    assert torch.allclose(out, torch.outer(profile, profile), atol=1e-12)
+    assert math.isclose(out.sum().item(), 4 * 9, rel_tol=1e-12)
+
+
+def test_warp_rotation_90_degrees():
+    # catches: rotating the wrong way. P maps template coords to canvas coords, with y down: R(90°) takes the
+    # point above the centre, (0, -1), to (1, 0), right of the centre.
+    W = 9
+    tmpl = _dot_template(3, where=(0, 1))  # top-middle pixel
+    out = warp(tmpl, rotation_matrix(torch.tensor(math.pi / 2)).to(DT)[None], W)[0, 0]
+    expected = torch.zeros(W, W, dtype=DT)
+    expected[4, 5] = 1.0  # middle row, one right of centre
+    assert torch.allclose(out, expected, atol=1e-6)  # cos(pi/2) in float32 is -4e-8
+
+
+def test_matrix_helpers_keep_float64():
+    # catches: silent loss of precision for float64 poses (as_tensor(..., dtype=get_default_dtype()) downcasts)
+    assert rotation_matrix(torch.tensor(0.4, dtype=DT)).dtype == DT
+    assert translation_matrix(torch.tensor(0.1, dtype=DT), torch.tensor(0.3, dtype=DT)).dtype == DT
+
+
+def test_warp_rejects_bad_shapes():
+    # catches: silent broadcasting of a pose batch that does not match the image batch
+    with pytest.raises(ValueError):
+        warp(torch.zeros(2, 1, 3, 3), torch.eye(3).expand(3, 3, 3), 9)
+    with pytest.raises(ValueError):
+        warp(torch.zeros(1, 3, 3), torch.eye(3)[None], 9)
+
+
+def test_sampling_grid_equals_affine_grid():
+    # catches: x/y rows swapped or the pixel-centre convention differing from align_corners=False
+    A = torch.randn(4, 2, 3, dtype=DT)
+    for H, W in ((7, 7), (5, 8)):
+        ref = F.affine_grid(A, (4, 1, H, W), align_corners=False)
+        assert torch.allclose(sampling_grid(A, (H, W)), ref, atol=1e-12)
+
+
+def test_warp_equals_affine_grid_reference():
+    # catches: a wrong source rescaling S^-1 = diag(W/w, H/h) (e.g. applied to columns, or h/w swapped) or an
+    # inverse that differs from the true one; the reference uses torch.linalg.inv and F.affine_grid directly
+    N, C, h, w, H, W = 3, 2, 5, 4, 10, 13
+    images = torch.rand(N, C, h, w, dtype=DT)
+    P = pose6_to_matrix(_random_poses(N, scale=0.2))
+    S_inv = torch.diag(torch.tensor([W / w, H / h, 1.0], dtype=DT))
+    theta = (S_inv @ torch.linalg.inv(P))[:, :2, :]
+    grid = F.affine_grid(theta, (N, C, H, W), align_corners=False)
+    ref = F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    assert torch.allclose(warp(images, P, (H, W)), ref, atol=1e-12)
+
+
+def test_render_templates_shapes_and_per_image_warp():
+    # catches: templates and poses paired up wrongly after the (B*M) reshape, or the per-image form ignored
+    B, M, C, t, S = 2, 3, 2, 5, 12
+    templates = torch.rand(M, C, t, t, dtype=DT)
+    poses = pose6_to_matrix(_random_poses(B, M, scale=0.2))
+    out = render_templates(templates, poses, S)
+    assert out.shape == (B, M, C, S, S)
+    for b in range(B):
+        for m in range(M):
+            assert torch.allclose(out[b, m], warp(templates[m:m + 1], poses[b, m:m + 1], S)[0], atol=1e-12)
+    per_image = torch.rand(B, M, C, t, t, dtype=DT)
+    out = render_templates(per_image, poses, (S, S + 2))
+    assert out.shape == (B, M, C, S, S + 2)
+    for b in range(B):
+        for m in range(M):
+            assert torch.allclose(out[b, m], warp(per_image[b, m:m + 1], poses[b, m:m + 1], (S, S + 2))[0])
+    with pytest.raises(ValueError):
+        render_templates(torch.rand(B, M + 1, C, t, t), poses, S)
+
+
+# --------------------------------------------------------------------------------------------- compositing
+
+def test_alpha_over_hand_computed():
+    # catches: the wrong over formula (premultiplied vs straight colours, missing normalisation by alpha)
+    a, alpha_a, b, alpha_b = (torch.tensor(v, dtype=DT) for v in (0.8, 0.5, 0.2, 0.6))
+    colour, alpha = alpha_over(a, alpha_a, b, alpha_b)
+    # alpha = 0.5 + 0.6 * 0.5 = 0.8; colour = (0.8 * 0.5 + 0.2 * 0.6 * 0.5) / 0.8 = 0.46 / 0.8 = 0.575
+    assert math.isclose(alpha.item(), 0.8, rel_tol=1e-12)
+    assert math.isclose(colour.item(), 0.575, rel_tol=1e-12)
+    # an opaque front layer hides the back; a transparent one shows it
+    c, al = alpha_over(torch.tensor(0.3), torch.tensor(1.0), torch.tensor(0.9), torch.tensor(0.7))
+    assert math.isclose(c.item(), 0.3, rel_tol=1e-6) and math.isclose(al.item(), 1.0)
+    c, al = alpha_over(torch.tensor(0.3), torch.tensor(0.0), torch.tensor(0.9), torch.tensor(0.7))
+    assert math.isclose(c.item(), 0.9, rel_tol=1e-6) and math.isclose(al.item(), 0.7, rel_tol=1e-6)
+    # both transparent: colour 0, no NaN
+    c, al = alpha_over(torch.tensor(0.3), torch.tensor(0.0), torch.tensor(0.9), torch.tensor(0.0))
+    assert c.item() == 0.0 and al.item() == 0.0
+
+
+def test_composite_over_two_layers_hand_computed():
+    # catches: layer order reversed (index 0 must be the back), weights not α_m ∏_{j>m}(1 − α_j),
+    # background ignored
+    colours = torch.tensor([0.2, 0.8], dtype=DT).view(1, 2, 1, 1, 1)  # back b = 0.2, front a = 0.8
+    alphas = torch.tensor([0.6, 0.5], dtype=DT).view(1, 2, 1, 1, 1)
+    image, weights = composite_over(colours, alphas, dim=1)
+    # front 0.8 * 0.5 + back 0.2 * 0.6 * (1 - 0.5) = 0.4 + 0.06 = 0.46 (black background)
+    assert math.isclose(image.item(), 0.46, rel_tol=1e-12)
+    assert torch.allclose(weights.flatten(), torch.tensor([0.3, 0.5], dtype=DT))
+    # background 0.3 shows through (1 - 0.5)(1 - 0.6) = 0.2 of the pixel: 0.46 + 0.06 = 0.52
+    image, _ = composite_over(colours, alphas, dim=1, background=0.3)
+    assert math.isclose(image.item(), 0.52, rel_tol=1e-12)
+    # swapping the layers changes the answer: 0.2 * 0.6 + 0.8 * 0.5 * 0.4 = 0.28
+    image, _ = composite_over(colours.flip(1), alphas.flip(1), dim=1)
+    assert math.isclose(image.item(), 0.28, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("background", [0.0, 0.3])
+def test_composite_over_equals_alpha_over_fold(background):
+    # catches: the vectorised reversed-cumprod closed form disagreeing with the literal back-to-front fold
+    B, M, C, H, W = 2, 3, 1, 4, 5
+    colours, alphas = torch.rand(B, M, C, H, W, dtype=DT), torch.rand(B, M, C, H, W, dtype=DT)
+    image, weights = composite_over(colours, alphas, dim=1, background=background)
+    colour, alpha = torch.full((B, C, H, W), background, dtype=DT), torch.ones(B, C, H, W, dtype=DT)
+    for m in range(M):  # back to front, over an opaque background
+        colour, alpha = alpha_over(colours[:, m], alphas[:, m], colour, alpha)
+    assert torch.allclose(alpha, torch.ones_like(alpha))
+    assert torch.allclose(image, colour, atol=1e-12)
+    # per-layer weights plus the background's share sum to one
+    background_share = (1 - alphas).prod(1)
+    assert torch.allclose(weights.sum(1) + background_share, torch.ones_like(background_share), atol=1e-12)
+    # and ``dim`` other than 1 gives the same answer
+    image2, _ = composite_over(colours.movedim(1, 0), alphas.movedim(1, 0), dim=0, background=background)
+    assert torch.allclose(image2, image, atol=1e-12)

@@ -1,0 +1,310 @@
+"""The training loop's guarantees: exact resume, the NaN guard, atomic checkpoints; checkpoint and config errors.
+
+Each test says in a comment which bug it would catch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from inference.capsule_svi import CapsuleSystem, load_experiment_config, load_images, load_trained, train_capsules
+from inference.guides import EncoderConfig
+from inference.train import TrainConfig, load_checkpoint, train_loop
+from models.capsule_model import CapsuleModelConfig
+from probcaps.data import placed_mnist
+from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
+from probcaps.io import atomic_torch_save
+
+from conftest import REAL_DATA_ROOT, requires_real_mnist
+
+
+@pytest.fixture(autouse=True)
+def _setup(pyro_clean, seed):
+    yield
+
+
+def _cfg(tiny_toml, *overrides):
+    return load_experiment_config(tiny_toml, list(overrides))
+
+
+def _final_module_state(run_dir):
+    return load_checkpoint(run_dir / "final.pt")["module"]
+
+
+def _assert_same_state(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# --------------------------------------------------------------------------------------------- exact resume
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("how", ["ctrl_c_at_step_5", "crash_at_step_4"])
+def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tiny_toml, tmp_path, monkeypatch, how):
+    # catches: RNG states, optimiser moments, the lr schedule or the data position (epoch / batch) not being
+    # checkpointed and restored exactly.  16 images in batches of 4: one run crosses an epoch boundary mid-resume
+    # (crash after the step-3 checkpoint), the other is interrupted in the second epoch (Ctrl-C writes step 5).
+    cfg = _cfg(tiny_toml)  # steps = 6, checkpoint_every = 3
+    state_a = train_capsules(cfg, tmp_path / "a", progress=False)
+    assert state_a.step == 6
+
+    stop_at = 5 if how == "ctrl_c_at_step_5" else 4
+    error = KeyboardInterrupt if how == "ctrl_c_at_step_5" else _Interrupt
+    original_loss = CapsuleSystem.loss
+    calls = {"n": 0}
+
+    def interrupted_loss(self, elbo, x):
+        if calls["n"] == stop_at:  # the (stop_at + 1)-th step, before it draws any random number
+            raise error()
+        calls["n"] += 1
+        return original_loss(self, elbo, x)
+
+    monkeypatch.setattr(CapsuleSystem, "loss", interrupted_loss)
+    with pytest.raises(error):
+        train_capsules(_cfg(tiny_toml), tmp_path / "b", progress=False)
+    monkeypatch.setattr(CapsuleSystem, "loss", original_loss)
+    assert not (tmp_path / "b" / "final.pt").exists()
+    saved = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
+    assert saved["state"]["step"] == (5 if how == "ctrl_c_at_step_5" else 3)
+
+    state_b = train_capsules(_cfg(tiny_toml), tmp_path / "b", resume=True, progress=False)
+    assert state_b.step == 6 and state_b.epoch == state_a.epoch
+    final_a, final_b = _final_module_state(tmp_path / "a"), _final_module_state(tmp_path / "b")
+    _assert_same_state(final_a, final_b)
+    # the comparison is not vacuous: training moved the parameters after the checkpoint
+    assert not torch.equal(saved["module"]["model.template_logits"], final_b["model.template_logits"])
+    # and the log has one record per step across both runs
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert steps[-1] == 6 and sorted(set(steps)) == list(range(1, 7))
+
+
+def test_different_seed_gives_different_parameters(tiny_toml, tmp_path):
+    # catches: the exact-resume test passing only because training ignores its randomness altogether
+    train_capsules(_cfg(tiny_toml, "train.steps=2"), tmp_path / "a", progress=False)
+    train_capsules(_cfg(tiny_toml, "train.steps=2", "train.seed=1"), tmp_path / "b", progress=False)
+    a, b = _final_module_state(tmp_path / "a"), _final_module_state(tmp_path / "b")
+    assert not torch.equal(a["model.template_logits"], b["model.template_logits"])
+
+
+# --------------------------------------------------------------------------------------------- NaN guard
+
+def _toy(tmp_path, loss_fn, steps=5, checkpoint_every=1):
+    module = nn.Linear(3, 1)
+    cfg = TrainConfig(steps=steps, batch_size=2, lr=0.01, warmup_steps=1, log_every=1,
+                      checkpoint_every=checkpoint_every)
+
+    def batches(epoch, start):
+        for i in range(start, 4):
+            yield torch.full((2, 3), float(i + epoch))
+
+    return module, lambda: train_loop(module, lambda x: loss_fn(module, x), batches, cfg, tmp_path, progress=False)
+
+
+def test_nan_loss_stops_training_without_writing_the_broken_model(tmp_path):
+    # catches: a NaN loss being stepped on (parameters become NaN) or written to final.pt / checkpoint.pt
+    calls = {"n": 0}
+
+    def loss_fn(module, x):
+        calls["n"] += 1
+        loss = module(x).pow(2).mean()
+        return loss * float("nan") if calls["n"] == 3 else loss  # step index 2
+
+    module, run = _toy(tmp_path, loss_fn)
+    with pytest.raises(TrainingDiverged, match=r"step 2\b") as exc:
+        run()
+    assert "loss is nan" in str(exc.value).lower()  # the loss check, not only the gradient check, fired
+    assert not (tmp_path / "final.pt").exists()
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["state"]["step"] == 2  # the last good step
+    assert all(torch.isfinite(v).all() for v in ckpt["module"].values())
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+class _NaNGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.full_like(g, float("nan"))
+
+
+def test_nan_gradient_stops_training(tmp_path):
+    # catches: a finite loss with NaN gradients slipping through (the optimiser would NaN every parameter)
+    calls = {"n": 0}
+
+    def loss_fn(module, x):
+        calls["n"] += 1
+        out = module(x)
+        if calls["n"] == 2:
+            out = _NaNGrad.apply(out)
+        return out.pow(2).mean()
+
+    module, run = _toy(tmp_path, loss_fn)
+    with pytest.raises(TrainingDiverged, match=r"step 1\b.*gradient"):
+        run()
+    assert not (tmp_path / "final.pt").exists()
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+# --------------------------------------------------------------------------------------------- atomic writes
+
+def _failing_save(monkeypatch, fail_on_call: int):
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def save(obj, f, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_on_call:
+            f.write(b"PK\x03\x04 half a checkpoint")  # a partial write, then the crash
+            raise OSError("disk full (simulated)")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_atomic_torch_save_leaves_old_file_intact(tmp_path, monkeypatch):
+    # catches: writing the checkpoint in place (a crash mid-write would leave a truncated, unloadable file)
+    path = tmp_path / "checkpoint.pt"
+    atomic_torch_save({"module": {"w": torch.arange(3)}}, path)
+    _failing_save(monkeypatch, 1)
+    with pytest.raises(OSError, match="simulated"):
+        atomic_torch_save({"module": {"w": torch.zeros(3)}}, path)
+    assert torch.equal(torch.load(path)["module"]["w"], torch.arange(3))
+    assert os.listdir(tmp_path) == ["checkpoint.pt"]  # no temporary file left behind
+
+
+def test_train_loop_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
+    # catches: the training loop writing checkpoints non-atomically (saves: step 2, then final checkpoint.pt fails)
+    module, run = _toy(tmp_path, lambda m, x: m(x).pow(2).mean(), steps=4, checkpoint_every=2)
+    _failing_save(monkeypatch, 2)
+    with pytest.raises(OSError, match="simulated"):
+        run()
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["state"]["step"] == 2
+    assert not (tmp_path / "final.pt").exists()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "log.jsonl"]
+
+
+# --------------------------------------------------------------------------------------------- checkpoint errors
+
+@pytest.fixture
+def trained_run(tiny_toml, tmp_path):
+    train_capsules(_cfg(tiny_toml, "train.steps=1"), tmp_path / "run", progress=False)
+    return tmp_path / "run" / "final.pt"
+
+
+def test_load_trained_round_trip(trained_run):
+    # catches: load_trained rebuilding a different config or not loading the saved weights
+    cfg, system = load_trained(trained_run)
+    assert cfg["model"].num_parts == 3 and cfg["model"].num_parents == 2 and cfg["name"] == "tiny"
+    assert cfg["encoder"].channels == [8, 8]
+    _assert_same_state(system.state_dict(), load_checkpoint(trained_run)["module"])
+    assert cfg["train_state"]["step"] == 1
+
+
+def test_checkpoint_of_another_shape_names_file_and_key(trained_run, tmp_path):
+    # catches: a raw torch size-mismatch dump (or, worse, silent partial loading) for a config change
+    ckpt = torch.load(trained_run, weights_only=False)
+    ckpt["metadata"]["configs"]["model"]["num_parts"] = 4
+    other = tmp_path / "m4.pt"
+    torch.save(ckpt, other)
+    with pytest.raises(CheckpointError) as exc:
+        load_trained(other)
+    msg = str(exc.value)
+    assert str(other) in msg and "\n" not in msg
+    key = msg.split("'")[1]
+    assert key in ckpt["module"], msg
+    configs = ckpt["metadata"]["configs"]
+    system4 = CapsuleSystem(CapsuleModelConfig(**configs["model"]), EncoderConfig(**configs["encoder"]))
+    assert system4.state_dict()[key].shape != ckpt["module"][key].shape
+
+
+def test_checkpoint_missing_corrupt_or_foreign(tmp_path, trained_run):
+    # catches: tracebacks instead of one-line CheckpointErrors naming the file
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_trained(tmp_path / "missing.pt")
+    bad = tmp_path / "corrupt.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt.pt"):
+        load_trained(bad)
+    foreign = tmp_path / "foreign.pt"
+    ckpt = torch.load(trained_run, weights_only=False)
+    ckpt["metadata"]["kind"] = "lenet"
+    torch.save(ckpt, foreign)
+    with pytest.raises(CheckpointError, match="foreign.pt.*not a capsule-model"):
+        load_trained(foreign)
+    with pytest.raises(ConfigError, match="model.bogus"):
+        load_trained(trained_run, overrides=["model.bogus=1"])
+
+
+# --------------------------------------------------------------------------------------------- config errors
+
+def test_unknown_config_key_names_key_and_file(tmp_path, tiny_toml):
+    # catches: a typo in a config silently falling back to the default
+    path = tmp_path / "typo.toml"
+    path.write_text(tiny_toml.read_text().replace("num_parts = 3", "num_part = 3"))
+    with pytest.raises(ConfigError) as exc:
+        load_experiment_config(path)
+    assert "'num_part'" in str(exc.value) and str(path) in str(exc.value)
+    path.write_text(tiny_toml.read_text() + "\n[optimiser]\nlr = 1\n")
+    with pytest.raises(ConfigError, match=r"typo\.toml.*'optimiser'"):
+        load_experiment_config(path)
+
+
+def test_invalid_toml_names_file(tmp_path):
+    # catches: a tomllib traceback instead of a one-line error naming the file
+    path = tmp_path / "broken.toml"
+    path.write_text("[model\nnum_parts = 3\n")
+    with pytest.raises(ConfigError, match=r"broken\.toml.*not valid TOML"):
+        load_experiment_config(path)
+    with pytest.raises(ConfigError, match="nowhere.toml"):
+        load_experiment_config(tmp_path / "nowhere.toml")
+
+
+def test_config_types_and_consistency_checked(tmp_path, tiny_toml):
+    # catches: wrong value types accepted, or a data canvas that differs from the model's
+    with pytest.raises(ConfigError, match="model.num_parts"):
+        load_experiment_config(tiny_toml, ['model.num_parts="three"'])
+    with pytest.raises(ConfigError, match="canvas_size"):
+        load_experiment_config(tiny_toml, ["model.canvas_size=30"])
+    with pytest.raises(ConfigError, match="dataset"):
+        load_experiment_config(tiny_toml, ["data.dataset=cifar"])
+    cfg = load_experiment_config(tiny_toml, ["train.lr=1"])  # an int where a float is expected is fine
+    assert cfg["train"].lr == 1.0 and isinstance(cfg["train"].lr, float)
+
+
+# --------------------------------------------------------------------------------------------- data for training
+
+def test_fake_mnist_root_is_used_by_placed_mnist(fake_mnist_root):
+    # catches: PROBCAPS_DATA not being honoured when no data_dir is given
+    placed = placed_mnist("test", canvas=40, verify=False, limit=5)
+    assert placed.images.shape == (5, 40, 40) and placed.images.dtype == torch.uint8
+
+
+def test_synthetic_load_images_respects_limits(tiny_toml):
+    # catches: the experiment's data limits or canvas being ignored
+    cfg = _cfg(tiny_toml)
+    images, labels = load_images(cfg["data"], "train")
+    assert images.shape == (16, 28, 28) and labels.shape == (16,)
+    test_images, _ = load_images(cfg["data"], "test")
+    assert not torch.equal(images, test_images)
+
+
+@requires_real_mnist
+def test_real_mnist_load_images():
+    # catches: the real-data path (verified md5s, placement on the 40x40 canvas) breaking
+    cfg = load_experiment_config(None, ["data.train_limit=8"])
+    images, labels = load_images(cfg["data"], "train", data_dir=REAL_DATA_ROOT)
+    assert images.shape == (8, 40, 40) and labels.shape == (8,)
+    assert images.dtype == torch.uint8 and int(images.max()) > 200
