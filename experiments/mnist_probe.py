@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--jit", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--train-only", action="store_true",
+                   help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,6 +74,8 @@ def main(argv=None) -> int:
                 resume = args.resume and (out / "checkpoint.pt").is_file()
                 train_capsules(cfg, out, resume=resume, device=args.device, data_dir=args.data_dir,
                                progress=not args.quiet)
+            if args.train_only:
+                continue
             state = load_checkpoint(final)["state"]
             metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
                                           data_dir=args.data_dir, device=args.device, progress=not args.quiet,
@@ -80,6 +84,8 @@ def main(argv=None) -> int:
             print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
                   f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
                   f"training {state['wall_time_s'] / 60:.1f} min")
+        if args.train_only:
+            return 0
         summary = {"per_seed": runs}
         for key in runs[0]:
             if key in ("seed", "steps") or not isinstance(runs[0][key], float):

@@ -36,7 +36,7 @@ class EncoderConfig:
     part_embedding: int = 16       # learned identity of each part (which template it is)
     min_scale: float = 0.3
     max_scale: float = 2.0
-    max_translation: float = 1.0
+    max_translation: float = 0.5   # of the offset from where each part's attention looks
     parent_pose_scale: float = 1.0  # multiplies the raw parent-pose head output
 
     def to_dict(self) -> dict:

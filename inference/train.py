@@ -18,7 +18,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -48,6 +48,9 @@ class TrainConfig:
     seed: int = 0
     jit: bool = False              # JitTraceEnum_ELBO (rests on the deprecated torch.jit.trace)
     validate: bool = False         # Pyro's validation checks (a few ms a step)
+    # learning-rate multipliers by parameter-name prefix, e.g. {"model.template" = 10.0}: the templates need to
+    # travel much further from their initial values than the network weights
+    lr_multipliers: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +103,17 @@ def _lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
         return cfg.final_lr_fraction + (1 - cfg.final_lr_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def _param_groups(module: nn.Module, cfg: TrainConfig) -> list[dict]:
+    """One Adam group per learning-rate multiplier (the schedule scales every group alike)."""
+    groups: dict[float, list] = {}
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        mult = next((m for prefix, m in cfg.lr_multipliers.items() if name.startswith(prefix)), 1.0)
+        groups.setdefault(float(mult), []).append(p)
+    return [{"params": ps, "lr": cfg.lr * m} for m, ps in sorted(groups.items())]
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
@@ -156,7 +170,7 @@ def train_loop(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimiser = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimiser = torch.optim.Adam(_param_groups(module, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, _lr_factor(cfg))
     state = TrainState()
     ckpt_path, log_path = out_dir / "checkpoint.pt", out_dir / "log.jsonl"

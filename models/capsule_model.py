@@ -52,6 +52,7 @@ class CapsuleModelConfig:
     expected_parents: float = 2.0  # π_k = expected_parents / K: one or two objects per digit
     learn_parent_prior: bool = False
     init_offset_std: float = 0.5   # spread of the initial Δ_km translations
+    template_init: str = "blob"    # "blob": a round brush plus orthogonal noise; "orthogonal": SCAE's init
     seed: int = 0                  # parameter initialisation
 
     def to_dict(self) -> dict:
@@ -91,8 +92,18 @@ class CapsuleModel(PyroModule):
         cfg = self.config = config or CapsuleModelConfig()
         K, M, t = cfg.num_parents, cfg.num_parts, cfg.template_size
         gen = torch.Generator().manual_seed(cfg.seed)
-        self.template_logits = nn.Parameter(_orthogonal_logits(M, t, gen, gain=1.0))
-        self.alpha_logits = nn.Parameter(_orthogonal_logits(M, t, gen, gain=1.0))
+        if cfg.template_init == "orthogonal":
+            self.template_logits = nn.Parameter(_orthogonal_logits(M, t, gen, gain=1.0))
+            self.alpha_logits = nn.Parameter(_orthogonal_logits(M, t, gen, gain=1.0))
+        elif cfg.template_init == "blob":
+            # every part starts as a soft round brush that can paint a stroke wherever the encoder puts it, so
+            # poses get a useful gradient from the first step; the orthogonal noise breaks the parts' symmetry
+            r = torch.linspace(-1, 1, t)
+            blob = 6.0 * torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * 0.35**2)) - 3.0
+            self.template_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen, gain=1.0))
+            self.alpha_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen, gain=1.0))
+        else:
+            raise ValueError(f"CapsuleModelConfig.template_init: unknown {cfg.template_init!r} (blob, orthogonal)")
         self.log_affinity = nn.Parameter(torch.zeros(K, M))                  # log ρ_km
         self.presence_logits = nn.Parameter(torch.zeros(K, M))               # logit γ_km
         offsets = torch.zeros(K, M, 6)

@@ -62,6 +62,9 @@ def _coerce(value: Any, target: Any, where: str) -> Any:
     elif isinstance(target, list):
         if not isinstance(value, list):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
+    elif isinstance(target, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
     return value
 
 

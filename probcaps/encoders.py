@@ -163,6 +163,13 @@ class SetTransformer(nn.Module):
         return self.out(self.pool(x, key_weights))
 
 
+def _position_grid(h: int, w: int, device, dtype) -> torch.Tensor:
+    """``(h*w, 2)`` centres of an ``h x w`` feature map's cells in normalised canvas coordinates (x, y)."""
+    ys = (torch.arange(h, device=device, dtype=dtype) * 2 + 1) / h - 1
+    xs = (torch.arange(w, device=device, dtype=dtype) * 2 + 1) / w - 1
+    return torch.stack(torch.meshgrid(xs, ys, indexing="xy"), -1).reshape(-1, 2)
+
+
 class PartOutput(NamedTuple):
     """Part capsules from :class:`PartEncoder`."""
 
@@ -194,8 +201,10 @@ class PartEncoder(nn.Module):
         feature_dim: int = 16,
         activation: type[nn.Module] = nn.ELU,
         pose_kwargs: dict | None = None,
+        attention_translation: bool = True,
     ):
         super().__init__()
+        self.attention_translation = attention_translation
         if len(channels) != len(strides):
             raise ValueError(f"PartEncoder: {len(channels)} channels but {len(strides)} strides")
         self.num_parts, self.feature_dim = num_parts, feature_dim
@@ -235,13 +244,20 @@ class PartEncoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> PartOutput:
         h = self.head(self.cnn(x))  # (B, M * (n_param + 1), H', W')
+        fh, fw = h.shape[-2:]
         h = h.reshape(h.shape[0], self.num_parts, self.n_param + 1, -1)  # (B, M, P + 1, H'W')
         att = torch.softmax(h[:, :, -1], -1)  # (B, M, H'W'): over positions
         params = torch.einsum("bmpn,bmn->bmp", h[:, :, :-1], att)  # (B, M, P)
         pose_raw = params[..., :6]
+        pose = constrained_pose(pose_raw, **self.pose_kwargs)
+        if self.attention_translation:
+            # the part sits where its attention looks (plus the squashed offset): placing a part is then a matter
+            # of where to look, learned far faster than regressing coordinates from pooled features
+            centre = torch.einsum("bmn,nd->bmd", att, _position_grid(fh, fw, h.device, h.dtype))  # (B, M, 2)
+            pose = pose + F.pad(centre.unsqueeze(-1), (2, 0)).flatten(-2)  # adds (0,0,cx,0,0,cy): translations
         return PartOutput(
             presence_logit=params[..., 6],
-            pose=constrained_pose(pose_raw, **self.pose_kwargs),
+            pose=pose,
             pose_raw=pose_raw,
             features=params[..., 7:],
         )

@@ -179,7 +179,7 @@ def test_part_encoder_initialisation():
 
 @pytest.mark.parametrize("kw", [dict(max_translation=0.4), dict(min_scale=0.5, max_scale=1.2, max_translation=0.7)])
 def test_part_encoder_pose_ranges(kw):
-    enc = PartEncoder(12, channels=(8, 8), strides=(2, 1), feature_dim=3, pose_kwargs=kw)
+    enc = PartEncoder(12, channels=(8, 8), strides=(2, 1), feature_dim=3, pose_kwargs=kw, attention_translation=False)
     with torch.no_grad():  # blow up the head so the squashing saturates and the range limits are exercised
         enc.head.weight.mul_(300.0)
         enc.head.bias.mul_(30.0)
@@ -212,3 +212,33 @@ def test_cuda_matches_cpu():
     torch.testing.assert_close(y_cuda, y, atol=1e-4, rtol=1e-4)
     for a, b in zip(p_cuda, p):
         torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)
+
+
+def test_position_grid_hand_values():
+    # catches: cell centres off by half a cell or with x/y swapped (parts would be placed off target)
+    g = encoders._position_grid(2, 3, "cpu", torch.float32)
+    expected = torch.tensor([[-2 / 3, -0.5], [0.0, -0.5], [2 / 3, -0.5], [-2 / 3, 0.5], [0.0, 0.5], [2 / 3, 0.5]])
+    torch.testing.assert_close(g, expected)
+
+
+def test_attention_translation_places_part_where_it_looks():
+    # catches: translation not following the attention (the part would not move with the feature it attends to)
+    enc = PartEncoder(3, channels=(4,), strides=(1,), feature_dim=2, pose_kwargs={"max_translation": 0.5})
+    x = torch.rand(2, 1, 6, 6)
+    with torch.no_grad():
+        enc.head.weight.zero_()
+        enc.head.bias.zero_()
+        P = enc.n_param + 1
+        # part 0 attends only to feature-map cell (row 1, col 4): a large attention logit there via the bias is not
+        # spatial, so drive it through the input instead: a single bright pixel and a positive weight
+        x = torch.zeros(2, 1, 6, 6)
+        x[:, 0, 1, 4] = 1.0
+        enc.cnn[0].weight.zero_()
+        enc.cnn[0].weight[:, 0, 1, 1] = 1.0  # identity-like 3x3 kernel centre
+        enc.cnn[0].bias.zero_()
+        enc.head.weight.view(3, P, -1)[0, -1, :] = 200.0  # attention logit of part 0 = 200 * (ELU of the pixel)
+    out = enc(x)
+    expected_centre = torch.tensor([(2 * 4 + 1) / 6 - 1, (2 * 1 + 1) / 6 - 1])
+    offset = encoders.constrained_pose(out.pose_raw, max_translation=0.5)[..., [2, 5]]
+    torch.testing.assert_close(out.pose[:, 0, [2, 5]] - offset[:, 0], expected_centre.expand(2, 2), atol=1e-4,
+                               rtol=0)
