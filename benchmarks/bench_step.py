@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--jit", action="store_true")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -48,7 +49,7 @@ def main() -> None:
     pyro.settings.set(module_local_params=True)
     pyro.enable_validation(False)
     cfg = load_experiment_config(args.config, [f"model.num_parts={args.parts}", f"model.num_parents={args.parents}",
-                                               f"model.template_size={args.template_size}"])
+                                               f"model.template_size={args.template_size}", *args.set])
     system = CapsuleSystem(cfg["model"], cfg["encoder"]).to(args.device)
     opt = torch.optim.Adam(system.parameters(), lr=1e-4)
     elbo = make_elbo(args.jit)

@@ -39,7 +39,6 @@ def export_checkpoint(src: Path, dst: Path) -> Path:
     """The model and its config without optimiser state: what a user needs to evaluate (a few MB)."""
     ckpt = load_checkpoint(src)
     slim = {k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}
-    slim["module"] = {k: v.clone() for k, v in slim["module"].items()}
     return atomic_torch_save(slim, dst)
 
 

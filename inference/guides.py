@@ -34,6 +34,8 @@ class EncoderConfig:
     parent_code: int = 32          # per-object encoding fed to the heads
     head_hidden: int = 64          # the one-hidden-layer MLP heads
     part_embedding: int = 16       # learned identity of each part (which template it is)
+    part_features: int = 16        # per-part image features of the CNN head (unused by the object encoder: 0 is
+                                   # faster; kept at 16 by default for the checkpoints trained with it)
     min_scale: float = 0.3
     max_scale: float = 2.0
     max_translation: float = 0.5   # of the offset from where each part's attention looks
@@ -64,7 +66,7 @@ class CapsuleEncoder(nn.Module):
         super().__init__()
         cfg = self.config = config or EncoderConfig()
         self.parts = PartEncoder(
-            num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides),
+            num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides), feature_dim=cfg.part_features,
             pose_kwargs=dict(min_scale=cfg.min_scale, max_scale=cfg.max_scale, max_translation=cfg.max_translation),
         )
         self.part_embedding = nn.Parameter(0.1 * torch.randn(num_parts, cfg.part_embedding))

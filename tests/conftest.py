@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pyro
@@ -10,7 +11,8 @@ import torch
 
 torch.set_num_threads(1)
 
-REAL_DATA_ROOT = Path("/work/shared/data")
+# the Makefile points PROBCAPS_DATA at ../shared/data when it exists; fall back to that folder directly
+REAL_DATA_ROOT = Path(os.environ.get("PROBCAPS_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 def real_mnist_available() -> bool:
