@@ -14,6 +14,7 @@ optimiser state) so the result can be evaluated without training:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -28,6 +29,7 @@ import torch  # noqa: E402
 from inference.capsule_svi import load_experiment_config, train_capsules  # noqa: E402
 from inference.evaluate import evaluate_checkpoint  # noqa: E402
 from inference.train import load_checkpoint  # noqa: E402
+from probcaps import plotting  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -40,6 +42,18 @@ def export_checkpoint(src: Path, dst: Path) -> Path:
     ckpt = load_checkpoint(src)
     slim = {k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}
     return atomic_torch_save(slim, dst)
+
+
+def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
+    """Negative ELBO per image against step, one line per run (from the runs' ``log.jsonl``)."""
+    curves = {}
+    for label, log in logs.items():
+        if log.is_file():
+            records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+            curves[label] = ([r["step"] for r in records], [r["loss"] for r in records])
+    if curves:
+        plotting.plot_curves(curves, path, xlabel="step", ylabel="negative ELBO per image (nats)",
+                             title="training (SVI, TraceEnum_ELBO)")
 
 
 def main(argv=None) -> int:
@@ -98,6 +112,8 @@ def main(argv=None) -> int:
                           configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
         prov["device"] = device_description(args.device)
         write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
+        plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},
+                             Path(args.results_dir) / f"{args.name}_training.png")
         if args.checkpoint_out:
             export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", Path(args.checkpoint_out))
         print(f"wrote {Path(args.results_dir) / (args.name + '.json')}")

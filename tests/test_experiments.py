@@ -29,6 +29,7 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
     accs = [r["probe_presence_pose_test_acc"] for r in per_seed]
     assert summary["metrics"]["probe_presence_pose_test_acc_mean"] == pytest.approx(sum(accs) / 2)
     assert (results / "mnist_probe_seed0_templates.png").is_file()
+    assert (results / "mnist_probe_training.png").is_file()
     # the exported checkpoint evaluates without training and holds no optimiser state
     exported = torch.load(ckpt, weights_only=False)
     assert "optimiser" not in exported and exported["metadata"]["kind"] == "capsule_model"
