@@ -94,7 +94,9 @@ def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, ba
     """Fold :func:`alpha_over` over layers along ``dim`` (index 0 at the back), onto an opaque background.
 
     Closed form of the fold: layer ``m`` contributes ``α_m ∏_{j>m} (1 − α_j)``, the background what is left.
-    Vectorised with one reversed cumulative product, no loop over layers.
+    The products are taken in log space as one cumulative sum (``∏_{j>m} = exp(Σ_all − Σ_{j<=m})``): no loop over
+    layers, no flips, and a cheap backward.  Alphas are clamped to ``1 − 1e-6`` so an opaque layer keeps a finite
+    log; what shows through it is then ``1e-6`` of the layers behind instead of exactly 0.
 
     Args:
         colours: ``(..., M, C, H, W)`` layer colours (``dim`` indexes the layers).
@@ -104,14 +106,11 @@ def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, ba
         background's share to 1).
     """
     dim = dim % colours.dim()
-    one_minus = 1 - alphas
-    front_first = torch.flip(one_minus, [dim])
-    trans = torch.cumprod(front_first, dim)
-    ones = torch.ones_like(trans.narrow(dim, 0, 1))
-    # transmittance through every layer in front of m (exclusive product), back in back-to-front order
-    in_front = torch.flip(torch.cat([ones, trans.narrow(dim, 0, trans.shape[dim] - 1)], dim), [dim])
-    weights = alphas * in_front
+    log_clear = torch.log1p(-alphas.clamp(max=1 - 1e-6))   # log(1 − α_m)
+    through_to = torch.cumsum(log_clear, dim)              # Σ_{j<=m}
+    total = through_to.narrow(dim, through_to.shape[dim] - 1, 1)
+    weights = alphas * torch.exp(total - through_to)        # α_m ∏_{j>m} (1 − α_j)
     image = (weights * colours).sum(dim)
     if background != 0.0:
-        image = image + background * trans.narrow(dim, trans.shape[dim] - 1, 1).squeeze(dim)
+        image = image + background * torch.exp(total.squeeze(dim))
     return image, weights
