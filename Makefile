@@ -27,8 +27,15 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
+# one training step at batch 128, Pyro vs plain torch, at SCAE's sizes (40 parts, 32 objects) with the fast
+# encoder and with the headline config's encoder; rows go to results/bench_step.json (README table)
 bench: install
-	$(PY) benchmarks/bench_step.py
+	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, fast encoder" \
+	  --set "encoder.strides=[2,2,2]" --set encoder.part_features=0 --json results/bench_step.json
+	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, headline encoder" \
+	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
+	$(PY) benchmarks/bench_step.py --threads 2 --label "headline config" --parts 24 --parents 16 \
+	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
 
 report: install
 	$(VENV)/bin/probcaps report

@@ -26,6 +26,8 @@ import torch  # noqa: E402
 
 from inference.capsule_svi import CapsuleSystem, load_experiment_config  # noqa: E402
 from inference.train import make_elbo  # noqa: E402
+from probcaps.io import write_json  # noqa: E402
+from probcaps.provenance import device_description  # noqa: E402
 
 
 def main() -> None:
@@ -40,6 +42,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--jit", action="store_true")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    p.add_argument("--append", action="store_true", help="append a row to --json instead of replacing it")
+    p.add_argument("--label", default=None, help="name of this row in the JSON file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     args = p.parse_args()
     if args.threads:
@@ -88,6 +92,9 @@ def main() -> None:
         "pyro_step_ms": 1000 * med["pyro"], "torch_step_ms": 1000 * med["torch"],
         "ratio_pyro_over_torch": med["pyro"] / med["torch"], "pyro_images_per_s": args.batch / med["pyro"],
         "peak_memory_mb": peak_mb, "losses_agree": agree, "device": args.device,
+        "device_description": device_description(args.device), "label": args.label,
+        "encoder": cfg["encoder"].to_dict(), "command": " ".join(["python", *sys.argv]),
+        "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ,
     }
     print(f"batch {args.batch}, {args.parts} parts, {args.parents} objects, {torch.get_num_threads()} threads, "
           f"{args.device}")
@@ -97,7 +104,10 @@ def main() -> None:
     print(f"    ratio pyro / torch   {result['ratio_pyro_over_torch']:.3f}")
     print(f"  peak memory            {peak_mb:.0f} MB ({'CUDA allocated' if args.device.startswith('cuda') else 'max RSS'})")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        path = Path(args.json)
+        rows = json.loads(path.read_text()) if args.append and path.is_file() else []
+        rows = rows if isinstance(rows, list) else [rows]
+        write_json(path, rows + [result])
 
 
 if __name__ == "__main__":

@@ -3,11 +3,14 @@
 The amortised encoder maps an image to the part capsules (a CNN with attentive pooling, one capsule per
 template) and the set of part capsules to the object capsules (a set transformer).  There is no direct path
 from the image to the objects.  :class:`DeltaGuide` places point masses on the poses (MAP) and concrete
-distributions on the presences; it is how the model is trained from scratch.
+distributions on the presences; it is how the model is trained from scratch.  :class:`NormalPoseGuide` (the
+"full variational poses" guide) puts Normal posteriors on the poses and starts from a delta-trained encoder
+(:func:`from_delta`, paper §2.3).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -15,12 +18,13 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from pyro.nn import PyroModule
 
 from probcaps.distributions import ClampedRelaxedBernoulli
 from probcaps.encoders import PartEncoder, SetTransformer
 
-__all__ = ["EncoderConfig", "CapsuleEncoder", "Latents", "DeltaGuide"]
+__all__ = ["EncoderConfig", "CapsuleEncoder", "Latents", "DeltaGuide", "NormalPoseGuide", "from_delta"]
 
 
 @dataclass
@@ -65,6 +69,7 @@ class CapsuleEncoder(nn.Module):
     def __init__(self, num_parts: int, num_parents: int, config: EncoderConfig | None = None):
         super().__init__()
         cfg = self.config = config or EncoderConfig()
+        self.num_parts, self.num_parents = num_parts, num_parents  # plain ints: not in the state_dict
         self.parts = PartEncoder(
             num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides), feature_dim=cfg.part_features,
             pose_kwargs=dict(min_scale=cfg.min_scale, max_scale=cfg.max_scale, max_translation=cfg.max_translation),
@@ -128,3 +133,71 @@ class DeltaGuide(PyroModule):
             z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
             y1 = pyro.sample("y1", self.pose_distribution(parent_poses, "y1"))
         return z1, y1, z0, y0
+
+
+def inverse_softplus(value: float) -> float:
+    """``y`` such that ``softplus(y) = value`` (``value > 0``), stable for tiny and large values."""
+    if value <= 0:
+        raise ValueError(f"inverse_softplus: value must be > 0, got {value}")
+    return value + math.log(-math.expm1(-value))
+
+
+class NormalPoseGuide(DeltaGuide):
+    """Amortised guide with Normal posteriors on the poses ("full variational poses", SPEC §1 "Guides").
+
+    The encoder, the presences (concrete) and the sampling order are those of :class:`DeltaGuide`; only the pose
+    family differs: ``y0 ~ Normal(loc, σ_parts).to_event(1)`` and ``y1 ~ Normal(loc, σ_parents).to_event(1)``, with
+    the locations from the encoder.
+
+    **Scales.**  The scales are *not* amortised: they are the guide's own parameters, one per capsule and pose
+    dimension, shared by every image: ``σ_parts (M, 6)`` and ``σ_parents (K, 6)``, each
+    ``min_scale + softplus(raw)``.  A per-image scale head would have to live in :class:`CapsuleEncoder` and would
+    change its ``state_dict``, which checkpoints trained with the delta guide must keep loading into.  The floor
+    ``min_scale`` keeps the entropy term bounded (a collapsing scale would send the ELBO to +inf); it defaults to
+    ``1e-3``, below the model's ``part_pose_std_min``, so it does not bind in practice.  Per-image scales are what
+    test-time VI (``inference.ttvi``, ``pose_family="normal"``) adds.
+
+    The raw parameters are ``pose_scale_raw_parts`` and ``pose_scale_raw_parents``; :meth:`pose_scales` returns
+    the scales themselves.  Build one from a delta-trained guide with :func:`from_delta`.
+    """
+
+    def __init__(self, encoder: CapsuleEncoder, temperature: float, init_scale: float = 0.02,
+                 min_scale: float = 1e-3):
+        super().__init__(encoder, temperature)
+        if not init_scale > min_scale >= 0:
+            raise ValueError(f"NormalPoseGuide: need init_scale > min_scale >= 0, got init_scale={init_scale}, "
+                             f"min_scale={min_scale}")
+        self.min_scale = float(min_scale)
+        ref = next(encoder.parameters())
+        raw = inverse_softplus(init_scale - min_scale)
+        M, K = encoder.num_parts, encoder.num_parents
+        self.pose_scale_raw_parts = nn.Parameter(torch.full((M, 6), raw, dtype=ref.dtype, device=ref.device))
+        self.pose_scale_raw_parents = nn.Parameter(torch.full((K, 6), raw, dtype=ref.dtype, device=ref.device))
+
+    def pose_scales(self, name: str) -> torch.Tensor:
+        """``σ`` of the poses ``name`` (``"y0"``: ``(M, 6)``; ``"y1"``: ``(K, 6)``)."""
+        if name == "y0":
+            raw = self.pose_scale_raw_parts
+        elif name == "y1":
+            raw = self.pose_scale_raw_parents
+        else:
+            raise KeyError(f"NormalPoseGuide: no pose site {name!r} (y0, y1)")
+        return self.min_scale + F.softplus(raw)
+
+    def pose_distribution(self, loc: torch.Tensor, name: str):
+        return dist.Normal(loc, self.pose_scales(name).expand_as(loc)).to_event(1)
+
+
+def from_delta(guide: DeltaGuide, init_scale: float = 0.02, min_scale: float = 1e-3, *,
+               copy_encoder: bool = False) -> NormalPoseGuide:
+    """A :class:`NormalPoseGuide` that starts from a (delta-trained) guide's encoder (paper §2.3).
+
+    The pose locations, the presences and the parent encoder are exactly the delta guide's; only the pose scales are
+    new (``init_scale`` everywhere).  By default the encoder module is *shared* (so a ``CapsuleSystem`` whose
+    ``encoder`` is the same object stays consistent); ``copy_encoder=True`` gives the new guide a deep copy instead,
+    leaving ``guide`` untouched by further training.
+    """
+    import copy
+
+    encoder = copy.deepcopy(guide.encoder) if copy_encoder else guide.encoder
+    return NormalPoseGuide(encoder, guide.temperature, init_scale=init_scale, min_scale=min_scale)

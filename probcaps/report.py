@@ -59,15 +59,19 @@ def _benchmark_table(results_dir: Path) -> str | None:
         return None
     rows = json.loads(path.read_text())
     rows = rows if isinstance(rows, list) else [rows]
-    lines = ["| parts × objects | batch | Pyro step (ms) | torch step (ms) | ratio | images/s | peak memory (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| setting | parts × objects | batch | Pyro step (ms) | torch step (ms) | ratio | images/s | "
+             "peak memory (MB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['parts']} × {r['parents']} | {r['batch']} | {r['pyro_step_ms']:.0f} | "
+        enc = r.get("encoder", {})
+        setting = f"{r.get('label') or ''} (conv {enc.get('channels')}, strides {enc.get('strides')})"
+        lines.append(f"| {setting} | {r['parts']} × {r['parents']} | {r['batch']} | {r['pyro_step_ms']:.0f} | "
                      f"{r['torch_step_ms']:.0f} | {r['ratio_pyro_over_torch']:.3f} | {r['pyro_images_per_s']:.0f} | "
                      f"{r['peak_memory_mb']:.0f} |")
     lines.append("")
     lines.append(f"Device: {rows[0].get('device_description', rows[0].get('device'))}, "
-                 f"{rows[0]['threads']} threads; command: `{rows[0].get('command', 'make bench')}`.")
+                 f"{rows[0]['threads']} threads, glibc allocator thresholds set: {rows[0].get('malloc_env')}; "
+                 f"command: `make bench`. The ratio is what the benchmark is for (interleaved in one run); images/s "
+                 f"depends on the machine.")
     return "\n".join(lines)
 
 

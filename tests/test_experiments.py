@@ -55,7 +55,7 @@ def test_bench_step_runs_and_losses_agree(tmp_path):
                            "--set", "encoder.channels=[8,8]", "--set", "encoder.strides=[2,2]"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
+    (result,) = json.loads(out.read_text())
     assert result["losses_agree"] is True
     assert result["ratio_pyro_over_torch"] > 0
 
