@@ -10,7 +10,6 @@ distributions on the presences; it is how the model is trained from scratch.  :c
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -21,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pyro.nn import PyroModule
 
-from probcaps.distributions import ClampedRelaxedBernoulli
+from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.encoders import PartEncoder, SetTransformer
 
 __all__ = ["EncoderConfig", "CapsuleEncoder", "Latents", "DeltaGuide", "NormalPoseGuide", "from_delta"]
@@ -133,13 +132,6 @@ class DeltaGuide(PyroModule):
             z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
             y1 = pyro.sample("y1", self.pose_distribution(parent_poses, "y1"))
         return z1, y1, z0, y0
-
-
-def inverse_softplus(value: float) -> float:
-    """``y`` such that ``softplus(y) = value`` (``value > 0``), stable for tiny and large values."""
-    if value <= 0:
-        raise ValueError(f"inverse_softplus: value must be > 0, got {value}")
-    return value + math.log(-math.expm1(-value))
 
 
 class NormalPoseGuide(DeltaGuide):

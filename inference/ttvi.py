@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from inference.guides import DeltaGuide, Latents, NormalPoseGuide
 from inference.train import make_elbo
-from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
+from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.errors import TrainingDiverged
 
 __all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "run_ttvi", "ttvi_batches"]
@@ -76,10 +76,6 @@ class TTVIResult:
         return self.elbo_start.shape[0]
 
 
-def _inverse_softplus(value: torch.Tensor) -> torch.Tensor:
-    return value + torch.log(-torch.expm1(-value))
-
-
 class FreeFormGuide(nn.Module):
     """A guide with its own variational parameters for each of ``B`` images (free-form, not amortised).
 
@@ -106,9 +102,9 @@ class FreeFormGuide(nn.Module):
                 if not (s > min_scale).all():
                     raise ValueError(f"FreeFormGuide: {name} must exceed min_scale={min_scale}")
             ref = self.part_locs
-            self.part_scale_raw = nn.Parameter(_inverse_softplus(
+            self.part_scale_raw = nn.Parameter(inverse_softplus(
                 part_scales.detach().to(ref) - min_scale).expand_as(self.part_locs).clone())
-            self.parent_scale_raw = nn.Parameter(_inverse_softplus(
+            self.parent_scale_raw = nn.Parameter(inverse_softplus(
                 parent_scales.detach().to(ref) - min_scale).expand_as(self.parent_locs).clone())
 
     @property

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from pyro.nn import PyroModule
 from pyro.ops.indexing import Vindex
 
-from probcaps.distributions import ClampedRelaxedBernoulli
+from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
 from probcaps.render import composite_over, render_templates
 
@@ -109,7 +109,7 @@ class CapsuleModel(PyroModule):
         offsets = torch.zeros(K, M, 6)
         offsets[..., [2, 5]] = cfg.init_offset_std * torch.randn(K, M, 2, generator=gen)
         self.offsets = nn.Parameter(offsets)                                 # Δ_km (pose 6-vectors)
-        inv_softplus = math.log(math.expm1(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4)))
+        inv_softplus = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), inv_softplus))  # σ_km = σ_min + softplus(·)
         prior_logit = torch.logit(torch.tensor(min(cfg.expected_parents / K, 0.99)))
         if cfg.learn_parent_prior:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pyro.distributions as dist
 import torch
 
-__all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP"]
+__all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP", "inverse_softplus"]
 
 #: Relaxed samples are kept in ``[RELAXED_CLAMP, 1 - RELAXED_CLAMP]``.  Float32 concrete samples otherwise reach
 #: exactly 0 or 1, where the density's log-Jacobian is infinite and gradients become NaN.
@@ -24,3 +26,12 @@ class ClampedRelaxedBernoulli(dist.RelaxedBernoulli):
 
     def log_prob(self, value):
         return super().log_prob(value.clamp(self.eps, 1 - self.eps))
+
+
+def inverse_softplus(value):
+    """``y`` with ``softplus(y) = value`` (``value > 0``; a float or a tensor), stable for tiny and large values."""
+    if isinstance(value, torch.Tensor):
+        return value + torch.log(-torch.expm1(-value))
+    if value <= 0:
+        raise ValueError(f"inverse_softplus: value must be > 0, got {value}")
+    return value + math.log(-math.expm1(-value))
