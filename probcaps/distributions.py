@@ -6,6 +6,7 @@ import math
 
 import pyro.distributions as dist
 import torch
+import torch.nn.functional as F
 
 __all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP", "inverse_softplus"]
 
@@ -25,7 +26,15 @@ class ClampedRelaxedBernoulli(dist.RelaxedBernoulli):
         return super().rsample(sample_shape).clamp(self.eps, 1 - self.eps)
 
     def log_prob(self, value):
-        return super().log_prob(value.clamp(self.eps, 1 - self.eps))
+        # torch's formula, log τ + d − 2 log(1 + exp d) with d = logits − τ logit(y), overflows to −inf once d > 88
+        # (an encoder's presence logits get there in training); softplus keeps it finite.  Then the sigmoid's
+        # Jacobian: −log(y (1 − y)).
+        if self._validate_args:
+            self._validate_sample(value)
+        y = value.clamp(self.eps, 1 - self.eps)
+        log_y, log_1my = torch.log(y), torch.log1p(-y)
+        diff = self.logits - self.temperature * (log_y - log_1my)
+        return torch.log(self.temperature) + diff - 2 * F.softplus(diff) - log_y - log_1my
 
 
 def inverse_softplus(value):

@@ -399,3 +399,22 @@ def test_svi_with_delta_guide_decreases_loss():
     assert all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.05 * abs(first), losses
+
+
+@pytest.mark.parametrize("logit", [-1e3, -90.0, 90.0, 1e3])
+def test_relaxed_log_prob_finite_for_huge_logits(logit):
+    # catches: torch's log τ + d − 2 log(1 + e^d), which is −inf once d > 88 — the −inf loss that stopped the first
+    # headline run at step ~1000 (an encoder's presence logits grow that large)
+    from probcaps.distributions import ClampedRelaxedBernoulli
+
+    logits = torch.tensor(logit, requires_grad=True)
+    d = ClampedRelaxedBernoulli(torch.tensor(0.5), logits=logits)
+    values = torch.tensor([0.0, 1e-4, 0.5, 1 - 1e-4, 1.0])
+    lp = d.log_prob(values)
+    assert torch.isfinite(lp).all()
+    lp.sum().backward()
+    assert torch.isfinite(logits.grad)
+    # and it is the same density as torch's where torch's formula is still finite
+    ref = torch.distributions.RelaxedBernoulli(torch.tensor(0.5), logits=torch.tensor(2.0)).log_prob(values[1:4])
+    ours = ClampedRelaxedBernoulli(torch.tensor(0.5), logits=torch.tensor(2.0)).log_prob(values[1:4])
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
