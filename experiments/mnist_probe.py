@@ -49,8 +49,10 @@ def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
     curves = {}
     for label, log in logs.items():
         if log.is_file():
-            records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-            curves[label] = ([r["step"] for r in records], [r["loss"] for r in records])
+            # last record per step wins: a run resumed by an older version appended after its stale records
+            by_step = {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, log.read_text().splitlines()))}
+            steps = sorted(by_step)
+            curves[label] = (steps, [by_step[s] for s in steps])
     if curves:
         plotting.plot_curves(curves, path, xlabel="step", ylabel="negative ELBO per image (nats)",
                              title="training (SVI, TraceEnum_ELBO)")

@@ -29,7 +29,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from probcaps.errors import CheckpointError, TrainingDiverged
-from probcaps.io import atomic_torch_save
+from probcaps.io import atomic_torch_save, atomic_write
 
 __all__ = ["TrainConfig", "TrainState", "train_loop", "load_checkpoint", "make_elbo"]
 
@@ -181,6 +181,7 @@ def train_loop(
         scheduler.load_state_dict(ckpt["scheduler"])
         state = TrainState(**ckpt["state"])
         _set_rng_state(ckpt["rng"])
+        _truncate_log(log_path, state.step)
     else:
         seed_everything(cfg.seed)
         log_path.unlink(missing_ok=True)
@@ -254,6 +255,14 @@ def train_loop(
     save(ckpt_path)
     atomic_torch_save(snapshot(), out_dir / "final.pt")
     return state
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log records past ``step`` (written after the checkpoint we resume from), so the log is one history."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    atomic_write(path, lambda f: f.write("".join(line + "\n" for line in keep)), mode="w")
 
 
 def _batch_len(batch) -> int:
