@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-figures", action="store_true")
     _common(p)
 
+    p = sub.add_parser("ttvi", help="free-form test-time VI on test images with a trained checkpoint")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--split", default="test", choices=["train", "test"])
+    p.add_argument("--limit", type=int, default=1000, help="number of images (the first N of the split)")
+    p.add_argument("--rotate", type=float, default=0.0, help="rotate every image by this many degrees first")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=0.03)
+    p.add_argument("--batch-size", type=int, default=250, help="images optimised together")
+    p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results JSON (default: results/ttvi_<run name>.json)")
+    _common(p)
+
     p = sub.add_parser("demo", help="train a small model on real MNIST for a few minutes and report the probes")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--results-dir", default="runs/demo/results")
@@ -136,10 +149,54 @@ def _demo(args) -> None:
           f"demo_reconstructions.png)")
 
 
+def _ttvi(args) -> None:
+    import torch
+
+    from inference.capsule_svi import load_images, load_trained
+    from inference.ttvi import ttvi_batches
+    from probcaps.data import rotate, to_float
+    from probcaps.provenance import provenance, write_results
+
+    cfg, system = load_trained(args.checkpoint, device=args.device)
+    images, _ = load_images(cfg["data"], args.split, args.data_dir, limit=args.limit)
+    x = to_float(images)
+    if args.rotate:
+        x = rotate(x, args.rotate).clamp(0, 1)
+    result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+                          device=args.device, progress=not args.quiet, seed=args.seed, pose_family=args.pose_family)
+
+    @torch.no_grad()
+    def recon_mse(latents) -> float:
+        err = 0.0
+        for i in range(0, len(x), args.batch_size):
+            sl = slice(i, i + args.batch_size)
+            xb = x[sl].to(args.device).unsqueeze(1)
+            img, _ = system.model.render(torch.sigmoid(latents.part_logits[sl].to(args.device)),
+                                         latents.part_poses[sl].to(args.device))
+            err += ((img - xb) ** 2).mean((1, 2, 3)).sum().item()
+        return err / len(x)
+
+    from inference.capsule_svi import encode_dataset
+
+    before = encode_dataset(system.encoder, x, args.batch_size, args.device)
+    metrics = {
+        "n_images": len(x), "rotation_deg": args.rotate, "steps": args.steps, "lr": args.lr,
+        "elbo_encoder_mean": float(result.elbo_start.mean()), "elbo_ttvi_mean": float(result.elbo_end.mean()),
+        "recon_mse_encoder": recon_mse(before), "recon_mse_ttvi": recon_mse(result.latents),
+        "wall_time_s": result.wall_time_s, "image_steps_per_s": len(x) * args.steps / result.wall_time_s,
+        "elbo_trace": result.elbo_trace,
+    }
+    out = Path(args.out or Path("results") / f"ttvi_{cfg['name']}.json")
+    write_results(out, metrics, provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s,
+                                           device=args.device, checkpoint=str(args.checkpoint)))
+    _print_metrics({k: v for k, v in metrics.items() if k != "elbo_trace"})
+    print(f"written to {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.command in ("train", "demo", "evaluate"):
+    if args.command in ("train", "demo", "evaluate", "ttvi"):
         _reexec_with_allocator_settings(argv)
     try:
         if args.command == "download":
@@ -159,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                 _print_metrics(metrics)
             elif args.command == "demo":
                 _demo(args)
+            elif args.command == "ttvi":
+                _ttvi(args)
     except ProbcapsError as e:
         print(f"probcaps {args.command}: error: {e}", file=sys.stderr)
         return 2

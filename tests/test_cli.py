@@ -153,3 +153,17 @@ def test_python_m_probcaps_help():
     assert proc.returncode == 0, proc.stderr
     for command in ("train", "evaluate", "demo", "download", "report"):
         assert command in proc.stdout
+
+
+def test_ttvi_command_runs_and_writes_results(tiny_toml, tmp_path, no_reexec, pyro_clean):
+    # catches: the ttvi command failing to load a checkpoint, optimise or write its JSON
+    from probcaps.cli import main
+
+    assert main(["train", "--config", str(tiny_toml), "--out", str(tmp_path / "run"), "--steps", "2", "--quiet"]) == 0
+    out = tmp_path / "ttvi.json"
+    rc = main(["ttvi", "--checkpoint", str(tmp_path / "run" / "final.pt"), "--limit", "6", "--steps", "5",
+               "--batch-size", "4", "--rotate", "90", "--out", str(out), "--quiet"])
+    assert rc == 0
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["n_images"] == 6 and len(metrics["elbo_trace"]) == 5
+    assert metrics["elbo_ttvi_mean"] > metrics["elbo_encoder_mean"]
