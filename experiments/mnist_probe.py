@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--jit", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--reuse-results", action="store_true",
+                   help="take a seed's metrics from its results JSON when that is newer than its final checkpoint")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     args = p.parse_args(argv)
@@ -92,9 +94,13 @@ def main(argv=None) -> int:
             if args.train_only:
                 continue
             state = load_checkpoint(final)["state"]
-            metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
-                                          data_dir=args.data_dir, device=args.device, progress=not args.quiet,
-                                          figures=seed == args.seeds[0])
+            seed_json = Path(args.results_dir) / f"{args.name}_seed{seed}.json"
+            if args.reuse_results and seed_json.is_file() and seed_json.stat().st_mtime > final.stat().st_mtime:
+                metrics = json.loads(seed_json.read_text())["metrics"]
+            else:
+                metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
+                                              data_dir=args.data_dir, device=args.device, progress=not args.quiet,
+                                              figures=seed == args.seeds[0])
             runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})
             print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
                   f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
