@@ -177,9 +177,9 @@ def per_image_elbo(model, guide: FreeFormGuide, x: torch.Tensor, num_samples: in
         return y, dist.Normal(loc, scale).log_prob(y).sum((-1, -2))
 
     for _ in range(num_samples):
-        z0 = _concrete_sample(lp, tau, gen)
+        z0 = _concrete_sample(q_z0.logits, tau, gen)  # the distribution's (bounded) logits
         y0, lq_y0 = pose(ll, part_scale)
-        z1 = _concrete_sample(pp, tau, gen)
+        z1 = _concrete_sample(q_z1.logits, tau, gen)
         y1, lq_y1 = pose(pl, parent_scale)
         log_q = q_z0.log_prob(z0).sum(-1) + q_z1.log_prob(z1).sum(-1) + lq_y0 + lq_y1
         total += model.log_joint(x, z1, y1, z0, y0) - log_q

@@ -7,20 +7,42 @@ import math
 import pyro.distributions as dist
 import torch
 import torch.nn.functional as F
+from torch.distributions.utils import probs_to_logits
 
-__all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP", "inverse_softplus"]
+__all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP", "MAX_LOGIT", "inverse_softplus"]
 
 #: Relaxed samples are kept in ``[RELAXED_CLAMP, 1 - RELAXED_CLAMP]``.  Float32 concrete samples otherwise reach
 #: exactly 0 or 1, where the density's log-Jacobian is infinite and gradients become NaN.
 RELAXED_CLAMP = 1e-4
 
+#: Logits are soft-bounded to ``±MAX_LOGIT`` (``MAX_LOGIT * tanh(logits / MAX_LOGIT)``; probabilities within
+#: ``[0.0025, 0.9975]``).  Why: a clamped sample is scored by the density *at the clamp*.  With unbounded logits a
+#: guide can put nearly all its mass far beyond the clamp, where its density evaluated at the clamp is tiny, and
+#: collect a fake entropy bonus of hundreds of nats per presence (measured: part logits ~130, 98% of samples at
+#: the clamp, +2,900 nats per image of ELBO that no image earned).  With ``|logit| <= 6`` and ``τ = 0.5`` the
+#: clamp (logit ±9.2) stays in the tail and the density there is the density of the samples.
+MAX_LOGIT = 6.0
+
 
 class ClampedRelaxedBernoulli(dist.RelaxedBernoulli):
-    """Concrete (relaxed Bernoulli) distribution whose samples and log-density arguments are clamped away from
-    0 and 1 by :data:`RELAXED_CLAMP`: the log-density at the clamp is large but finite, and so are its gradients.
+    """Concrete (relaxed Bernoulli) distribution with soft-bounded logits (:data:`MAX_LOGIT`) whose samples and
+    log-density arguments are clamped away from 0 and 1 by :data:`RELAXED_CLAMP`: the log-density at the clamp
+    is large but finite, and so are its gradients.
     """
 
     eps = RELAXED_CLAMP
+
+    def __init__(self, temperature, probs=None, logits=None, validate_args=None):
+        if (probs is None) == (logits is None):
+            raise ValueError("ClampedRelaxedBernoulli: give exactly one of probs or logits")
+        if logits is None:
+            logits = probs_to_logits(probs, is_binary=True)
+        logits = MAX_LOGIT * torch.tanh(logits / MAX_LOGIT)
+        super().__init__(temperature, logits=logits, validate_args=validate_args)
+
+    def expand(self, batch_shape, _instance=None):
+        new = self._get_checked_instance(ClampedRelaxedBernoulli, _instance)
+        return super().expand(batch_shape, _instance=new)
 
     def rsample(self, sample_shape=torch.Size()):
         return super().rsample(sample_shape).clamp(self.eps, 1 - self.eps)

@@ -92,11 +92,12 @@ def _relaxed_bernoulli_log_density(y, p, tau):
     """First principles: logit(Y) ~ Logistic(logit(p) / τ, 1 / τ), then the sigmoid's Jacobian.
 
     log p(y) = log τ + (l − τ u) − 2 log(1 + exp(l − τ u)) − log y − log(1 − y),
-    with u = logit(y), l = logit(p).
+    with u = logit(y), l = 6 tanh(logit(p) / 6) (the package bounds every presence logit to ±6, see
+    probcaps.distributions.MAX_LOGIT).
     """
     y, p = torch.as_tensor(y, dtype=DT), torch.as_tensor(p, dtype=DT)
     u = torch.log(y) - torch.log1p(-y)
-    l = torch.log(p) - torch.log1p(-p)
+    l = 6.0 * torch.tanh((torch.log(p) - torch.log1p(-p)) / 6.0)
     a = l - tau * u
     return math.log(tau) + a - 2 * F.softplus(a) - torch.log(y) - torch.log1p(-y)
 
@@ -161,7 +162,8 @@ def test_relaxed_bernoulli_first_principles_matches_pyro():
     # catches: a mistake in the brute force's own density (so the comparison below tests the model, not this file)
     y = torch.tensor([0.01, 0.3, 0.5, 0.97], dtype=DT)
     p = torch.tensor([0.2, 0.5, 0.9, 0.4], dtype=DT)
-    ref = dist.RelaxedBernoulli(torch.tensor(0.6, dtype=DT), probs=p).log_prob(y)
+    bounded = 6.0 * torch.tanh(torch.logit(p) / 6.0)
+    ref = dist.RelaxedBernoulli(torch.tensor(0.6, dtype=DT), logits=bounded).log_prob(y)
     assert torch.allclose(_relaxed_bernoulli_log_density(y, p, 0.6), ref, rtol=1e-10)
     # and it integrates to one
     grid = torch.linspace(1e-6, 1 - 1e-6, 200001, dtype=DT)
@@ -415,6 +417,23 @@ def test_relaxed_log_prob_finite_for_huge_logits(logit):
     lp.sum().backward()
     assert torch.isfinite(logits.grad)
     # and it is the same density as torch's where torch's formula is still finite
-    ref = torch.distributions.RelaxedBernoulli(torch.tensor(0.5), logits=torch.tensor(2.0)).log_prob(values[1:4])
+    bounded = 6.0 * torch.tanh(torch.tensor(2.0) / 6.0)
+    ref = torch.distributions.RelaxedBernoulli(torch.tensor(0.5), logits=bounded).log_prob(values[1:4])
     ours = ClampedRelaxedBernoulli(torch.tensor(0.5), logits=torch.tensor(2.0)).log_prob(values[1:4])
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_logits_are_soft_bounded_so_clamped_samples_cannot_fake_entropy():
+    # catches: the fake-entropy exploit: with unbounded logits a guide can put its mass far beyond the clamp, where
+    # the density it is scored by (at the clamp) is tiny, and so raise its ELBO by hundreds of nats per presence
+    from probcaps.distributions import MAX_LOGIT, ClampedRelaxedBernoulli
+
+    torch.manual_seed(0)
+    tau = torch.tensor(0.5)
+    bounded = ClampedRelaxedBernoulli(tau, logits=torch.tensor(1e3))
+    assert bounded.logits.item() == pytest.approx(MAX_LOGIT)
+    z = bounded.rsample((4000,))
+    # −log q of its own samples stays a few nats, not the ~1000 an unbounded logit would give at the clamp
+    assert (-bounded.log_prob(z)).mean() < 10
+    unbounded = torch.distributions.RelaxedBernoulli(tau, logits=torch.tensor(1e3))
+    assert -unbounded.log_prob(z.clamp(1e-4, 1 - 1e-4)).mean() > 500  # the exploit the bound removes
