@@ -31,7 +31,7 @@ test: install
 # encoder and with the headline config's encoder; rows go to results/bench_step.json (README table)
 bench: install
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, fast encoder" \
-	  --set "encoder.strides=[2,2,2]" --set encoder.part_features=0 --json results/bench_step.json
+	  --set "encoder.channels=[128,128,128]" --set "encoder.strides=[2,2,2]" --set encoder.part_features=0 --json results/bench_step.json
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, headline encoder" \
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "headline config" --parts 24 --parents 16 \

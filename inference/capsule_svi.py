@@ -45,6 +45,10 @@ def load_experiment_config(path: str | Path | None, overrides: list[str] = ()) -
     if cfg["model"].canvas_size != cfg["data"].canvas_size:
         raise ConfigError(f"{path}: model.canvas_size ({cfg['model'].canvas_size}) differs from data.canvas_size "
                           f"({cfg['data'].canvas_size})")
+    enc = cfg["encoder"]
+    if len(enc.channels) != len(enc.strides):
+        raise ConfigError(f"{path}: encoder.channels has {len(enc.channels)} layers but encoder.strides "
+                          f"{len(enc.strides)}")
     data = cfg["data"]
     if data.canvas_size < 28 + 2 * data.max_shift:
         raise ConfigError(f"{path}: data.canvas_size ({data.canvas_size}) is too small for a 28-px digit shifted by "

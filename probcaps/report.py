@@ -43,7 +43,8 @@ def _mnist_probe_table(results_dir: Path) -> str | None:
              "| --- | --- | --- |"]
     for label, key, anchor in rows:
         scale = 1.0 if key == "test_elbo_per_image" else 100.0
-        lines.append(f"| {label} | {fmt_mean_std([r[key] for r in runs], scale=scale)} | {anchor} |")
+        digits = 3 if key == "test_recon_mse" else 1
+        lines.append(f"| {label} | {fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)} | {anchor} |")
     seeds = ", ".join(str(r["seed"]) for r in runs)
     walls = ", ".join(f"{r['train_wall_time_s'] / 60:.0f}" for r in runs)
     lines.append("")
