@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -132,8 +131,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if sys.platform == "linux" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        from probcaps.cli import MALLOC_ENV
+    from probcaps.cli import reexec_with_allocator_settings
 
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+    reexec_with_allocator_settings(sys.argv)
     sys.exit(main())

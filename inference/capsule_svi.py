@@ -5,7 +5,6 @@ This is what the ``probcaps train`` / ``probcaps evaluate`` commands and the exp
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pyro
@@ -174,9 +173,3 @@ def probe_features(latents: Latents) -> dict[str, torch.Tensor]:
         "presence": presence,
         "presence_pose": torch.cat([presence, latents.parent_poses.flatten(1)], 1),
     }
-
-
-def timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

@@ -10,28 +10,36 @@ import torch
 from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from inference.train import make_elbo
 from probcaps import plotting
-from probcaps.data import to_float
+from inference.guides import Latents
+from probcaps.data import iterate_batches, to_float
 from probcaps.metrics import LinearProbe, kmeans_accuracy
 from probcaps.provenance import provenance, write_results
 
-__all__ = ["evaluate_checkpoint", "save_figures", "test_elbo"]
+__all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error"]
 
 
 @torch.no_grad()
-def test_elbo(system, images: torch.Tensor, batch_size: int = 250, device: str = "cpu") -> tuple[float, float]:
-    """Mean ELBO per image (one sample of the guide) and mean squared reconstruction error per pixel."""
-    from probcaps.data import iterate_batches
-
+def test_elbo(system, images: torch.Tensor, batch_size: int = 250, device: str = "cpu") -> float:
+    """Mean ELBO per image (one sample of the guide), ``s`` enumerated out."""
     elbo = make_elbo()
-    total, sq, n = 0.0, 0.0, 0
     labels = torch.zeros(len(images), dtype=torch.long)
-    for x, _ in iterate_batches(images, labels, batch_size, shuffle=False, device=device):
-        total += -elbo.loss(system.model, system.guide, x)
-        lat = system.encoder.encode(x)
-        recon, _ = system.model.render(torch.sigmoid(lat.part_logits), lat.part_poses)
-        sq += ((recon - x) ** 2).mean((1, 2, 3)).sum().item()
-        n += len(x)
-    return total / n, sq / n
+    total = sum(-elbo.loss(system.model, system.guide, x)
+                for x, _ in iterate_batches(images, labels, batch_size, shuffle=False, device=device))
+    return total / len(images)
+
+
+@torch.no_grad()
+def reconstruction_error(model, images: torch.Tensor, latents: Latents, batch_size: int = 250,
+                         device: str = "cpu") -> float:
+    """Mean squared error per pixel of ``images`` (uint8 or floats in [0, 1]) rendered back from ``latents``
+    (part presences at ``sigmoid`` of their logits, part poses as given), in the images' order."""
+    labels = torch.zeros(len(images), dtype=torch.long)
+    total = 0.0
+    for i, (x, _) in enumerate(iterate_batches(images, labels, batch_size, shuffle=False, device=device)):
+        sl = slice(i * batch_size, i * batch_size + len(x))
+        recon, _ = model.render(torch.sigmoid(latents.part_logits[sl].to(device)), latents.part_poses[sl].to(device))
+        total += ((recon - x) ** 2).mean((1, 2, 3)).sum().item()
+    return total / len(images)
 
 
 @torch.no_grad()
@@ -73,9 +81,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
         metrics[f"probe_{key}_train_acc"] = probe.accuracy(train_feats[key], train_labels)
     metrics["kmeans_presence_test_acc"] = kmeans_accuracy(torch.sigmoid(test_feats["presence"]), test_labels,
                                                           n_clusters=10, n_init=ecfg.kmeans_n_init)
-    elbo, mse = test_elbo(system, test_images[:2000], device=device)
-    metrics["test_elbo_per_image"] = elbo
-    metrics["test_recon_mse"] = mse
+    metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
+    metrics["test_recon_mse"] = reconstruction_error(system.model, test_images[:2000], test_lat, device=device)
     metrics["mean_active_parents"] = float((torch.sigmoid(test_lat.parent_logits) > 0.5).float().sum(1).mean())
     metrics["mean_active_parts"] = float((torch.sigmoid(test_lat.part_logits) > 0.5).float().sum(1).mean())
     metrics["n_train"], metrics["n_test"] = len(train_images), len(test_images)

@@ -23,11 +23,13 @@ from probcaps.errors import ProbcapsError
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
 
 
-def _reexec_with_allocator_settings(argv: list[str]) -> None:
+def reexec_with_allocator_settings(args: list[str]) -> None:
+    """Restart this Python as ``python *args`` with :data:`MALLOC_ENV` set, unless it is set already (or not
+    Linux, or ``PROBCAPS_NO_REEXEC`` is set).  Used by the CLI and the experiment scripts."""
     if sys.platform != "linux" or os.environ.get("PROBCAPS_NO_REEXEC") or all(k in os.environ for k in MALLOC_ENV):
         return
     env = {**os.environ, **MALLOC_ENV, "PROBCAPS_NO_REEXEC": "1"}
-    os.execve(sys.executable, [sys.executable, "-m", "probcaps", *argv], env)
+    os.execve(sys.executable, [sys.executable, *args], env)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -165,18 +167,11 @@ def _ttvi(args) -> None:
     result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                           device=args.device, progress=not args.quiet, seed=args.seed, pose_family=args.pose_family)
 
-    @torch.no_grad()
-    def recon_mse(latents) -> float:
-        err = 0.0
-        for i in range(0, len(x), args.batch_size):
-            sl = slice(i, i + args.batch_size)
-            xb = x[sl].to(args.device).unsqueeze(1)
-            img, _ = system.model.render(torch.sigmoid(latents.part_logits[sl].to(args.device)),
-                                         latents.part_poses[sl].to(args.device))
-            err += ((img - xb) ** 2).mean((1, 2, 3)).sum().item()
-        return err / len(x)
-
     from inference.capsule_svi import encode_dataset
+    from inference.evaluate import reconstruction_error
+
+    def recon_mse(latents) -> float:
+        return reconstruction_error(system.model, x, latents, args.batch_size, args.device)
 
     before = encode_dataset(system.encoder, x, args.batch_size, args.device)
     metrics = {
@@ -197,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.command in ("train", "demo", "evaluate", "ttvi"):
-        _reexec_with_allocator_settings(argv)
+        reexec_with_allocator_settings(["-m", "probcaps", *argv])
     try:
         if args.command == "download":
             from probcaps.data import download_mnist, resolve_data_root
