@@ -11,7 +11,7 @@ import pyro
 import torch
 import torch.nn as nn
 
-from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents
+from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
 from models.capsule_model import CapsuleModel, CapsuleModelConfig
 from probcaps.distributions import ClampedRelaxedBernoulli
@@ -72,11 +72,23 @@ def load_images(data: DataConfig, split: str, data_dir=None, limit: int | None =
 class CapsuleSystem(nn.Module):
     """The generative model and its guide, as one module (one ``state_dict``, one optimiser)."""
 
-    def __init__(self, model_cfg: CapsuleModelConfig, encoder_cfg: EncoderConfig):
+    def __init__(self, model_cfg: CapsuleModelConfig, encoder_cfg: EncoderConfig, guide: dict | None = None):
         super().__init__()
         self.model = CapsuleModel(model_cfg)
         self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg)
         self.guide = DeltaGuide(self.encoder, model_cfg.temperature)
+        self.guide_spec = {"family": "delta"}
+        if guide and guide.get("family", "delta") != "delta":
+            self.use_normal_poses(**{k: v for k, v in guide.items() if k != "family"})
+
+    def use_normal_poses(self, init_scale: float = 0.02, min_scale: float = 1e-3) -> "CapsuleSystem":
+        """Swap the delta guide for the full variational pose guide on the same encoder (paper §2.3)."""
+        if self.guide_spec["family"] == "normal":
+            raise ValueError("CapsuleSystem: the guide already has Normal poses")
+        ref = next(self.encoder.parameters())
+        self.guide = from_delta(self.guide, init_scale=init_scale, min_scale=min_scale).to(ref.device)
+        self.guide_spec = {"family": "normal", "init_scale": init_scale, "min_scale": min_scale}
+        return self
 
     def loss(self, elbo, x: torch.Tensor) -> torch.Tensor:
         """Negative ELBO per image (``s`` enumerated out)."""
@@ -88,6 +100,8 @@ class CapsuleSystem(nn.Module):
         Draws the guide's latents in the same order as :class:`DeltaGuide`, so under the same RNG state it returns
         the same value as :meth:`loss`.  The reference for the tests and the Pyro-overhead benchmark.
         """
+        if self.guide_spec["family"] != "delta":
+            raise NotImplementedError("CapsuleSystem.reference_loss: written for the delta guide only")
         tau = x.new_tensor(self.model.config.temperature)
         part_logits, y0 = self.encoder.encode_parts(x)
         q_z0 = ClampedRelaxedBernoulli(tau, logits=part_logits)
@@ -100,13 +114,19 @@ class CapsuleSystem(nn.Module):
 
 
 def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, device: str = "cpu", data_dir=None,
-                   progress: bool = True) -> TrainState:
-    """Train the model of ``cfg`` (a :func:`load_experiment_config` dict), checkpointing into ``out_dir``."""
+                   progress: bool = True, system: CapsuleSystem | None = None) -> TrainState:
+    """Train the model of ``cfg`` (a :func:`load_experiment_config` dict), checkpointing into ``out_dir``.
+
+    ``system``: continue training this (e.g. a delta-trained system switched to Normal poses with
+    :meth:`CapsuleSystem.use_normal_poses`) instead of a fresh one built from ``cfg``.
+    """
     pyro.settings.set(module_local_params=True)
     pyro.clear_param_store()
     pyro.enable_validation(cfg["train"].validate)
     torch.manual_seed(cfg["train"].seed)
-    system = CapsuleSystem(cfg["model"], cfg["encoder"]).to(device)
+    if system is None:
+        system = CapsuleSystem(cfg["model"], cfg["encoder"])
+    system = system.to(device).train()
     images, labels = load_images(cfg["data"], "train", data_dir)
     elbo = make_elbo(cfg["train"].jit)
     tcfg: TrainConfig = cfg["train"]
@@ -118,8 +138,8 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
                                     rotation=rotation):
             yield x
 
-    metadata = {"name": cfg["name"], "configs": {k: v.to_dict() for k, v in cfg.items() if k != "name"},
-                "kind": "capsule_model"}
+    metadata = {"name": cfg["name"], "configs": {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
+                "kind": "capsule_model", "guide": system.guide_spec}
     return train_loop(system, lambda x: system.loss(elbo, x), batches, tcfg, out_dir, resume=resume,
                       metadata=metadata, progress=progress)
 
@@ -145,7 +165,7 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
             if section not in cfg or not hasattr(cfg[section], key):
                 raise ConfigError(f"--set {item}: unknown key '{section}.{key}'")
             setattr(cfg[section], key, value)
-    system = CapsuleSystem(cfg["model"], cfg["encoder"]).to(device)
+    system = CapsuleSystem(cfg["model"], cfg["encoder"], guide=meta.get("guide")).to(device)
     load_module_state(system, ckpt["module"], checkpoint)
     system.eval()
     cfg["train_state"] = ckpt.get("state", {})
@@ -154,13 +174,17 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
 
 @torch.no_grad()
 def encode_dataset(encoder: CapsuleEncoder, images: torch.Tensor, batch_size: int = 500, device: str = "cpu",
-                   progress: bool = False) -> Latents:
-    """Encode uint8 ``(N, H, W)`` images in batches; returns :class:`Latents` on the CPU."""
+                   progress: bool = False, rotation: float | None = None, seed: int = 0) -> Latents:
+    """Encode uint8 ``(N, H, W)`` images (or floats in [0, 1]) in batches; returns :class:`Latents` on the CPU.
+
+    ``rotation``: rotate image ``i`` by an angle uniform in ``[-rotation, rotation]`` degrees first, the angles a
+    pure function of ``seed`` (as :func:`probcaps.data.iterate_batches` draws them).
+    """
     from tqdm.auto import tqdm
 
     labels = torch.zeros(len(images), dtype=torch.long)
     chunks = []
-    batches = iterate_batches(images, labels, batch_size, shuffle=False, device=device)
+    batches = iterate_batches(images, labels, batch_size, shuffle=False, device=device, rotation=rotation, seed=seed)
     for x, _ in tqdm(batches, total=-(-len(images) // batch_size), disable=not progress, desc="encode"):
         chunks.append([t.cpu() for t in encoder.encode(x)])
     return Latents(*(torch.cat(parts) for parts in zip(*chunks)))
