@@ -9,7 +9,8 @@
 - exact resume: the data order is a pure function of (seed, epoch), and the RNG states are checkpointed;
 - a NaN guard: a non-finite loss or gradient stops training with a message, and nothing from the broken state
   is written;
-- Ctrl-C writes a checkpoint of the last completed step before stopping.
+- Ctrl-C, or a SIGTERM (a job scheduler's or `kill`'s), writes a checkpoint of the last completed step before
+  stopping.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -205,6 +208,7 @@ def train_loop(
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", unit="step",
                dynamic_ncols=True)
     log = open(log_path, "a")
+    previous_sigterm = _interrupt_on_sigterm()
     window_loss, window_n, window_t = 0.0, 0, time.perf_counter()
     try:
         while state.step < cfg.steps:
@@ -252,9 +256,26 @@ def train_loop(
     finally:
         bar.close()
         log.close()
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     save(ckpt_path)
     atomic_torch_save(snapshot(), out_dir / "final.pt")
     return state
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during training: handled as Ctrl-C (checkpoint, then stop)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(f"signal {signum}")
+
+
+def _interrupt_on_sigterm():
+    """Route SIGTERM to a checkpoint-and-stop (main thread only); returns the previous handler, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def _truncate_log(path: Path, step: int) -> None:

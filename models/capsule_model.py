@@ -31,7 +31,7 @@ from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
 from probcaps.render import composite_over, render_templates
 
-__all__ = ["CapsuleModelConfig", "CapsuleModel"]
+__all__ = ["CapsuleModelConfig", "CapsuleModel", "presence_sparsity"]
 
 
 @dataclass
@@ -53,6 +53,9 @@ class CapsuleModelConfig:
     learn_parent_prior: bool = False
     init_offset_std: float = 0.5   # spread of the initial Δ_km translations
     template_init: str = "blob"    # "blob": a round brush plus orthogonal noise; "orthogonal": SCAE's init
+    # weight of SCAE's posterior sparsity on the object presences (0: off, the paper's model): each image should
+    # use few objects, the batch all of them evenly (see ``presence_sparsity``); a batch-level factor
+    presence_sparsity_weight: float = 0.0
     seed: int = 0                  # parameter initialisation
 
     def to_dict(self) -> dict:
@@ -82,6 +85,20 @@ def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> 
             return moved.reshape(moved.shape[:1] + (1,) * pad + moved.shape[1:])
     index = (Ellipsis, s) + (slice(None),) * event_dims
     return Vindex(table)[index]
+
+
+def presence_sparsity(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """SCAE's posterior sparsity of presences ``z (B, K)``: mean within-image entropy minus between-image entropy.
+
+    Each image's presences normalised over the objects should have low entropy (few objects per image); their
+    batch average high entropy (every object used by some images).  Lower is sparser; the minimum, ``-log K``, is
+    reached when every image uses one object and the batch uses all ``K`` equally.
+    """
+    p = z / (z.sum(-1, keepdim=True) + eps)
+    within = -(p * torch.log(p + eps)).sum(-1).mean()
+    usage = p.mean(0)
+    between = -(usage * torch.log(usage + eps)).sum()
+    return within - between
 
 
 class CapsuleModel(PyroModule):
@@ -178,6 +195,8 @@ class CapsuleModel(PyroModule):
         with data, pyro.plate("parents", K, dim=-1):
             z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs().expand(B, K)))
             y1 = pyro.sample("y1", dist.Normal(x.new_zeros(()), cfg.parent_pose_std).expand([B, K, 6]).to_event(1))
+        if cfg.presence_sparsity_weight > 0:
+            pyro.factor("presence_sparsity", -cfg.presence_sparsity_weight * B * presence_sparsity(z1))
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         with data, pyro.plate("children", M, dim=-1):
             s = pyro.sample("s", dist.Categorical(logits=selection_logits), infer={"enumerate": "parallel"})
@@ -207,6 +226,8 @@ class CapsuleModel(PyroModule):
         std = self.child_pose_std(z0.unsqueeze(-1), pose_var_on)                  # (B, M, K+1, 6)
         lp_y = dist.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
         lp = lp + torch.logsumexp(log_sel + lp_z + lp_y, -1).sum(-1)
+        if cfg.presence_sparsity_weight > 0:  # the batch-level factor, shared equally by the images
+            lp = lp - cfg.presence_sparsity_weight * presence_sparsity(z1)
         image, _ = self.render(z0, y0)
         return lp + dist.Normal(image, cfg.pixel_std).log_prob(x).flatten(1).sum(-1)
 

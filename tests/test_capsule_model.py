@@ -437,3 +437,33 @@ def test_logits_are_soft_bounded_so_clamped_samples_cannot_fake_entropy():
     assert (-bounded.log_prob(z)).mean() < 10
     unbounded = torch.distributions.RelaxedBernoulli(tau, logits=torch.tensor(1e3))
     assert -unbounded.log_prob(z.clamp(1e-4, 1 - 1e-4)).mean() > 500  # the exploit the bound removes
+
+
+def test_presence_sparsity_hand_computed_values():
+    # catches: the sign or the normalisation of SCAE's posterior sparsity (within − between entropy)
+    from models.capsule_model import presence_sparsity
+
+    K = 4
+    one_each = torch.eye(K, dtype=DT)                         # every image one object, all objects used equally
+    assert presence_sparsity(one_each).item() == pytest.approx(-math.log(K), abs=1e-6)
+    uniform = torch.full((3, K), 0.7, dtype=DT)               # every image all objects
+    assert presence_sparsity(uniform).item() == pytest.approx(0.0, abs=1e-6)
+    same_one = torch.tensor([[1.0, 0, 0, 0]] * 3, dtype=DT)   # every image the same single object
+    assert presence_sparsity(same_one).item() == pytest.approx(0.0, abs=1e-6)
+    # two images on two objects each, disjoint: within log 2, between log 4
+    half = torch.tensor([[1.0, 1, 0, 0], [0, 0, 1, 1]], dtype=DT)
+    assert presence_sparsity(half).item() == pytest.approx(math.log(2) - math.log(4), abs=1e-6)
+
+
+def test_presence_sparsity_factor_matches_the_reference_and_changes_the_loss():
+    # catches: the batch-level factor missing from the Pyro model, scaled differently from log_joint, or ignored
+    model = _model()
+    z1, y1, z0, y0 = _latents(B=3, seed=7)
+    x = _images(model, z0, y0, seed=8)
+    plain = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x).item()
+    model.config.presence_sparsity_weight = 5.0
+    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
+    assert math.isclose(loss.item(), -model.log_joint(x, z1, y1, z0, y0).sum().item(), rel_tol=1e-10)
+    from models.capsule_model import presence_sparsity
+
+    assert loss.item() - plain == pytest.approx(5.0 * 3 * presence_sparsity(z1).item(), rel=1e-6)

@@ -308,3 +308,28 @@ def test_real_mnist_load_images():
     images, labels = load_images(cfg["data"], "train", data_dir=REAL_DATA_ROOT)
     assert images.shape == (8, 40, 40) and labels.shape == (8,)
     assert images.dtype == torch.uint8 and int(images.max()) > 200
+
+
+def test_sigterm_writes_a_checkpoint_and_stops(tiny_toml, tmp_path, monkeypatch, pyro_clean):
+    # catches: a scheduler's or `kill`'s SIGTERM losing the steps since the last periodic checkpoint
+    import os
+    import signal
+
+    from inference.train import Terminated
+
+    original_loss = CapsuleSystem.loss
+    calls = {"n": 0}
+
+    def loss_then_sigterm(self, elbo, x):
+        if calls["n"] == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, inside the 5th step
+        calls["n"] += 1
+        return original_loss(self, elbo, x)
+
+    monkeypatch.setattr(CapsuleSystem, "loss", loss_then_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated):
+        train_capsules(_cfg(tiny_toml), tmp_path / "run", progress=False)
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
+    saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert saved["state"]["step"] == 4 and not (tmp_path / "run" / "final.pt").exists()
