@@ -32,6 +32,7 @@ from inference.ttvi import ttvi_batches  # noqa: E402
 from models.cnn_classifier import ConvClassifier  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -95,6 +96,7 @@ def readme_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+@one_line_errors("affnist")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
@@ -119,72 +121,65 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     progress = not args.quiet
-    try:
-        cfg, system = load_trained(args.checkpoint, device=args.device)
-        if cfg["data"].canvas_size != 40:
-            raise ProbcapsError(f"{args.checkpoint}: trained on {cfg['data'].canvas_size}x{cfg['data'].canvas_size} "
-                                f"images; affNIST is 40x40")
-        limit = args.probe_train_limit if args.probe_train_limit is not None else cfg["eval"].probe_train_limit
-        train_images, train_labels = load_images(cfg["data"], "train", args.data_dir, limit=limit or None)
-        mnist_images, mnist_labels = load_images(cfg["data"], "test", args.data_dir)
-        if args.affnist_mat:
-            ood_images, ood_labels = load_affnist_mat(args.affnist_mat)
-            ood_name = "affNIST"
-        else:
-            verify = cfg["data"].dataset == "mnist"
-            ood_images, ood_labels = affnist_recipe_test(args.data_dir, seed=args.recipe_seed, verify=verify)
-            ood_name = "affNIST-recipe"
-        if args.limit:
-            ood_images, ood_labels = ood_images[:args.limit], ood_labels[:args.limit]
-        enc = system.encoder
-        feats = {name: probe_features(encode_dataset(enc, imgs, cfg["eval"].batch_size, args.device, progress))
-                 for name, imgs in (("train", train_images), ("mnist", mnist_images), ("ood", ood_images))}
-        metrics: dict = {"ood_name": ood_name, "recipe": AFFNIST_RECIPE, "recipe_seed": args.recipe_seed,
-                         "n_probe_train": len(train_images), "n_ood": len(ood_images)}
-        probes = {}
+    cfg, system = load_trained(args.checkpoint, device=args.device)
+    if cfg["data"].canvas_size != 40:
+        raise ProbcapsError(f"{args.checkpoint}: trained on {cfg['data'].canvas_size}x{cfg['data'].canvas_size} "
+                            f"images; affNIST is 40x40")
+    limit = args.probe_train_limit if args.probe_train_limit is not None else cfg["eval"].probe_train_limit
+    train_images, train_labels = load_images(cfg["data"], "train", args.data_dir, limit=limit or None)
+    mnist_images, mnist_labels = load_images(cfg["data"], "test", args.data_dir)
+    if args.affnist_mat:
+        ood_images, ood_labels = load_affnist_mat(args.affnist_mat)
+        ood_name = "affNIST"
+    else:
+        verify = cfg["data"].dataset == "mnist"
+        ood_images, ood_labels = affnist_recipe_test(args.data_dir, seed=args.recipe_seed, verify=verify)
+        ood_name = "affNIST-recipe"
+    if args.limit:
+        ood_images, ood_labels = ood_images[:args.limit], ood_labels[:args.limit]
+    enc = system.encoder
+    feats = {name: probe_features(encode_dataset(enc, imgs, cfg["eval"].batch_size, args.device, progress))
+             for name, imgs in (("train", train_images), ("mnist", mnist_images), ("ood", ood_images))}
+    metrics: dict = {"ood_name": ood_name, "recipe": AFFNIST_RECIPE, "recipe_seed": args.recipe_seed,
+                     "n_probe_train": len(train_images), "n_ood": len(ood_images)}
+    probes = {}
+    for key in FEATURES:
+        probes[key] = LinearProbe(C=cfg["eval"].probe_C, max_iter=cfg["eval"].probe_max_iter).fit(
+            feats["train"][key], train_labels)
+        metrics[f"mnist_probe_{key}_acc"] = probes[key].accuracy(feats["mnist"][key], mnist_labels)
+        metrics[f"ood_probe_{key}_acc"] = probes[key].accuracy(feats["ood"][key], ood_labels)
+    if args.ttvi_limit:
+        n = min(args.ttvi_limit, len(ood_images))
+        res = ttvi_batches(system.model, system.guide, ood_images[:n], steps=args.ttvi_steps, device=args.device,
+                           progress=progress, seed=0)
+        after = probe_features(res.latents)
+        metrics["ttvi"] = {"n_images": n, "steps": args.ttvi_steps, "wall_time_s": res.wall_time_s,
+                           "elbo_encoder": float(res.elbo_start.mean()), "elbo_ttvi": float(res.elbo_end.mean())}
         for key in FEATURES:
-            probes[key] = LinearProbe(C=cfg["eval"].probe_C, max_iter=cfg["eval"].probe_max_iter).fit(
-                feats["train"][key], train_labels)
-            metrics[f"mnist_probe_{key}_acc"] = probes[key].accuracy(feats["mnist"][key], mnist_labels)
-            metrics[f"ood_probe_{key}_acc"] = probes[key].accuracy(feats["ood"][key], ood_labels)
-        if args.ttvi_limit:
-            n = min(args.ttvi_limit, len(ood_images))
-            res = ttvi_batches(system.model, system.guide, ood_images[:n], steps=args.ttvi_steps, device=args.device,
-                               progress=progress, seed=0)
-            after = probe_features(res.latents)
-            metrics["ttvi"] = {"n_images": n, "steps": args.ttvi_steps, "wall_time_s": res.wall_time_s,
-                               "elbo_encoder": float(res.elbo_start.mean()), "elbo_ttvi": float(res.elbo_end.mean())}
-            for key in FEATURES:
-                metrics["ttvi"][f"probe_{key}_acc"] = probes[key].accuracy(after[key], ood_labels[:n])
-                metrics["ttvi"][f"encoder_probe_{key}_acc"] = probes[key].accuracy(feats["ood"][key][:n],
-                                                                                  ood_labels[:n])
-        metrics["cnn"] = cnn_baseline(train_images, train_labels,
-                                      {"mnist": (mnist_images, mnist_labels), "ood": (ood_images, ood_labels)},
-                                      args.cnn_steps, args.cnn_seeds, Path(args.out), args.device, progress) \
-            if args.cnn_seeds and args.cnn_steps > 0 else []
-        results = Path(args.results_dir)
-        with torch.no_grad():
-            x = ood_images[:8].float().div(255).unsqueeze(1).to(args.device)
-            lat = enc.encode(x)
-            recon, _ = system.model.render(torch.sigmoid(lat.part_logits), lat.part_poses)
-        plotting.plot_image_grid(torch.stack([x[:, 0].cpu(), recon[:, 0].cpu()]), results / f"{args.name}_examples.png",
-                                 row_labels=[ood_name, "reconstruction"], title=f"{ood_name}: inputs and the "
-                                 f"model's reconstructions (encoder only)")
-        prov = provenance(seed=args.cnn_seeds, steps=args.cnn_steps, wall_time_s=time.perf_counter() - t0,
-                          device=args.device, checkpoint=str(args.checkpoint))
-        write_results(results / f"{args.name}.json", metrics, prov)
-        print(f"{ood_name}: probe presence+pose {metrics['ood_probe_presence_pose_acc']:.4f}, presence "
-              f"{metrics['ood_probe_presence_acc']:.4f} (MNIST test {metrics['mnist_probe_presence_pose_acc']:.4f}); "
-              f"CNN {np.mean([r['ood_acc'] for r in metrics['cnn']]) if metrics['cnn'] else float('nan'):.4f}")
-        print(f"wrote {results / (args.name + '.json')}")
-    except ProbcapsError as e:
-        print(f"affnist: error: {e}", file=sys.stderr)
-        return 2
+            metrics["ttvi"][f"probe_{key}_acc"] = probes[key].accuracy(after[key], ood_labels[:n])
+            metrics["ttvi"][f"encoder_probe_{key}_acc"] = probes[key].accuracy(feats["ood"][key][:n],
+                                                                              ood_labels[:n])
+    metrics["cnn"] = cnn_baseline(train_images, train_labels,
+                                  {"mnist": (mnist_images, mnist_labels), "ood": (ood_images, ood_labels)},
+                                  args.cnn_steps, args.cnn_seeds, Path(args.out), args.device, progress) \
+        if args.cnn_seeds and args.cnn_steps > 0 else []
+    results = Path(args.results_dir)
+    with torch.no_grad():
+        x = ood_images[:8].float().div(255).unsqueeze(1).to(args.device)
+        lat = enc.encode(x)
+        recon, _ = system.model.render(torch.sigmoid(lat.part_logits), lat.part_poses)
+    plotting.plot_image_grid(torch.stack([x[:, 0].cpu(), recon[:, 0].cpu()]), results / f"{args.name}_examples.png",
+                             row_labels=[ood_name, "reconstruction"], title=f"{ood_name}: inputs and the "
+                             f"model's reconstructions (encoder only)")
+    prov = provenance(seed=args.cnn_seeds, steps=args.cnn_steps, wall_time_s=time.perf_counter() - t0,
+                      device=args.device, checkpoint=str(args.checkpoint))
+    write_results(results / f"{args.name}.json", metrics, prov)
+    print(f"{ood_name}: probe presence+pose {metrics['ood_probe_presence_pose_acc']:.4f}, presence "
+          f"{metrics['ood_probe_presence_acc']:.4f} (MNIST test {metrics['mnist_probe_presence_pose_acc']:.4f}); "
+          f"CNN {np.mean([r['ood_acc'] for r in metrics['cnn']]) if metrics['cnn'] else float('nan'):.4f}")
+    print(f"wrote {results / (args.name + '.json')}")
     return 0
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

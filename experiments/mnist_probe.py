@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +28,7 @@ from inference.capsule_svi import load_experiment_config, train_capsules  # noqa
 from inference.evaluate import evaluate_checkpoint  # noqa: E402
 from inference.train import load_checkpoint  # noqa: E402
 from probcaps import plotting  # noqa: E402
-from probcaps.errors import ProbcapsError  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
 
@@ -57,6 +56,7 @@ def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
                              title="training (SVI, TraceEnum_ELBO)")
 
 
+@one_line_errors("mnist_probe")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -79,59 +79,52 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        runs = []
-        for seed in args.seeds:
-            overrides = [*args.set, f"train.seed={seed}"] + (["train.jit=true"] if args.jit else [])
-            cfg = load_experiment_config(args.config, overrides)
-            out = Path(args.out) / f"seed{seed}"
-            final = out / "final.pt"
-            if not (args.resume and final.is_file()):
-                resume = args.resume and (out / "checkpoint.pt").is_file()
-                train_capsules(cfg, out, resume=resume, device=args.device, data_dir=args.data_dir,
-                               progress=not args.quiet)
-            if args.train_only:
-                continue
-            state = load_checkpoint(final)["state"]
-            seed_json = Path(args.results_dir) / f"{args.name}_seed{seed}.json"
-            if args.reuse_results and seed_json.is_file() and seed_json.stat().st_mtime > final.stat().st_mtime:
-                metrics = json.loads(seed_json.read_text())["metrics"]
-            else:
-                metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
-                                              data_dir=args.data_dir, device=args.device, progress=not args.quiet,
-                                              figures=seed == args.seeds[0])
-            runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})
-            print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
-                  f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
-                  f"training {state['wall_time_s'] / 60:.1f} min")
+    runs = []
+    for seed in args.seeds:
+        overrides = [*args.set, f"train.seed={seed}"] + (["train.jit=true"] if args.jit else [])
+        cfg = load_experiment_config(args.config, overrides)
+        out = Path(args.out) / f"seed{seed}"
+        final = out / "final.pt"
+        if not (args.resume and final.is_file()):
+            resume = args.resume and (out / "checkpoint.pt").is_file()
+            train_capsules(cfg, out, resume=resume, device=args.device, data_dir=args.data_dir,
+                           progress=not args.quiet)
         if args.train_only:
-            return 0
-        summary = {"per_seed": runs}
-        for key in runs[0]:
-            if key in ("seed", "steps") or not isinstance(runs[0][key], float):
-                continue
-            values = np.array([r[key] for r in runs])
-            summary[f"{key}_mean"] = float(values.mean())
-            summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-        cfg = load_experiment_config(args.config, args.set)
-        prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
-                          wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
-                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
-        prov["device"] = device_description(args.device)
-        write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
-        plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},
-                             Path(args.results_dir) / f"{args.name}_training.png")
-        if args.checkpoint_out:
-            export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", Path(args.checkpoint_out))
-        print(f"wrote {Path(args.results_dir) / (args.name + '.json')}")
-    except ProbcapsError as e:
-        print(f"mnist_probe: error: {e}", file=sys.stderr)
-        return 2
+            continue
+        state = load_checkpoint(final)["state"]
+        seed_json = Path(args.results_dir) / f"{args.name}_seed{seed}.json"
+        if args.reuse_results and seed_json.is_file() and seed_json.stat().st_mtime > final.stat().st_mtime:
+            metrics = json.loads(seed_json.read_text())["metrics"]
+        else:
+            metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
+                                          data_dir=args.data_dir, device=args.device, progress=not args.quiet,
+                                          figures=seed == args.seeds[0])
+        runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})
+        print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
+              f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
+              f"training {state['wall_time_s'] / 60:.1f} min")
+    if args.train_only:
+        return 0
+    summary = {"per_seed": runs}
+    for key in runs[0]:
+        if key in ("seed", "steps") or not isinstance(runs[0][key], float):
+            continue
+        values = np.array([r[key] for r in runs])
+        summary[f"{key}_mean"] = float(values.mean())
+        summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    cfg = load_experiment_config(args.config, args.set)
+    prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
+                      wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
+                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+    prov["device"] = device_description(args.device)
+    write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
+    plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},
+                         Path(args.results_dir) / f"{args.name}_training.png")
+    if args.checkpoint_out:
+        export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", Path(args.checkpoint_out))
+    print(f"wrote {Path(args.results_dir) / (args.name + '.json')}")
     return 0
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

@@ -28,6 +28,7 @@ from experiments.mnist_probe import export_checkpoint, plot_training_curves  # n
 from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules  # noqa: E402
 from inference.evaluate import test_elbo  # noqa: E402
 from inference.train import TrainConfig, load_checkpoint  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -72,6 +73,7 @@ def readme_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+@one_line_errors("normal_guide")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="the delta-trained starting point")
@@ -95,54 +97,47 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        cfg, delta = load_trained(args.checkpoint, device=args.device)
-        if delta.guide_spec["family"] != "delta":
-            raise ProbcapsError(f"{args.checkpoint}: expected a delta-trained checkpoint, found "
-                                f"{delta.guide_spec['family']} poses")
-        train = load_images(cfg["data"], "train", args.data_dir, limit=args.probe_train_limit or None)
-        test = load_images(cfg["data"], "test", args.data_dir)
-        elbo_images = test[0][:args.n_elbo_images]
-        metrics = {"delta": evaluate(delta, cfg, train, test, elbo_images, args.elbo_samples, args.device)}
-        _, system = load_trained(args.checkpoint, device=args.device)
-        system.use_normal_poses(init_scale=args.init_scale, min_scale=args.min_scale)
-        cfg["train"] = TrainConfig(**{**cfg["train"].to_dict(), "steps": args.steps, "lr": args.lr,
-                                      "warmup_steps": min(50, args.steps), "seed": args.seed,
-                                      "checkpoint_every": 100, "lr_multipliers": {}})
-        out = Path(args.out)
-        final = out / "final.pt"
-        if not (args.resume and final.is_file()):
-            train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
-                           data_dir=args.data_dir, progress=not args.quiet, system=system)
-        _, system = load_trained(final, device=args.device)
-        metrics["normal"] = evaluate(system, cfg, train, test, elbo_images, args.elbo_samples, args.device)
-        state = load_checkpoint(final)["state"]
-        with torch.no_grad():
-            metrics["mean_part_pose_scale"] = float(system.guide.pose_scales("y0").mean())
-            metrics["mean_object_pose_scale"] = float(system.guide.pose_scales("y1").mean())
-        metrics.update(steps=state["step"], train_wall_time_s=state["wall_time_s"], n_elbo_images=len(elbo_images),
-                       elbo_samples=args.elbo_samples, n_probe_train=len(train[0]))
-        prov = provenance(seed=args.seed, steps=state["step"], wall_time_s=state["wall_time_s"], device=args.device,
-                          checkpoint=str(args.checkpoint), lr=args.lr, init_scale=args.init_scale,
-                          min_scale=args.min_scale)
-        results = Path(args.results_dir)
-        write_results(results / f"{args.name}.json", metrics, prov)
-        plot_training_curves({"Normal poses": out / "log.jsonl"}, results / f"{args.name}_training.png")
-        if args.checkpoint_out:
-            export_checkpoint(final, Path(args.checkpoint_out))
-        print(f"test ELBO per image: delta {metrics['delta']['test_elbo_per_image']:.1f}, Normal "
-              f"{metrics['normal']['test_elbo_per_image']:.1f}; probe presence+pose delta "
-              f"{metrics['delta']['probe_presence_pose_test_acc']:.4f}, Normal "
-              f"{metrics['normal']['probe_presence_pose_test_acc']:.4f}")
-        print(f"wrote {results / (args.name + '.json')}")
-    except ProbcapsError as e:
-        print(f"normal_guide: error: {e}", file=sys.stderr)
-        return 2
+    cfg, delta = load_trained(args.checkpoint, device=args.device)
+    if delta.guide_spec["family"] != "delta":
+        raise ProbcapsError(f"{args.checkpoint}: expected a delta-trained checkpoint, found "
+                            f"{delta.guide_spec['family']} poses")
+    train = load_images(cfg["data"], "train", args.data_dir, limit=args.probe_train_limit or None)
+    test = load_images(cfg["data"], "test", args.data_dir)
+    elbo_images = test[0][:args.n_elbo_images]
+    metrics = {"delta": evaluate(delta, cfg, train, test, elbo_images, args.elbo_samples, args.device)}
+    _, system = load_trained(args.checkpoint, device=args.device)
+    system.use_normal_poses(init_scale=args.init_scale, min_scale=args.min_scale)
+    cfg["train"] = TrainConfig(**{**cfg["train"].to_dict(), "steps": args.steps, "lr": args.lr,
+                                  "warmup_steps": min(50, args.steps), "seed": args.seed,
+                                  "checkpoint_every": 100, "lr_multipliers": {}})
+    out = Path(args.out)
+    final = out / "final.pt"
+    if not (args.resume and final.is_file()):
+        train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
+                       data_dir=args.data_dir, progress=not args.quiet, system=system)
+    _, system = load_trained(final, device=args.device)
+    metrics["normal"] = evaluate(system, cfg, train, test, elbo_images, args.elbo_samples, args.device)
+    state = load_checkpoint(final)["state"]
+    with torch.no_grad():
+        metrics["mean_part_pose_scale"] = float(system.guide.pose_scales("y0").mean())
+        metrics["mean_object_pose_scale"] = float(system.guide.pose_scales("y1").mean())
+    metrics.update(steps=state["step"], train_wall_time_s=state["wall_time_s"], n_elbo_images=len(elbo_images),
+                   elbo_samples=args.elbo_samples, n_probe_train=len(train[0]))
+    prov = provenance(seed=args.seed, steps=state["step"], wall_time_s=state["wall_time_s"], device=args.device,
+                      checkpoint=str(args.checkpoint), lr=args.lr, init_scale=args.init_scale,
+                      min_scale=args.min_scale)
+    results = Path(args.results_dir)
+    write_results(results / f"{args.name}.json", metrics, prov)
+    plot_training_curves({"Normal poses": out / "log.jsonl"}, results / f"{args.name}_training.png")
+    if args.checkpoint_out:
+        export_checkpoint(final, Path(args.checkpoint_out))
+    print(f"test ELBO per image: delta {metrics['delta']['test_elbo_per_image']:.1f}, Normal "
+          f"{metrics['normal']['test_elbo_per_image']:.1f}; probe presence+pose delta "
+          f"{metrics['delta']['probe_presence_pose_test_acc']:.4f}, Normal "
+          f"{metrics['normal']['probe_presence_pose_test_acc']:.4f}")
+    print(f"wrote {results / (args.name + '.json')}")
     return 0
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

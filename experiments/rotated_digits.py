@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +30,7 @@ from inference.guides import Latents  # noqa: E402
 from inference.ttvi import ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 
@@ -97,6 +97,7 @@ def readme_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+@one_line_errors("rotated_digits")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
@@ -117,71 +118,64 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        if not 0 <= args.example < args.n_images:
-            raise ProbcapsError(f"--example {args.example}: must be in [0, --n-images={args.n_images})")
-        cfg, system = load_trained(args.checkpoint, device=args.device)
-        images, _ = load_images(cfg["data"], "test", args.data_dir, limit=args.n_images)
-        upright = to_float(images)
-        angles = sorted(args.angles)
-        # every angle's digits in one tensor: test-time VI runs over all of them, batch_size at a time
-        x = torch.cat([rotate(upright, a).clamp(0, 1) if a else upright for a in angles]).unsqueeze(1)
-        encoded = encode_dataset(system.encoder, x, args.batch_size, args.device)
-        result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                              device=args.device, progress=not args.quiet, seed=args.seed,
-                              pose_family=args.pose_family)
-        xd = x.to(args.device)
-        mse_enc, mse_ttvi = per_image_mse(system.model, xd, encoded), per_image_mse(system.model, xd, result.latents)
-        n = args.n_images
-        rows = []
-        for i, angle in enumerate(angles):
-            sl = slice(i * n, (i + 1) * n)
-            (e0, e0s), (e1, e1s) = _mean_sem(result.elbo_start[sl]), _mean_sem(result.elbo_end[sl])
-            rows.append({"angle": angle, "elbo_encoder": e0, "elbo_encoder_sem": e0s, "elbo_ttvi": e1,
-                         "elbo_ttvi_sem": e1s, "mse_encoder": float(mse_enc[sl].mean()),
-                         "mse_ttvi": float(mse_ttvi[sl].mean()),
-                         "frac_images_elbo_improved": float((result.elbo_end[sl] > result.elbo_start[sl]).float().mean())})
-        rate = len(x) * args.steps / result.wall_time_s
-        metrics = {"per_angle": rows, "checks": checks(rows), "n_images_per_angle": n, "n_images_total": len(x),
-                   "steps": args.steps, "lr": args.lr, "pose_family": args.pose_family, "batch_size": args.batch_size,
-                   "ttvi_wall_time_s": result.wall_time_s, "image_steps_per_s": rate,
-                   "seconds_per_1000x200": 1000 * 200 / rate, "threads": torch.get_num_threads()}
-        results = Path(args.results_dir)
-        a = np.array(angles)
-        plotting.plot_curves({"encoder": (a, [r["elbo_encoder"] for r in rows], [r["elbo_encoder_sem"] for r in rows]),
-                              "encoder + test-time VI": (a, [r["elbo_ttvi"] for r in rows],
-                                                         [r["elbo_ttvi_sem"] for r in rows])},
-                             results / f"{args.name}_elbo.png", xlabel="rotation of the test digits (degrees)",
-                             ylabel="ELBO per image (nats)", title="rotated MNIST test digits: ELBO")
-        plotting.plot_curves({"encoder": (a, [r["mse_encoder"] for r in rows]),
-                              "encoder + test-time VI": (a, [r["mse_ttvi"] for r in rows])},
-                             results / f"{args.name}_mse.png", xlabel="rotation of the test digits (degrees)",
-                             ylabel="reconstruction MSE per pixel", title="rotated MNIST test digits: reconstruction")
-        idx = torch.arange(len(angles)) * n + args.example
-        enc_one = Latents(*(t[idx] for t in encoded))
-        ttvi_one = Latents(*(t[idx] for t in result.latents))
-        grid = torch.stack([x[idx, 0], reconstruct(system.model, enc_one)[:, 0].cpu(),
-                            reconstruct(system.model, ttvi_one)[:, 0].cpu()])
-        plotting.plot_image_grid(grid, results / f"{args.name}_example.png",
-                                 row_labels=["input", "encoder", "+ test-time VI"],
-                                 col_labels=[f"{a:g}°" for a in angles], title="one test digit, rotated")
-        state = cfg.get("train_state", {})
-        prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
-                          checkpoint=str(args.checkpoint), checkpoint_train_steps=state.get("step"))
-        write_results(results / f"{args.name}.json", metrics, prov)
-        c = metrics["checks"]
-        print(f"ELBO improved at every angle >= 45: {c['ttvi_improves_elbo_at_every_angle_ge_45']}; "
-              f"MSE reduction at 90: {c.get('mse_reduction_at_90', float('nan')):.2f}; "
-              f"{metrics['seconds_per_1000x200'] / 60:.1f} min per 1000 images x 200 steps")
-        print(f"wrote {results / (args.name + '.json')}")
-    except ProbcapsError as e:
-        print(f"rotated_digits: error: {e}", file=sys.stderr)
-        return 2
+    if not 0 <= args.example < args.n_images:
+        raise ProbcapsError(f"--example {args.example}: must be in [0, --n-images={args.n_images})")
+    cfg, system = load_trained(args.checkpoint, device=args.device)
+    images, _ = load_images(cfg["data"], "test", args.data_dir, limit=args.n_images)
+    upright = to_float(images)
+    angles = sorted(args.angles)
+    # every angle's digits in one tensor: test-time VI runs over all of them, batch_size at a time
+    x = torch.cat([rotate(upright, a).clamp(0, 1) if a else upright for a in angles]).unsqueeze(1)
+    encoded = encode_dataset(system.encoder, x, args.batch_size, args.device)
+    result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+                          device=args.device, progress=not args.quiet, seed=args.seed,
+                          pose_family=args.pose_family)
+    xd = x.to(args.device)
+    mse_enc, mse_ttvi = per_image_mse(system.model, xd, encoded), per_image_mse(system.model, xd, result.latents)
+    n = args.n_images
+    rows = []
+    for i, angle in enumerate(angles):
+        sl = slice(i * n, (i + 1) * n)
+        (e0, e0s), (e1, e1s) = _mean_sem(result.elbo_start[sl]), _mean_sem(result.elbo_end[sl])
+        rows.append({"angle": angle, "elbo_encoder": e0, "elbo_encoder_sem": e0s, "elbo_ttvi": e1,
+                     "elbo_ttvi_sem": e1s, "mse_encoder": float(mse_enc[sl].mean()),
+                     "mse_ttvi": float(mse_ttvi[sl].mean()),
+                     "frac_images_elbo_improved": float((result.elbo_end[sl] > result.elbo_start[sl]).float().mean())})
+    rate = len(x) * args.steps / result.wall_time_s
+    metrics = {"per_angle": rows, "checks": checks(rows), "n_images_per_angle": n, "n_images_total": len(x),
+               "steps": args.steps, "lr": args.lr, "pose_family": args.pose_family, "batch_size": args.batch_size,
+               "ttvi_wall_time_s": result.wall_time_s, "image_steps_per_s": rate,
+               "seconds_per_1000x200": 1000 * 200 / rate, "threads": torch.get_num_threads()}
+    results = Path(args.results_dir)
+    a = np.array(angles)
+    plotting.plot_curves({"encoder": (a, [r["elbo_encoder"] for r in rows], [r["elbo_encoder_sem"] for r in rows]),
+                          "encoder + test-time VI": (a, [r["elbo_ttvi"] for r in rows],
+                                                     [r["elbo_ttvi_sem"] for r in rows])},
+                         results / f"{args.name}_elbo.png", xlabel="rotation of the test digits (degrees)",
+                         ylabel="ELBO per image (nats)", title="rotated MNIST test digits: ELBO")
+    plotting.plot_curves({"encoder": (a, [r["mse_encoder"] for r in rows]),
+                          "encoder + test-time VI": (a, [r["mse_ttvi"] for r in rows])},
+                         results / f"{args.name}_mse.png", xlabel="rotation of the test digits (degrees)",
+                         ylabel="reconstruction MSE per pixel", title="rotated MNIST test digits: reconstruction")
+    idx = torch.arange(len(angles)) * n + args.example
+    enc_one = Latents(*(t[idx] for t in encoded))
+    ttvi_one = Latents(*(t[idx] for t in result.latents))
+    grid = torch.stack([x[idx, 0], reconstruct(system.model, enc_one)[:, 0].cpu(),
+                        reconstruct(system.model, ttvi_one)[:, 0].cpu()])
+    plotting.plot_image_grid(grid, results / f"{args.name}_example.png",
+                             row_labels=["input", "encoder", "+ test-time VI"],
+                             col_labels=[f"{a:g}°" for a in angles], title="one test digit, rotated")
+    state = cfg.get("train_state", {})
+    prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
+                      checkpoint=str(args.checkpoint), checkpoint_train_steps=state.get("step"))
+    write_results(results / f"{args.name}.json", metrics, prov)
+    c = metrics["checks"]
+    print(f"ELBO improved at every angle >= 45: {c['ttvi_improves_elbo_at_every_angle_ge_45']}; "
+          f"MSE reduction at 90: {c.get('mse_reduction_at_90', float('nan')):.2f}; "
+          f"{metrics['seconds_per_1000x200'] / 60:.1f} min per 1000 images x 200 steps")
+    print(f"wrote {results / (args.name + '.json')}")
     return 0
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

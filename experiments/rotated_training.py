@@ -33,7 +33,7 @@ from inference.capsule_svi import (  # noqa: E402
 )
 from inference.train import load_checkpoint  # noqa: E402
 from probcaps import plotting  # noqa: E402
-from probcaps.errors import ProbcapsError  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -133,6 +133,7 @@ def readme_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+@one_line_errors("rotated_training")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -153,52 +154,45 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    try:
-        thetas = sorted(args.thetas)
-        runs = []
-        for theta in thetas:
-            for seed in args.seeds:
-                overrides = [*args.set, f"train.seed={seed}", f"data.train_rotation={theta}"]
-                cfg = load_experiment_config(args.config, overrides + (["train.jit=true"] if args.jit else []))
-                out = Path(args.out) / f"theta{theta:g}_seed{seed}"
-                final, metrics_path = out / "final.pt", out / "metrics.json"
-                if args.resume and metrics_path.is_file() and final.is_file() \
-                        and metrics_path.stat().st_mtime > final.stat().st_mtime:
-                    runs.append(json.loads(metrics_path.read_text()))
-                    continue
-                if not (args.resume and final.is_file()):
-                    if not args.quiet:
-                        print(f"theta_max {theta:g}, seed {seed}: training")
-                    train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(),
-                                   device=args.device, data_dir=args.data_dir, progress=not args.quiet)
-                metrics = probe_rotated(final, theta, args.data_dir, args.device, progress=not args.quiet)
-                state = load_checkpoint(final)["state"]
-                metrics.update(seed=seed, steps=state["step"], train_wall_time_s=state["wall_time_s"])
-                write_json(metrics_path, metrics)
-                runs.append(metrics)
-                print(f"theta_max {theta:g}, seed {seed}: probe presence+pose "
-                      f"{metrics['probe_presence_pose_test_acc']:.4f}, presence {metrics['probe_presence_test_acc']:.4f}, "
-                      f"purity {metrics['parent_class_purity']:.3f}")
-        if args.train_only:
-            return 0
-        summary = summarise(runs, thetas)
-        cfg = load_experiment_config(args.config, args.set)
-        prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
-                          wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
-                          thetas=thetas, sweep_wall_time_s=time.perf_counter() - t0,
-                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
-        results = Path(args.results_dir)
-        write_results(results / f"{args.name}.json", summary, prov)
-        plot(summary, results / f"{args.name}.png")
-        print(f"wrote {results / (args.name + '.json')} and {results / (args.name + '.png')}")
-    except ProbcapsError as e:
-        print(f"rotated_training: error: {e}", file=sys.stderr)
-        return 2
+    thetas = sorted(args.thetas)
+    runs = []
+    for theta in thetas:
+        for seed in args.seeds:
+            overrides = [*args.set, f"train.seed={seed}", f"data.train_rotation={theta}"]
+            cfg = load_experiment_config(args.config, overrides + (["train.jit=true"] if args.jit else []))
+            out = Path(args.out) / f"theta{theta:g}_seed{seed}"
+            final, metrics_path = out / "final.pt", out / "metrics.json"
+            if args.resume and metrics_path.is_file() and final.is_file() \
+                    and metrics_path.stat().st_mtime > final.stat().st_mtime:
+                runs.append(json.loads(metrics_path.read_text()))
+                continue
+            if not (args.resume and final.is_file()):
+                if not args.quiet:
+                    print(f"theta_max {theta:g}, seed {seed}: training")
+                train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(),
+                               device=args.device, data_dir=args.data_dir, progress=not args.quiet)
+            metrics = probe_rotated(final, theta, args.data_dir, args.device, progress=not args.quiet)
+            state = load_checkpoint(final)["state"]
+            metrics.update(seed=seed, steps=state["step"], train_wall_time_s=state["wall_time_s"])
+            write_json(metrics_path, metrics)
+            runs.append(metrics)
+            print(f"theta_max {theta:g}, seed {seed}: probe presence+pose "
+                  f"{metrics['probe_presence_pose_test_acc']:.4f}, presence {metrics['probe_presence_test_acc']:.4f}, "
+                  f"purity {metrics['parent_class_purity']:.3f}")
+    if args.train_only:
+        return 0
+    summary = summarise(runs, thetas)
+    cfg = load_experiment_config(args.config, args.set)
+    prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
+                      wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
+                      thetas=thetas, sweep_wall_time_s=time.perf_counter() - t0,
+                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+    results = Path(args.results_dir)
+    write_results(results / f"{args.name}.json", summary, prov)
+    plot(summary, results / f"{args.name}.png")
+    print(f"wrote {results / (args.name + '.json')} and {results / (args.name + '.png')}")
     return 0
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

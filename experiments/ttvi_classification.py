@@ -27,7 +27,7 @@ from inference.guides import Latents  # noqa: E402
 from inference.ttvi import ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
-from probcaps.errors import ProbcapsError  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 
@@ -66,6 +66,7 @@ def readme_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+@one_line_errors("ttvi_classification")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
@@ -87,48 +88,41 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = not args.quiet
-    try:
-        cfg, system = load_trained(args.checkpoint, device=args.device)
-        ecfg = cfg["eval"]
-        limit = args.probe_train_limit if args.probe_train_limit is not None else ecfg.probe_train_limit
-        train_images, train_labels = load_images(cfg["data"], "train", args.data_dir, limit=limit or None)
-        test_images, test_labels = load_images(cfg["data"], "test", args.data_dir, limit=args.n_test)
-        x = to_float(test_images)
-        if args.rotate:
-            x = rotate(x, args.rotate).clamp(0, 1)
-        train_feats = probe_features(encode_dataset(system.encoder, train_images, ecfg.batch_size, args.device,
-                                                    progress))
-        result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps,
-                              lr=args.lr, device=args.device, progress=progress, seed=args.seed)
-        latents = {"encoder": encode_dataset(system.encoder, x, ecfg.batch_size, args.device),
-                   "ttvi_objects": result.latents,
-                   "ttvi_reencoded": reencode_parents(system.encoder, result.latents, ecfg.batch_size, args.device)}
-        metrics = {"n_train": len(train_images), "n_test": len(x), "rotation_deg": args.rotate, "steps": args.steps,
-                   "lr": args.lr, "elbo_encoder": float(result.elbo_start.mean()),
-                   "elbo_ttvi": float(result.elbo_end.mean()), "ttvi_wall_time_s": result.wall_time_s}
-        for key in FEATURES:
-            probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
-            for name, lat in latents.items():
-                metrics[f"{name}_{key}_acc"] = probe.accuracy(probe_features(lat)[key], test_labels)
-        results = Path(args.results_dir)
-        plotting.plot_curves({"test-time VI": (list(range(len(result.elbo_trace))), result.elbo_trace)},
-                             results / f"{args.name}_elbo.png", xlabel="step", ylabel="ELBO per image (nats)",
-                             title=f"test-time VI on {len(x)} MNIST test digits")
-        prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
-                          checkpoint=str(args.checkpoint))
-        write_results(results / f"{args.name}.json", metrics, prov)
-        for name in LATENTS:
-            print(f"{name}: probe presence+pose {metrics[f'{name}_presence_pose_acc']:.4f}, presence "
-                  f"{metrics[f'{name}_presence_acc']:.4f}")
-        print(f"wrote {results / (args.name + '.json')}")
-    except ProbcapsError as e:
-        print(f"ttvi_classification: error: {e}", file=sys.stderr)
-        return 2
+    cfg, system = load_trained(args.checkpoint, device=args.device)
+    ecfg = cfg["eval"]
+    limit = args.probe_train_limit if args.probe_train_limit is not None else ecfg.probe_train_limit
+    train_images, train_labels = load_images(cfg["data"], "train", args.data_dir, limit=limit or None)
+    test_images, test_labels = load_images(cfg["data"], "test", args.data_dir, limit=args.n_test)
+    x = to_float(test_images)
+    if args.rotate:
+        x = rotate(x, args.rotate).clamp(0, 1)
+    train_feats = probe_features(encode_dataset(system.encoder, train_images, ecfg.batch_size, args.device,
+                                                progress))
+    result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps,
+                          lr=args.lr, device=args.device, progress=progress, seed=args.seed)
+    latents = {"encoder": encode_dataset(system.encoder, x, ecfg.batch_size, args.device),
+               "ttvi_objects": result.latents,
+               "ttvi_reencoded": reencode_parents(system.encoder, result.latents, ecfg.batch_size, args.device)}
+    metrics = {"n_train": len(train_images), "n_test": len(x), "rotation_deg": args.rotate, "steps": args.steps,
+               "lr": args.lr, "elbo_encoder": float(result.elbo_start.mean()),
+               "elbo_ttvi": float(result.elbo_end.mean()), "ttvi_wall_time_s": result.wall_time_s}
+    for key in FEATURES:
+        probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
+        for name, lat in latents.items():
+            metrics[f"{name}_{key}_acc"] = probe.accuracy(probe_features(lat)[key], test_labels)
+    results = Path(args.results_dir)
+    plotting.plot_curves({"test-time VI": (list(range(len(result.elbo_trace))), result.elbo_trace)},
+                         results / f"{args.name}_elbo.png", xlabel="step", ylabel="ELBO per image (nats)",
+                         title=f"test-time VI on {len(x)} MNIST test digits")
+    prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
+                      checkpoint=str(args.checkpoint))
+    write_results(results / f"{args.name}.json", metrics, prov)
+    for name in LATENTS:
+        print(f"{name}: probe presence+pose {metrics[f'{name}_presence_pose_acc']:.4f}, presence "
+              f"{metrics[f'{name}_presence_acc']:.4f}")
+    print(f"wrote {results / (args.name + '.json')}")
     return 0
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

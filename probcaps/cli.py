@@ -32,6 +32,29 @@ def reexec_with_allocator_settings(args: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, *args], env)
 
 
+def one_line_errors(name: str):
+    """Decorate an entry point ``main(argv) -> int``: a :class:`ProbcapsError` (bad input, missing file, bad config
+    key) prints one line ``NAME: error: ...`` to stderr and returns 2 instead of a traceback."""
+    import functools
+
+    def decorate(main):
+        @functools.wraps(main)
+        def wrapped(argv=None) -> int:
+            try:
+                return main(argv) or 0
+            except ProbcapsError as e:
+                print(f"{name}: error: {e}", file=sys.stderr)
+                return 2
+        return wrapped
+    return decorate
+
+
+def launch(main) -> None:
+    """Run an entry point as a script: restart with the allocator settings, then ``sys.exit(main())``."""
+    reexec_with_allocator_settings(sys.argv)
+    sys.exit(main())
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument("--data-dir", default=None, help="data root holding mnist/ (default: $PROBCAPS_DATA, else the "
