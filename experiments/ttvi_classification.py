@@ -23,8 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features  # noqa: E402
-from inference.guides import Latents  # noqa: E402
-from inference.ttvi import ttvi_batches  # noqa: E402
+from inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
 from probcaps.cli import launch, one_line_errors  # noqa: E402
@@ -35,18 +34,6 @@ DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}
-
-
-@torch.no_grad()
-def reencode_parents(encoder, latents: Latents, batch_size: int = 500, device: str = "cpu") -> Latents:
-    """Object capsules recomputed by the encoder's set transformer from (optimised) part capsules."""
-    logits, poses = [], []
-    for i in range(0, len(latents.part_logits), batch_size):
-        sl = slice(i, i + batch_size)
-        lg, ps = encoder.encode_parents(latents.part_poses[sl].to(device), torch.sigmoid(latents.part_logits[sl]).to(device))
-        logits.append(lg.cpu())
-        poses.append(ps.cpu())
-    return Latents(latents.part_logits, latents.part_poses, torch.cat(logits), torch.cat(poses))
 
 
 def readme_table(results_dir: Path) -> str | None:

@@ -40,7 +40,8 @@ from inference.train import make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.errors import TrainingDiverged
 
-__all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "run_ttvi", "ttvi_batches"]
+__all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "run_ttvi", "ttvi_batches",
+           "reencode_parents"]
 
 POSE_FAMILIES = ("delta", "normal")
 DEFAULT_INIT_SCALE = 0.02
@@ -326,3 +327,19 @@ def ttvi_batches(model, guide: DeltaGuide, images: torch.Tensor, batch_size: int
         part_pose_scales=cat("part_pose_scales"), parent_pose_scales=cat("parent_pose_scales"),
         wall_time_s=time.perf_counter() - t0,
     )
+
+
+@torch.no_grad()
+def reencode_parents(encoder, latents: Latents, batch_size: int = 500, device: str = "cpu") -> Latents:
+    """Object capsules recomputed by the encoder's set transformer from (optimised) part capsules.
+
+    The free-form object latents of test-time VI are only tied to the image through the parts, and drift out of the
+    distribution a probe fit on encoder features has seen; re-encoding the optimised parts keeps them in it.
+    """
+    logits, poses = [], []
+    for i in range(0, len(latents.part_logits), batch_size):
+        sl = slice(i, i + batch_size)
+        lg, ps = encoder.encode_parents(latents.part_poses[sl].to(device), torch.sigmoid(latents.part_logits[sl]).to(device))
+        logits.append(lg.cpu())
+        poses.append(ps.cpu())
+    return Latents(latents.part_logits, latents.part_poses, torch.cat(logits), torch.cat(poses))

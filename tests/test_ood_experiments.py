@@ -191,7 +191,7 @@ def test_ttvi_classification_entry_point(tiny_checkpoint, tmp_path):
 
 def test_reencoding_unchanged_parts_gives_the_encoders_objects(tiny_checkpoint):
     # catches: re-encoded objects that differ from the encoder's when the parts did not move
-    from experiments.ttvi_classification import reencode_parents
+    from inference.ttvi import reencode_parents
     from inference.capsule_svi import load_trained
 
     _, system = load_trained(tiny_checkpoint)
