@@ -1,0 +1,635 @@
+"""Transforming auto-encoders (Hinton, Krizhevsky & Wang 2011) on MNIST pairs: translation and full affine.
+
+    python experiments/transforming_autoencoder.py                          # both modes, seeds 0 1 2
+    python experiments/transforming_autoencoder.py --modes translation --seeds 0
+    python experiments/transforming_autoencoder.py --resume                 # continue / re-evaluate finished runs
+    python experiments/transforming_autoencoder.py --set train.steps=5 --set data.dataset=synthetic   # smoke test
+
+A pair is one MNIST digit warped onto the canvas twice: by a random jitter ``A`` (the input) and by ``T ∘ A`` (the
+target), with ``T`` a known transformation drawn from the mode's range (``[translation]`` / ``[affine]`` in the
+config).  The network sees the input and ``T`` and must output the target.  Held-out pairs are built the same way
+from MNIST *test* digits; the transformation is then predicted from the recognition outputs of the two images
+alone (:func:`models.transforming_autoencoder.estimate_transform`), and scored with R² per component.
+
+Writes ``results/<name>_<mode>.json`` (per-seed metrics, mean and std, provenance) and the figures of the first
+seed, ``results/<name>_<mode>_{scatter,reconstructions,presence,templates,training,r2_curve}.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
+from models.transforming_autoencoder import (MODES, TransformingAutoencoder,  # noqa: E402
+                                             TransformingAutoencoderConfig, estimate_transform,
+                                             pose_consistency, transform_components)
+from probcaps import plotting  # noqa: E402
+from probcaps.config import load_sections  # noqa: E402
+from probcaps.data import iterate_batches, load_mnist, seeded_generator, synthetic_digits  # noqa: E402
+from probcaps.errors import ConfigError, ProbcapsError  # noqa: E402
+from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
+from probcaps.io import atomic_write, write_json  # noqa: E402
+from probcaps.metrics import r2_scores  # noqa: E402
+from probcaps.provenance import provenance, write_results  # noqa: E402
+from probcaps.render import warp  # noqa: E402
+
+NAME = "transforming_autoencoder"
+DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
+DIGIT_WINDOW = 22  # the write-up scores its MSE on a 22x22 crop: the same window, centred on the target digit
+
+# write-up anchors (numpy reproduction, translation only, 28x28 canvas): seeds/000_bf86ff5c704eb41c.txt
+WRITEUP = {"r2_dx": 0.78, "r2_dy": 0.67, "recon_mse": 0.063, "active_median": 9, "wall_s": 100}
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class PairDataConfig:
+    dataset: str = "mnist"        # "mnist" (real digits) or "synthetic" (stroke digits, for tests)
+    train_limit: int = 0          # use only the first N training digits (0: all 60,000)
+    test_limit: int = 0           # held-out pairs come from the first N test digits (0: all 10,000)
+    seed: int = 0                 # seeds the held-out pairs' jitters and transformations
+    swap_pairs: bool = True       # train on each pair in a random direction (x1 -> x2 by T, or x2 -> x1 by T⁻¹)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TransformRange:
+    """The input jitter ``A`` and the known transformation ``T`` of one mode: every number is drawn uniformly
+    from ``[-v, v]`` (scales from ``[1 - v, 1 + v]``), independently per pair."""
+
+    jitter_translation_px: float = 5.0
+    jitter_rotation_deg: float = 0.0
+    jitter_scale: float = 0.0
+    jitter_shear: float = 0.0
+    translation_px: float = 5.0
+    rotation_deg: float = 0.0
+    scale: float = 0.0
+    shear: float = 0.0
+    overrides: list = field(default_factory=list)  # "section.key=value" applied to this mode (before --set)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TAEEvalConfig:
+    pairs: int = 5000             # held-out pairs (MNIST test digits)
+    readout_pairs: int = 5000     # training pairs for the optional linear readout
+    batch_size: int = 500
+    presence_threshold: float = 0.1  # "active" capsule (the write-up's threshold)
+    curve_pairs: int = 500        # held-out pairs scored at every checkpoint (the R² training curve)
+    figures: bool = True
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TAELossConfig:
+    """The training loss: MSE of the reconstructed target, plus ``consistency_weight`` times
+    :func:`models.transforming_autoencoder.pose_consistency` of the two images' poses (0: the paper's loss)."""
+
+    consistency_weight: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SCHEMA = {
+    "name": str,
+    "data": PairDataConfig,
+    "model": TransformingAutoencoderConfig,
+    "loss": TAELossConfig,
+    "train": TrainConfig,
+    "eval": TAEEvalConfig,
+    "translation": TransformRange,
+    "affine": TransformRange,
+}
+
+
+def load_config(path: str | Path | None, mode: str, overrides: list[str] = ()) -> dict:
+    """The config of one mode: the file's shared sections, then the mode's ``overrides``, then ``--set`` items.
+
+    ``model.mode`` is set to ``mode``.  Returns ``{"name", "mode", "data", "model", "loss", "train", "eval", "range"}``.
+    """
+    if mode not in MODES:
+        raise ConfigError(f"--modes: unknown mode {mode!r} (known: {', '.join(MODES)})")
+    base = load_sections(path, SCHEMA, overrides)
+    mode_items = [str(item) for item in base[mode].overrides]
+    cfg = load_sections(path, SCHEMA, [*mode_items, *overrides, f"model.mode={mode}"])
+    label = path or "<defaults>"
+    rng: TransformRange = cfg[mode]
+    if mode == "translation" and any(getattr(rng, k) for k in ("jitter_rotation_deg", "jitter_scale", "jitter_shear",
+                                                               "rotation_deg", "scale", "shear")):
+        raise ConfigError(f"{label}: [translation] takes translations only (rotation, scale and shear must be 0)")
+    if cfg["data"].dataset not in ("mnist", "synthetic"):
+        raise ConfigError(f"{label}: data.dataset must be 'mnist' or 'synthetic', got {cfg['data'].dataset!r}")
+    try:
+        cfg["model"].validate()
+    except ValueError as e:
+        raise ConfigError(f"{label}: {e}") from None
+    if cfg["loss"].consistency_weight < 0:
+        raise ConfigError(f"{label}: loss.consistency_weight must be >= 0, got {cfg['loss'].consistency_weight}")
+    return {"name": cfg["name"] or NAME, "mode": mode, "data": cfg["data"], "model": cfg["model"],
+            "loss": cfg["loss"], "train": cfg["train"], "eval": cfg["eval"], "range": rng}
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def load_digits(data: PairDataConfig, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 digits ``(N, 28, 28)`` and labels ``(N,)`` of a split (real MNIST, or synthetic strokes)."""
+    limit = (data.train_limit if split == "train" else data.test_limit) or None
+    if data.dataset == "synthetic":
+        n = limit or (2048 if split == "train" else 512)
+        return synthetic_digits(n, seed=1 + (0 if split == "train" else 1))
+    images, labels = load_mnist(split, data_dir=data_dir)
+    return images[:limit], labels[:limit]
+
+
+def sample_transforms(n: int, rng: TransformRange, canvas: int, generator: torch.Generator, jitter: bool
+                      ) -> torch.Tensor:
+    """``(n, 3, 3)`` random affine maps ``T(tx, ty) R(θ) Sh(shear) S(sx, sy)`` from the jitter or transform range.
+
+    Six uniforms per map are always drawn (in a fixed order), so the stream does not depend on which are used.
+    """
+    prefix = "jitter_" if jitter else ""
+    u = torch.rand(n, 6, generator=generator, dtype=torch.float64) * 2 - 1
+    scale, rot = getattr(rng, prefix + "scale"), getattr(rng, prefix + "rotation_deg")
+    shear, trans = getattr(rng, prefix + "shear"), getattr(rng, prefix + "translation_px")
+    T = affine_matrix(1 + scale * u[:, 0], 1 + scale * u[:, 1], degrees(rot * u[:, 2]), shear * u[:, 3],
+                      pixels_to_normalised(trans * u[:, 4], canvas), pixels_to_normalised(trans * u[:, 5], canvas))
+    return T.float()
+
+
+def make_pairs(digits: torch.Tensor, rng: TransformRange, canvas: int, generator: torch.Generator,
+               swap: bool = False) -> dict:
+    """Pairs of one digit under the jitter ``A`` and under ``T ∘ A``, both rendered by :func:`probcaps.render.warp`.
+
+    Args:
+        digits: float ``(B, 1, 28, 28)`` in ``[0, 1]``.
+        swap: give each pair a random direction: ``(x2, T⁻¹, x1)`` instead of ``(x1, T, x2)`` with probability 1/2.
+    Returns:
+        ``{"input", "transform", "target"}`` (``(B, 1, C, C)``, ``(B, 3, 3)``, ``(B, 1, C, C)``) and ``"placement"``,
+        the target digit's pose ``(B, 3, 3)``.
+    """
+    B, device = digits.shape[0], digits.device
+    A = sample_transforms(B, rng, canvas, generator, jitter=True).to(device)
+    T = sample_transforms(B, rng, canvas, generator, jitter=False).to(device)
+    placement = compose(T, A)
+    x1, x2 = warp(digits, A, canvas), warp(digits, placement, canvas)
+    if swap:
+        flip = (torch.rand(B, generator=generator) < 0.5).to(device)
+        f4 = flip.view(B, 1, 1, 1)
+        x1, x2 = torch.where(f4, x2, x1), torch.where(f4, x1, x2)
+        T = torch.where(flip.view(B, 1, 1), invert(T), T)
+        placement = torch.where(flip.view(B, 1, 1), A, placement)
+    return {"input": x1, "transform": T, "target": x2, "placement": placement}
+
+
+def heldout_pairs(digits: torch.Tensor, n: int, rng: TransformRange, canvas: int, seed, tag: str, device="cpu"
+                  ) -> dict:
+    """``n`` pairs from the first digits of ``digits`` (uint8 ``(N, 28, 28)``, cycled if ``n > N``), deterministic
+    in ``(seed, tag)``."""
+    idx = torch.arange(n) % digits.shape[0]
+    x = digits[idx].to(device=device, dtype=torch.float32).div_(255.0).unsqueeze(1)
+    return make_pairs(x, rng, canvas, seeded_generator(NAME, tag, seed), swap=False)
+
+
+def window_mask(placement: torch.Tensor, canvas: int, size: int = DIGIT_WINDOW) -> torch.Tensor:
+    """``(B, 1, C, C)`` boolean: the ``size x size`` pixel box centred on each target digit's centre."""
+    centre_px = (placement[:, :2, 2] + 1) * canvas / 2 - 0.5          # normalised -> pixel index (x, y)
+    pix = torch.arange(canvas, device=placement.device, dtype=placement.dtype)
+    in_x = (pix.view(1, 1, canvas) - centre_px[:, 0].view(-1, 1, 1)).abs() < size / 2
+    in_y = (pix.view(1, canvas, 1) - centre_px[:, 1].view(-1, 1, 1)).abs() < size / 2
+    return (in_x & in_y).unsqueeze(1)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def build_model(cfg: dict, device="cpu", digits: torch.Tensor | None = None) -> TransformingAutoencoder:
+    """The model of ``cfg``, initialised by the training seed; with ``template_init = "data"`` the templates start
+    from ``M`` training digits drawn by that seed (``digits``: uint8 ``(N, 28, 28)``, no labels used)."""
+    model_cfg = dataclasses.replace(cfg["model"], seed=cfg["train"].seed)  # each seed its own initialisation
+    model = TransformingAutoencoder(model_cfg)
+    if model_cfg.template_init == "data" and digits is not None:
+        g = seeded_generator(NAME, "template_init", cfg["train"].seed)
+        pick = torch.randperm(digits.shape[0], generator=g)[:model_cfg.num_capsules]
+        if pick.numel() < model_cfg.num_capsules:
+            raise ConfigError(f"model.template_init = 'data' needs {model_cfg.num_capsules} training digits, "
+                              f"got {digits.shape[0]}")
+        model.init_templates_from(digits[pick].float().div(255).unsqueeze(1))
+    return model.to(device)
+
+
+def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", data_dir=None, progress=True
+               ) -> tuple[TransformingAutoencoder, dict]:
+    """Train one mode and seed into ``out_dir``; returns the model and ``{"steps", "train_wall_time_s", ...}``.
+
+    ``train_wall_time_s`` is the elapsed time of the whole training call (pair generation and checkpoints
+    included), minus the time spent scoring the R² curve at checkpoints.
+    """
+    tcfg: TrainConfig = cfg["train"]
+    canvas, rng, swap = cfg["model"].canvas_size, cfg["range"], cfg["data"].swap_pairs
+    torch.manual_seed(tcfg.seed)
+    digits, labels = load_digits(cfg["data"], "train", data_dir)
+    model = build_model(cfg, device, digits)
+    test_digits, _ = load_digits(cfg["data"], "test", data_dir)
+    curve_set = heldout_pairs(test_digits, cfg["eval"].curve_pairs, rng, canvas, cfg["data"].seed, "curve", device)
+
+    def batches(epoch: int, start: int):
+        drop = len(digits) >= tcfg.batch_size
+        for b, (x, _) in enumerate(iterate_batches(digits, labels, tcfg.batch_size, shuffle=True, seed=tcfg.seed,
+                                                   epoch=epoch, start_batch=start, drop_last=drop, device=device),
+                                   start):
+            batch = make_pairs(x, rng, canvas, seeded_generator(NAME, "pairs", tcfg.seed, epoch, b), swap=swap)
+            yield batch["input"], batch["transform"], batch["target"]
+
+    consistency_weight = cfg["loss"].consistency_weight
+
+    def loss_fn(batch):
+        images, transforms, targets = batch
+        return transforming_loss(model, images, transforms, targets, consistency_weight)
+
+    curve_path = out_dir / "r2_curve.jsonl"
+    curve_time = [0.0]
+
+    def score_curve(state) -> None:
+        t0 = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        scores = score_pairs(model, curve_set, cfg["eval"].batch_size)
+        model.train(was_training)
+        with open(curve_path, "a") as f:
+            f.write(json.dumps({"step": state.step, **{f"r2_{k}": v for k, v in scores["r2"].items()},
+                                "recon_mse": scores["recon_mse"]}) + "\n")
+        curve_time[0] += time.perf_counter() - t0
+
+    if resume:
+        _truncate_jsonl(curve_path, load_checkpoint(out_dir / "checkpoint.pt")["state"]["step"])
+    else:
+        curve_path.unlink(missing_ok=True)
+    metadata = {"name": cfg["name"], "kind": NAME, "mode": cfg["mode"],
+                "configs": {k: cfg[k].to_dict() for k in ("data", "model", "loss", "train", "eval", "range")}}
+    model.train()
+    t0 = time.perf_counter()
+    state = train_loop(model, loss_fn, batches, tcfg, out_dir, resume=resume, metadata=metadata, progress=progress,
+                       on_checkpoint=score_curve)
+    wall = time.perf_counter() - t0 - curve_time[0]
+    timing = {"steps": state.step, "train_wall_time_s": wall, "train_step_time_s": state.wall_time_s,
+              "threads": torch.get_num_threads(), "resumed": resume}
+    write_json(out_dir / "timing.json", timing)
+    return model, timing
+
+
+def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, transforms: torch.Tensor,
+                      targets: torch.Tensor, consistency_weight: float = 0.0) -> torch.Tensor:
+    """MSE of the target rendered from the input's capsules moved by ``T`` (the paper's loss), plus, if
+    ``consistency_weight > 0``, that weight times the pose consistency of input and target (both images
+    recognised in one batched call), weighted by ``p1 · p2`` held fixed."""
+    if consistency_weight <= 0:
+        return F.mse_loss(model(images, transforms), targets)
+    B = images.shape[0]
+    presence, poses = model.recognise(torch.cat([images, targets]))
+    recon, _ = model.render(presence[:B], model.apply_transform(poses[:B], transforms))
+    weights = (presence[:B] * presence[B:]).detach()
+    return F.mse_loss(recon, targets) + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms,
+                                                                              weights)
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    if path.is_file():
+        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        atomic_write(path, lambda f: f.write("".join(ln + "\n" for ln in keep)), mode="w")
+
+
+def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAutoencoder, dict]:
+    """The final model of a finished run and its timing record."""
+    final = out_dir / "final.pt"
+    model = build_model(cfg, device)
+    load_module_state(model, load_checkpoint(final, map_location=device)["module"], final)
+    timing_path = out_dir / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
+    return model, timing
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> dict:
+    """Recognise both images of every pair, read ``T`` back, reconstruct the target: CPU tensors."""
+    mode, canvas = model.config.mode, model.config.canvas_size
+    out: dict[str, list] = {k: [] for k in ("pred", "true", "p1", "sq_err", "win_err", "win_zero", "recon",
+                                            "contrib")}
+    n = pairs["input"].shape[0]
+    for s in range(0, n, batch_size):
+        x1, T, x2 = (pairs[k][s:s + batch_size] for k in ("input", "transform", "target"))
+        p1, P1 = model.recognise(x1)
+        p2, P2 = model.recognise(x2)
+        T_hat = estimate_transform(P1, P2, p1 * p2, mode)
+        recon, contributions = model.render(p1, model.apply_transform(P1, T))
+        mask = window_mask(pairs["placement"][s:s + batch_size], canvas).float()
+        err = (recon - x2) ** 2
+        out["pred"].append(transform_components(T_hat, mode, canvas)[0].cpu())
+        out["true"].append(transform_components(T, mode, canvas)[0].cpu())
+        out["p1"].append(p1.cpu())
+        out["sq_err"].append(err.mean((1, 2, 3)).cpu())
+        out["win_err"].append(((err * mask).sum((1, 2, 3)) / mask.sum((1, 2, 3))).cpu())
+        out["win_zero"].append(((x2 ** 2 * mask).sum((1, 2, 3)) / mask.sum((1, 2, 3))).cpu())
+        if s == 0:
+            out["recon"].append(recon.cpu())
+            out["contrib"].append(contributions.cpu())
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def score_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> dict:
+    """R² per component of the raw estimate and the reconstruction MSE (for the training curve)."""
+    res = run_pairs(model, pairs, batch_size)
+    names = transform_components(pairs["transform"][:1], model.config.mode, model.config.canvas_size)[1]
+    r2 = r2_scores(res["pred"], res["true"])
+    return {"r2": dict(zip(names, map(float, r2))), "recon_mse": float(res["sq_err"].mean())}
+
+
+def fit_readout(pred: torch.Tensor, true: torch.Tensor):
+    """Least-squares linear map (with intercept) from the raw estimate's components to the true ones."""
+    from sklearn.linear_model import LinearRegression
+
+    return LinearRegression().fit(pred.double().numpy(), true.double().numpy())
+
+
+def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="cpu") -> tuple[dict, dict]:
+    """Disentanglement and reconstruction on held-out pairs; returns ``(metrics, arrays for the figures)``."""
+    ecfg: TAEEvalConfig = cfg["eval"]
+    canvas, rng, mode = model.config.canvas_size, cfg["range"], model.config.mode
+    model.eval()
+    test_digits, _ = load_digits(cfg["data"], "test", data_dir)
+    train_digits, _ = load_digits(cfg["data"], "train", data_dir)
+    pairs = heldout_pairs(test_digits, ecfg.pairs, rng, canvas, cfg["data"].seed, "heldout", device)
+    res = run_pairs(model, pairs, ecfg.batch_size)
+    fit_pairs = heldout_pairs(train_digits, ecfg.readout_pairs, rng, canvas, cfg["data"].seed, "readout", device)
+    fit = run_pairs(model, fit_pairs, ecfg.batch_size)
+    readout = fit_readout(fit["pred"], fit["true"])
+    pred_linear = torch.from_numpy(readout.predict(res["pred"].double().numpy()))
+    names = transform_components(pairs["transform"][:1], mode, canvas)[1]
+    r2_raw = r2_scores(res["pred"], res["true"])
+    r2_lin = r2_scores(pred_linear, res["true"])
+    active = (res["p1"] > ecfg.presence_threshold).sum(1).double()
+    metrics = {
+        "components": names,
+        **{f"r2_{k}": float(v) for k, v in zip(names, r2_raw)},
+        **{f"r2_linear_{k}": float(v) for k, v in zip(names, r2_lin)},
+        "r2_min": float(r2_raw.min()),
+        "r2_linear_min": float(r2_lin.min()),
+        "recon_mse": float(res["sq_err"].mean()),
+        "recon_mse_window": float(res["win_err"].mean()),
+        "zero_image_mse_window": float(res["win_zero"].mean()),
+        "active_capsules_mean": float(active.mean()),
+        "active_capsules_median": float(active.median()),
+        "heldout_pairs": int(ecfg.pairs),
+    }
+    arrays = {"pairs": pairs, "res": res, "pred_linear": pred_linear, "names": names}
+    return metrics, arrays
+
+
+# ---------------------------------------------------------------------------------------------- figures
+
+
+def _figure(width_in: float, height_in: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_in, height_in), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save_png(fig, path: Path) -> Path:
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), mode="wb")
+
+
+def plot_scatter(pred: torch.Tensor, true: torch.Tensor, names: list[str], path: Path, title: str) -> Path:
+    """Predicted against true value of every component, with the diagonal and each panel's R²."""
+    r2 = r2_scores(pred, true)
+    K = len(names)
+    cols = min(K, 3)
+    rows = -(-K // cols)
+    fig = _figure(3.2 * cols, 3.0 * rows + 0.4)
+    n = min(pred.shape[0], 2000)
+    for k in range(K):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        t, p = true[:n, k].numpy(), pred[:n, k].numpy()
+        ax.scatter(t, p, s=3, alpha=0.4)
+        lo, hi = float(min(t.min(), p.min())), float(max(t.max(), p.max()))
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+        ax.set_title(f"{names[k]}: R² = {r2[k]:.3f}", fontsize=9)
+        ax.set_xlabel("true", fontsize=8)
+        ax.set_ylabel("predicted", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save_png(fig, path)
+
+
+def plot_presence(presence: torch.Tensor, path: Path, title: str) -> Path:
+    """Heatmap of capsule presences ``(images, capsules)``."""
+    fig = _figure(max(4.0, 0.22 * presence.shape[1] + 1.5), max(3.0, 0.22 * presence.shape[0] + 1.0))
+    ax = fig.add_subplot(1, 1, 1)
+    im = ax.imshow(presence.numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto", interpolation="nearest")
+    ax.set_xlabel("capsule")
+    ax.set_ylabel("held-out image")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, label="presence p")
+    fig.tight_layout()
+    return _save_png(fig, path)
+
+
+def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Path, prefix: str, runs: list[Path]
+                  ) -> None:
+    """Scatter, reconstructions, presence heatmap, templates, and the training curves of every seed."""
+    mode = model.config.mode
+    res, pairs, names = arrays["res"], arrays["pairs"], arrays["names"]
+    plot_scatter(res["pred"], res["true"], names, results_dir / f"{prefix}_scatter.png",
+                 f"{mode}: transformation read from the two images' capsules (held-out pairs)")
+    n = min(10, res["recon"].shape[0])
+    grey = lambda x: x[:n, 0, ..., None].expand(-1, -1, -1, 3).numpy()  # noqa: E731 - (n, H, W, 3)
+    coloured = plotting.colour_parts(res["contrib"][:n, :, 0])
+    grid = np.stack([grey(pairs["input"].cpu()), grey(pairs["target"].cpu()), grey(res["recon"].clamp(0, 1)),
+                     coloured])
+    plotting.plot_image_grid(grid, results_dir / f"{prefix}_reconstructions.png",
+                             row_labels=["input", "target", "output", "capsules"],
+                             title=f"{mode}: input, transformed target, reconstruction, capsule contributions")
+    plot_presence(res["p1"][:24], results_dir / f"{prefix}_presence.png", f"{mode}: capsule presences")
+    plotting.plot_templates(model.templates().detach().cpu(), results_dir / f"{prefix}_templates.png",
+                            title=f"{mode}: learned templates")
+    losses, r2s = {}, {}
+    for run in runs:
+        log, curve = run / "log.jsonl", run / "r2_curve.jsonl"
+        if log.is_file():
+            recs = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
+            losses[run.name] = ([r["step"] for r in recs], [r["loss"] for r in recs])
+        if curve.is_file():
+            recs = [json.loads(ln) for ln in curve.read_text().splitlines() if ln.strip()]
+            for comp in names:
+                r2s[f"{run.name} {comp}"] = ([r["step"] for r in recs], [r[f"r2_{comp}"] for r in recs])
+    if losses:
+        plotting.plot_curves(losses, results_dir / f"{prefix}_training.png", xlabel="step",
+                             ylabel="training MSE per pixel", title=f"{mode}: training loss", logy=True)
+    if r2s:
+        plotting.plot_curves(r2s, results_dir / f"{prefix}_r2_curve.png", xlabel="step", ylabel="held-out R²",
+                             title=f"{mode}: R² of the raw estimate during training")
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+
+
+def summarise(runs: list[dict]) -> dict:
+    summary: dict = {"per_seed": runs}
+    for key, value in runs[0].items():
+        if key in ("seed", "steps", "threads", "heldout_pairs") or isinstance(value, (bool, str, list)) or value is None:
+            continue
+        values = np.array([r[key] for r in runs], dtype=float)
+        summary[f"{key}_mean"] = float(values.mean())
+        summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    summary["components"] = runs[0]["components"]
+    return summary
+
+
+def run_mode(mode: str, args) -> Path:
+    """Train (or resume / reuse) every seed of one mode, evaluate, write the results JSON and figures."""
+    results_dir = Path(args.results_dir)
+    runs, run_dirs, first = [], [], None
+    cfg = None
+    for seed in args.seeds:
+        cfg = load_config(args.config, mode, [*args.set, f"train.seed={seed}"])
+        out = Path(args.out) / mode / f"seed{seed}"
+        run_dirs.append(out)
+        if args.resume and (out / "final.pt").is_file():
+            model, timing = load_trained(cfg, out, args.device)
+        else:
+            resume = args.resume and (out / "checkpoint.pt").is_file()
+            model, timing = train_mode(cfg, out, resume=resume, device=args.device, data_dir=args.data_dir,
+                                       progress=not args.quiet)
+        metrics, arrays = evaluate(model, cfg, args.data_dir, args.device)
+        runs.append({"seed": seed, **metrics, "steps": timing.get("steps"),
+                     "train_wall_time_s": timing.get("train_wall_time_s"),
+                     "train_step_time_s": timing.get("train_step_time_s"), "threads": timing.get("threads")})
+        if first is None:
+            first = (model, arrays)
+        r2_text = ", ".join(f"{k} {metrics[f'r2_{k}']:.3f}" for k in metrics["components"])
+        wall = timing.get("train_wall_time_s")
+        print(f"{mode} seed {seed}: R² {r2_text}; recon MSE {metrics['recon_mse']:.4f} "
+              f"(22x22 window {metrics['recon_mse_window']:.4f}); active capsules "
+              f"{metrics['active_capsules_mean']:.1f}; training {wall if wall is None else round(wall)} s")
+    summary = summarise(runs)
+    summary["mode"] = mode
+    prefix = f"{args.name}_{mode}"
+    prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
+                      wall_time_s=sum(r["train_wall_time_s"] or 0.0 for r in runs),
+                      batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
+                      configs={k: cfg[k].to_dict() for k in ("data", "model", "loss", "train", "eval", "range")})
+    path = write_results(results_dir / f"{prefix}.json", summary, prov)
+    if cfg["eval"].figures and first is not None:
+        write_figures(first[0], first[1], results_dir, prefix, run_dirs)
+    print(f"wrote {path}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- README table
+
+
+def readme_table(results_dir: Path) -> str | None:
+    """Ours (mean ± std over seeds) against the write-up's numbers, built only from ``results/<name>_<mode>.json``."""
+    from probcaps.report import fmt_mean_std
+
+    results_dir = Path(results_dir)
+    loaded = {m: json.loads(p.read_text()) for m in MODES if (p := results_dir / f"{NAME}_{m}.json").is_file()}
+    if not loaded:
+        return None
+    n_seeds = max(len(d["metrics"]["per_seed"]) for d in loaded.values())
+    lines = [f"| mode | metric (held-out MNIST-test pairs) | ours: mean ± std over {n_seeds} seeds | issue target | "
+             "write-up (numpy, 28×28) |", "| --- | --- | --- | --- | --- |"]
+    anchors = {"dx": WRITEUP["r2_dx"], "dy": WRITEUP["r2_dy"]}
+    footer = []
+    for mode, data in loaded.items():
+        runs, prov = data["metrics"]["per_seed"], data["provenance"]
+        rng = prov.get("configs", {}).get("range", {})
+        col = lambda key: [r[key] for r in runs]  # noqa: E731
+        r2_target = "≥ 0.95" if mode == "translation" else "≥ 0.9"
+        rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target, anchors.get(c, "—"))
+                for c in runs[0]["components"]]
+        rows += [("min R² over components, linear readout fit on training pairs", "r2_linear_min", 3, "—", "—"),
+                 ("reconstruction MSE per pixel, 22×22 window on the target digit", "recon_mse_window", 4,
+                  f"< {WRITEUP['recon_mse']}", f"{WRITEUP['recon_mse']} (22×22 crop)"),
+                 ("same window, all-black output (reference)", "zero_image_mse_window", 4, "—", "—"),
+                 ("reconstruction MSE per pixel, whole 40×40 canvas", "recon_mse", 4, "—", "—"),
+                 ("active capsules per image (p > 0.1), mean", "active_capsules_mean", 1, "—",
+                  f"{WRITEUP['active_median']} (median)"),
+                 ("training wall time (s), shared 2-core CPU, 1 thread", "train_wall_time_s", 0, "≤ 300",
+                  f"~{WRITEUP['wall_s']} (M-series Mac)")]
+        for label, key, digits, target, anchor in rows:
+            lines.append(f"| {mode} | {label} | {fmt_mean_std(col(key), 1.0, digits)} | {target} | {anchor} |")
+        ranges = (f"jitter ±{rng.get('jitter_translation_px')} px, shift ±{rng.get('translation_px')} px"
+                  if mode == "translation" else
+                  f"T: rotation ±{rng.get('rotation_deg')}°, scales 1 ± {rng.get('scale')}, shear ±{rng.get('shear')}, "
+                  f"translation ±{rng.get('translation_px')} px; input jitter: rotation ±{rng.get('jitter_rotation_deg')}°, "
+                  f"scales 1 ± {rng.get('jitter_scale')}, shear ±{rng.get('jitter_shear')}, translation "
+                  f"±{rng.get('jitter_translation_px')} px")
+        footer.append(f"{mode}: {ranges}; seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps "
+                      f"of batch {prov.get('batch_size', '?')}; {runs[0].get('threads')} torch thread(s); device: "
+                      f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
+                      f"{prov.get('git_commit', '?')}.")
+    return "\n".join(lines + [""] + footer)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--modes", nargs="+", default=list(MODES), help="translation and/or affine")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--out", default=str(ROOT / "runs" / NAME), help="run folders (<out>/<mode>/seed<S>)")
+    p.add_argument("--results-dir", default=str(ROOT / "results"))
+    p.add_argument("--name", default=NAME, help="prefix of the results files")
+    p.add_argument("--resume", action="store_true", help="continue unfinished runs, re-evaluate finished ones")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        for mode in args.modes:
+            run_mode(mode, args)
+    except ProbcapsError as e:
+        print(f"{NAME}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    from probcaps.cli import reexec_with_allocator_settings
+
+    reexec_with_allocator_settings(sys.argv)
+    sys.exit(main())

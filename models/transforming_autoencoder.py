@@ -1,0 +1,314 @@
+"""Transforming auto-encoder (Hinton, Krizhevsky & Wang 2011, "Transforming auto-encoders", ICANN).
+
+Every capsule ``m`` has its own recognition units, which look at the image and output a presence probability
+``p_m`` and a pose ``P_m`` (a 3x3 affine matrix, template -> canvas).  The known transformation ``T`` of the
+input (given to the network) is applied to every pose, ``P'_m = T ∘ P_m``, and the capsule's generative side
+renders its learned template at ``P'_m`` with the package's one affine warp (:func:`probcaps.render.render_templates`).
+The output is the presence-weighted sum of the rendered capsules (the paper's rule, ``combine = "sum"``, the
+default) or, optionally, their "over" composite (:func:`probcaps.render.composite_over`, ``combine = "over"``).
+
+Two modes:
+
+- ``"translation"``: the pose is a translation ``(x, y)`` (normalised canvas units), ``T`` a known shift
+  ``(dx, dy)``; ``T ∘ P`` adds ``(dx, dy)`` to ``(x, y)``.
+- ``"affine"``: the pose is a full 2-D affine map (6 numbers, squashed into plausible scales / shears by
+  :func:`probcaps.geometry.constrained_pose`), ``T`` a known 2-D affine map composed with it.
+
+Because the decoder is exactly equivariant (rendering at ``T ∘ P`` is rendering at ``P`` then warping the canvas
+by ``T``), the only way to reconstruct the transformed image is for the recognised poses to track where the
+entities are: that is the disentanglement.  :func:`estimate_transform` reads ``T`` back from the recognised poses
+of two images alone.
+
+All capsules are evaluated together: the recognition hidden layers of every capsule are one matrix product, the
+output layers one batched ``einsum``, the rendering one ``render_templates`` call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+from probcaps.encoders import PartEncoder
+from probcaps.geometry import (compose, constrained_pose, invert, matrix_to_pose6, pose6_to_matrix,
+                               translation_matrix)
+from probcaps.render import composite_over, render_templates, warp
+
+__all__ = ["MODES", "COMBINES", "RECOGNITIONS", "TransformingAutoencoderConfig", "TransformingAutoencoder",
+           "estimate_transform", "transform_components", "pose_consistency"]
+
+MODES = ("translation", "affine")
+COMBINES = ("sum", "over")
+RECOGNITIONS = ("mlp", "conv")
+_POSE_DIMS = {"translation": 2, "affine": 6}
+
+
+@dataclass
+class TransformingAutoencoderConfig:
+    mode: str = "translation"        # "translation" (pose = (x, y)) or "affine" (pose = 3x3 affine matrix)
+    canvas_size: int = 40            # H = W of the input and output images
+    num_capsules: int = 30           # M
+    recognition: str = "mlp"         # "mlp": per-capsule hidden units on the pixels (the paper's); "conv": a shared
+                                     # conv trunk, then per-capsule heads with spatial attention (PartEncoder)
+    recognition_hidden: int = 32     # "mlp": recognition units per capsule
+    conv_channels: list = field(default_factory=lambda: [32, 64, 64])  # "conv": trunk channels per layer
+    conv_strides: list = field(default_factory=lambda: [2, 2, 1])      # "conv": trunk strides (3x3 kernels)
+    recognition_activation: str = "sigmoid"  # "sigmoid" (the paper's) or "relu"
+    template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
+    template_init: str = "blob"      # "blob": a soft round brush plus noise; "data": training images (see
+                                     # init_templates_from), so templates start asymmetric and their poses identifiable
+    combine: str = "sum"             # "sum": presence-weighted sum (the paper); "over": alpha compositing
+    presence_bias_init: float = 0.0  # initial presence logit of every capsule
+    min_scale: float = 0.5           # affine mode: pose scales squashed into [min_scale, max_scale]
+    max_scale: float = 1.5
+    max_shear: float = 0.5
+    max_translation: float = 1.0     # |pose translation| bound (normalised units; 1 = the canvas edge)
+    seed: int = 0                    # parameter initialisation
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"model.mode must be one of {MODES}, got {self.mode!r}")
+        if self.combine not in COMBINES:
+            raise ValueError(f"model.combine must be one of {COMBINES}, got {self.combine!r}")
+        if self.recognition not in RECOGNITIONS:
+            raise ValueError(f"model.recognition must be one of {RECOGNITIONS}, got {self.recognition!r}")
+        if len(self.conv_channels) != len(self.conv_strides) or not self.conv_channels:
+            raise ValueError(f"model.conv_channels and model.conv_strides must be non-empty and of equal length, got "
+                             f"{self.conv_channels} and {self.conv_strides}")
+        if self.template_init not in ("blob", "data"):
+            raise ValueError(f"model.template_init must be 'blob' or 'data', got {self.template_init!r}")
+        if self.recognition_activation not in ("sigmoid", "relu"):
+            raise ValueError(f"model.recognition_activation must be 'sigmoid' or 'relu', got "
+                             f"{self.recognition_activation!r}")
+        for key in ("canvas_size", "num_capsules", "recognition_hidden", "template_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 < self.min_scale < self.max_scale:
+            raise ValueError(f"model.min_scale/max_scale must satisfy 0 < min < max, got {self.min_scale}, "
+                             f"{self.max_scale}")
+
+
+def _blob_logits(M: int, t: int, gen: torch.Generator) -> torch.Tensor:
+    """``(M, 1, t, t)`` initial template logits: a soft round brush plus noise that breaks the capsules' symmetry.
+
+    A brush gives every pose a gradient from the first step (a pure-noise template barely changes the image when
+    it moves); the noise lets the capsules grow into different parts.
+    """
+    r = torch.linspace(-1, 1, t)
+    blob = 4.0 * torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * 0.4 ** 2)) - 3.0
+    return blob + 0.5 * torch.randn(M, 1, t, t, generator=gen)
+
+
+class TransformingAutoencoder(nn.Module):
+    """``model(images (B, 1, H, W), transforms (B, 3, 3)) -> reconstruction of the transformed images (B, 1, H, W)``."""
+
+    def __init__(self, config: TransformingAutoencoderConfig | None = None):
+        super().__init__()
+        cfg = self.config = config or TransformingAutoencoderConfig()
+        cfg.validate()
+        M, Hd, t = cfg.num_capsules, cfg.recognition_hidden, cfg.template_size
+        D = cfg.canvas_size ** 2
+        out_dim = 1 + _POSE_DIMS[cfg.mode]  # presence logit, then the pose numbers
+        gen = torch.Generator().manual_seed(cfg.seed)
+        if cfg.recognition == "conv":
+            # a shared conv trunk, then one 1x1 conv whose output channels are grouped per capsule: capsule m's own
+            # head gives its presence logit, 6 raw pose numbers and an attention map over the feature grid; the
+            # pose's translation is where its attention looks (plus a bounded offset)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed)
+                self.encoder = PartEncoder(M, channels=tuple(cfg.conv_channels), strides=tuple(cfg.conv_strides),
+                                           feature_dim=0, pose_kwargs=self._pose_kwargs())
+                with torch.no_grad():  # presence logits start at presence_bias_init (the head's bias column 6)
+                    self.encoder.head.bias.view(M, -1)[:, 6] = cfg.presence_bias_init
+            self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
+            return
+        # recognition: capsule m's hidden units are columns [m*Hd, (m+1)*Hd) of one (D, M*Hd) matrix, so the hidden
+        # layer of all capsules is a single matmul; each capsule's output layer is its own (Hd, out_dim) block.
+        self.hidden_weight = nn.Parameter(torch.randn(D, M * Hd, generator=gen) / math.sqrt(D))
+        self.hidden_bias = nn.Parameter(torch.zeros(M * Hd))
+        self.output_weight = nn.Parameter(torch.randn(M, Hd, out_dim, generator=gen) / math.sqrt(Hd))
+        bias = torch.zeros(M, out_dim)
+        bias[:, 0] = cfg.presence_bias_init
+        self.output_bias = nn.Parameter(bias)
+        # generative side: one learned template per capsule (intensities through a sigmoid, so in [0, 1])
+        self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
+
+    @torch.no_grad()
+    def init_templates_from(self, images: torch.Tensor, scale: float = 1.0, contrast: float = 0.9) -> None:
+        """Start the templates from ``M`` images ``(M, 1, h, w)`` in ``[0, 1]`` (e.g. random training digits).
+
+        Each image is rendered onto the ``t x t`` template at ``scale`` times its own pixel size by the shared warp,
+        squeezed into ``[(1 - contrast)/2, (1 + contrast)/2]`` so that the sigmoid's logit stays finite, and noise is
+        not added: the images differ already.  With blob templates an affine pose is ambiguous (a round blob turned
+        inside its ellipse looks the same); digit-shaped templates have no such symmetry.
+        """
+        M, t = self.config.num_capsules, self.config.template_size
+        if images.dim() != 4 or images.shape[0] != M:
+            raise ValueError(f"init_templates_from: expected ({M}, 1, h, w) images, got {tuple(images.shape)}")
+        S = torch.diag(images.new_tensor([scale, scale, 1.0])).expand(M, 3, 3)
+        small = warp(images.to(self.template_logits), S, t).clamp(0, 1)
+        self.template_logits.copy_(torch.logit(0.5 + contrast * (small - 0.5)))
+
+    # ------------------------------------------------------------------ recognition
+
+    def templates(self) -> torch.Tensor:
+        """``(M, 1, t, t)`` template intensities in ``[0, 1]``."""
+        return torch.sigmoid(self.template_logits)
+
+    def recognise(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Presences ``(B, M)`` in ``(0, 1)`` and poses ``(B, M, 3, 3)`` of every capsule, from ``(B, 1, H, W)``."""
+        cfg = self.config
+        B = images.shape[0]
+        if cfg.recognition == "conv":
+            out = self.encoder(images)
+            pose = pose6_to_matrix(out.pose)
+            if cfg.mode == "translation":  # keep only where the capsule is
+                pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])
+            return torch.sigmoid(out.presence_logit), pose
+        x = images.reshape(B, -1)
+        if x.shape[1] != self.hidden_weight.shape[0]:
+            raise ValueError(f"recognise: expected images of {cfg.canvas_size}x{cfg.canvas_size} pixels, got "
+                             f"{tuple(images.shape)}")
+        pre = torch.addmm(self.hidden_bias, x, self.hidden_weight).view(B, cfg.num_capsules, cfg.recognition_hidden)
+        hidden = torch.sigmoid(pre) if cfg.recognition_activation == "sigmoid" else torch.relu(pre)
+        out = torch.einsum("bmh,mho->bmo", hidden, self.output_weight) + self.output_bias  # (B, M, 1 + pose)
+        presence = torch.sigmoid(out[..., 0])
+        return presence, self.pose_matrix(out[..., 1:])
+
+    def pose_matrix(self, raw: torch.Tensor) -> torch.Tensor:
+        """Recognition outputs ``(..., 2)`` (translation) or ``(..., 6)`` (affine) -> poses ``(..., 3, 3)``.
+
+        Translation: ``(x, y) = max_translation · tanh(raw)``.  Affine: SCAE's squashing
+        (:func:`probcaps.geometry.constrained_pose`) keeps every pose invertible; at ``raw = 0`` it is the
+        identity when ``min_scale + max_scale = 2``.  In both, the translation is bounded so that a capsule cannot
+        park its template off the canvas with a high presence: to add nothing to the image it has to switch
+        off, which keeps presences meaningful for reading the transformation back.
+        """
+        cfg = self.config
+        if cfg.mode == "translation":
+            xy = cfg.max_translation * torch.tanh(raw)
+            return translation_matrix(xy[..., 0], xy[..., 1])
+        return pose6_to_matrix(constrained_pose(raw, **self._pose_kwargs()))
+
+    def _pose_kwargs(self) -> dict:
+        cfg = self.config
+        return {"min_scale": cfg.min_scale, "max_scale": cfg.max_scale, "max_shear": cfg.max_shear,
+                "max_translation": cfg.max_translation}
+
+    # ------------------------------------------------------------------ generation
+
+    def render(self, presence: torch.Tensor, poses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Render every capsule's template at its pose and combine them.
+
+        Args:
+            presence: ``(B, M)``.
+            poses: ``(B, M, 3, 3)`` template -> canvas maps.
+        Returns:
+            ``(image (B, 1, H, W), contributions (B, M, 1, H, W))``: what each capsule adds to the image (its
+            presence-weighted layer for ``"sum"``, its composited share for ``"over"``).
+        """
+        layers = render_templates(self.templates(), poses, self.config.canvas_size)  # (B, M, 1, H, W)
+        p = presence[..., None, None, None]
+        if self.config.combine == "sum":
+            contributions = p * layers
+            return contributions.sum(1), contributions
+        # "over": white ink whose coverage (alpha) is the presence-weighted template, capsule 0 at the back
+        image, weights = composite_over(torch.ones_like(layers), p * layers, dim=1)
+        return image, weights
+
+    def forward(self, images: torch.Tensor, transforms: torch.Tensor) -> torch.Tensor:
+        """Reconstruction ``(B, 1, H, W)`` of ``images`` transformed by the known ``transforms`` ``(B, 3, 3)``."""
+        return self.reconstruct(images, transforms)[0]
+
+    def reconstruct(self, images: torch.Tensor, transforms: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Like ``forward``, also returning ``{"presence", "pose", "transformed_pose", "contributions"}``."""
+        presence, poses = self.recognise(images)
+        moved = self.apply_transform(poses, transforms)
+        image, contributions = self.render(presence, moved)
+        return image, {"presence": presence, "pose": poses, "transformed_pose": moved, "contributions": contributions}
+
+    @staticmethod
+    def apply_transform(poses: torch.Tensor, transforms: torch.Tensor) -> torch.Tensor:
+        """``T ∘ P_m`` for every capsule: poses ``(B, M, 3, 3)``, transforms ``(B, 3, 3)`` -> ``(B, M, 3, 3)``.
+
+        ``T`` acts on canvas coordinates, after the pose; for translations this adds ``(dx, dy)`` to the
+        capsule's ``(x, y)``.
+        """
+        return compose(transforms.unsqueeze(1), poses)
+
+
+# ---------------------------------------------------------------------- reading the transformation back
+
+
+def estimate_transform(pose1: torch.Tensor, pose2: torch.Tensor, weights: torch.Tensor, mode: str,
+                       ridge: float = 1e-4) -> torch.Tensor:
+    """The transformation between two images, from their capsules' poses alone: ``(B, 3, 3)``.
+
+    Weighted least squares over capsules, ``T = argmin Σ_m w_m ||T P1_m − P2_m||²`` (Frobenius):
+
+    - ``"translation"``: ``T`` restricted to translations, whose solution is the weighted mean of
+      ``t2_m − t1_m`` (the write-up's "presence-weighted average of pose2 − pose1");
+    - ``"affine"``: ``T = (Σ w P2 P1ᵀ)(Σ w P1 P1ᵀ)⁻¹``.  Each capsule contributes its position (the pose's last
+      column) and its orientation / scale (the linear block), so three capsules at distinct places already fix
+      ``T``.  ``ridge`` adds ``ridge · I`` to both sums (shrinks an ill-posed fit towards the identity).
+
+    Args:
+        pose1, pose2: ``(B, M, 3, 3)`` poses recognised in the first and the second image.
+        weights: ``(B, M)`` non-negative, e.g. ``p1 * p2`` (capsules present in both images).
+    """
+    if mode not in MODES:
+        raise ValueError(f"estimate_transform: mode must be one of {MODES}, got {mode!r}")
+    w = weights.clamp_min(0)
+    if mode == "translation":
+        shift = pose2[..., :2, 2] - pose1[..., :2, 2]                                   # (B, M, 2)
+        mean = (w.unsqueeze(-1) * shift).sum(1) / w.sum(1, keepdim=True).clamp_min(1e-12)
+        return translation_matrix(mean[:, 0], mean[:, 1])
+    wm = w[..., None, None]
+    eye = torch.eye(3, dtype=pose1.dtype, device=pose1.device)
+    cross = (wm * pose2 @ pose1.transpose(-1, -2)).sum(1) + ridge * eye                # Σ w P2 P1ᵀ
+    gram = (wm * pose1 @ pose1.transpose(-1, -2)).sum(1) + ridge * eye                 # Σ w P1 P1ᵀ
+    T = torch.linalg.solve(gram, cross, left=False)                                     # cross · gram⁻¹
+    # the last row is (0, 0, 1) in exact arithmetic (every pose's is); set it exactly
+    return torch.cat([T[:, :2], eye[2:].expand(T.shape[0], 1, 3)], 1)
+
+
+def transform_components(T: torch.Tensor, mode: str, canvas_size: int) -> tuple[torch.Tensor, list[str]]:
+    """The numbers the disentanglement is scored on: ``(B, K)`` and their names.
+
+    Translation: ``(dx, dy)`` in pixels.  Affine: the six free entries of ``T`` (``m11, m12, tx, m21, m22, ty``:
+    the 2x2 block and the translation in pixels).
+    """
+    px = canvas_size / 2.0  # normalised units -> pixels
+    if mode == "translation":
+        return torch.stack([T[:, 0, 2] * px, T[:, 1, 2] * px], -1), ["dx", "dy"]
+    y = matrix_to_pose6(T)
+    comps = torch.stack([y[:, 0] + 1, y[:, 1], y[:, 2] * px, y[:, 3], y[:, 4] + 1, y[:, 5] * px], -1)
+    return comps, ["m11", "m12", "tx", "m21", "m22", "ty"]
+
+
+def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch.Tensor, weights: torch.Tensor
+                     ) -> torch.Tensor:
+    """How far the poses of two images are from being related by their known transformation: a scalar.
+
+    ``mean_b [Σ_m w_bm (‖P2_bm − T_b P1_bm‖² + ‖P1_bm − T_b⁻¹ P2_bm‖²)] / Σ_m w_bm`` (squared Frobenius norms of
+    the 3x3 matrices, so translations count in normalised canvas units), averaged over the batch.  It is zero
+    exactly when every weighted capsule's pose moves with the image (``P2 = T P1``), the property the transformation
+    is read back from.  Not in the paper (see the README): it makes the known ``T`` matter for the recognition
+    units, whereas the reconstruction loss alone is blind to it with an exactly equivariant renderer.
+
+    Args:
+        pose1, pose2: ``(B, M, 3, 3)`` poses recognised in the first and the second image.
+        transforms: ``(B, 3, 3)``, the second image is the first transformed by it.
+        weights: ``(B, M)`` non-negative, e.g. ``p1 * p2`` (detach them to keep presences out of it).
+    """
+    T = transforms.unsqueeze(1)
+    forward = (pose2 - compose(T, pose1)).square().sum((-1, -2))             # (B, M)
+    backward = (pose1 - compose(invert(T), pose2)).square().sum((-1, -2))    # (B, M)
+    w = weights.clamp_min(0)
+    per_image = (w * (forward + backward)).sum(1) / w.sum(1).clamp_min(1e-8)
+    return per_image.mean()

@@ -1,0 +1,319 @@
+"""Transforming auto-encoder: batched recognition, the shared rendering path, equivariance of the decoder,
+reading the transformation back from poses, the pair generator, configs, and the entry point on tiny data."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import probcaps.render  # noqa: E402
+from models import transforming_autoencoder as tae_module  # noqa: E402
+from models.transforming_autoencoder import (TransformingAutoencoder, TransformingAutoencoderConfig,  # noqa: E402
+                                             estimate_transform, transform_components)
+from probcaps.errors import ConfigError  # noqa: E402
+from probcaps.geometry import affine_matrix, compose, invert, rotation_matrix, translation_matrix  # noqa: E402
+from probcaps.render import render_templates, warp  # noqa: E402
+
+
+def _model(mode="translation", canvas=16, M=3, hidden=4, t=5, combine="sum") -> TransformingAutoencoder:
+    return TransformingAutoencoder(TransformingAutoencoderConfig(mode=mode, canvas_size=canvas, num_capsules=M,
+                                                                 recognition_hidden=hidden, template_size=t,
+                                                                 combine=combine))
+
+
+def _set_templates(model: TransformingAutoencoder, templates: torch.Tensor) -> None:
+    """Make ``model.templates()`` return ``templates`` (values in (0, 1))."""
+    with torch.no_grad():
+        model.template_logits.copy_(torch.logit(templates.clamp(1e-6, 1 - 1e-6)))
+
+
+def _gaussian(t: int, sigma: float) -> torch.Tensor:
+    r = torch.arange(t, dtype=torch.float32) - (t - 1) / 2
+    return torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * sigma ** 2))
+
+
+# ------------------------------------------------------------------------------------------ recognition
+
+
+def test_batched_recognition_equals_each_capsule_on_its_own():
+    # catches: capsules sharing or mixing weights in the batched matmul / einsum (a reshape in the wrong order)
+    torch.manual_seed(0)
+    for mode in ("translation", "affine"):
+        model = _model(mode, canvas=6, M=3, hidden=4)
+        x = torch.rand(2, 1, 6, 6)
+        presence, poses = model.recognise(x)
+        flat = x.reshape(2, -1)
+        for m in range(3):  # the reference loops over capsules on purpose
+            cols = slice(4 * m, 4 * (m + 1))
+            hidden = torch.sigmoid(flat @ model.hidden_weight[:, cols] + model.hidden_bias[cols])
+            out = hidden @ model.output_weight[m] + model.output_bias[m]
+            assert torch.allclose(presence[:, m], torch.sigmoid(out[:, 0]), atol=1e-6)
+            assert torch.allclose(poses[:, m], model.pose_matrix(out[:, 1:]), atol=1e-6)
+
+
+def test_translation_pose_is_the_bounded_xy_and_affine_pose_starts_at_identity():
+    model = _model("translation")
+    P = model.pose_matrix(torch.tensor([[0.25, -0.5]]))  # max_translation · tanh(raw), max_translation = 1
+    assert torch.allclose(P[0], torch.tensor([[1.0, 0, math.tanh(0.25)], [0, 1, math.tanh(-0.5)], [0, 0, 1]]))
+    affine = _model("affine")  # min_scale + max_scale = 2: raw 0 is the identity
+    assert torch.allclose(affine.pose_matrix(torch.zeros(1, 6))[0], torch.eye(3), atol=1e-6)
+
+
+def test_templates_initialised_from_images_keep_them_at_their_pixel_size():
+    # at scale 1 on a template of the images' own size the warp is the identity: template = 0.05 + 0.9 · image
+    model = _model("affine", M=2, t=6)
+    images = torch.rand(2, 1, 6, 6)
+    model.init_templates_from(images)
+    assert torch.allclose(model.templates(), 0.05 + 0.9 * images, atol=1e-5)
+    with pytest.raises(ValueError, match="expected"):
+        model.init_templates_from(torch.rand(3, 1, 6, 6))
+
+
+def test_known_translation_adds_dx_dy_to_every_capsule_pose():
+    # the paper's translation rule: (x, y) -> (x + dx, y + dy), the same shift for every capsule
+    poses = translation_matrix(torch.tensor([[0.1, -0.2]]), torch.tensor([[0.3, 0.0]]))  # (1, 2, 3, 3)
+    T = translation_matrix(torch.tensor([0.05]), torch.tensor([-0.1]))
+    moved = TransformingAutoencoder.apply_transform(poses, T)
+    assert torch.allclose(moved[0, :, 0, 2], torch.tensor([0.15, -0.15]))
+    assert torch.allclose(moved[0, :, 1, 2], torch.tensor([0.2, -0.1]))
+    assert torch.allclose(moved[..., :2, :2], torch.eye(2).expand(1, 2, 2, 2))
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+
+def test_rendering_goes_through_the_shared_warp(monkeypatch):
+    # catches: a second warp implementation sneaking into the model (the issue: one rendering path)
+    calls = []
+    real_warp = probcaps.render.warp
+
+    def spy(images, P, out_size):
+        calls.append((tuple(images.shape), tuple(P.shape), out_size))
+        return real_warp(images, P, out_size)
+
+    monkeypatch.setattr(probcaps.render, "warp", spy)
+    torch.manual_seed(0)
+    model = _model("affine", canvas=12, M=3, t=5)
+    x, T = torch.rand(2, 1, 12, 12), rotation_matrix(torch.tensor([0.3, -0.2]))
+    out, parts = model.reconstruct(x, T)
+    assert calls == [((2 * 3, 1, 5, 5), (2 * 3, 3, 3), 12)]  # one call for every capsule of every image
+    expected = render_templates(model.templates(), parts["transformed_pose"], 12)
+    assert torch.allclose(out, (parts["presence"][..., None, None, None] * expected).sum(1), atol=1e-6)
+    source = inspect.getsource(tae_module)
+    assert "grid_sample" not in source and "affine_grid" not in source
+
+
+def test_rendered_capsule_moves_by_whole_pixels_exactly():
+    # hand-computed: translation by 2 px on a 16-pixel canvas is 2 * 2/16 = 0.25 normalised units, and moving a
+    # rendered template by whole pixels is an exact shift of the image (no interpolation)
+    model = _model("translation", canvas=16, M=1, t=5)
+    _set_templates(model, torch.rand(1, 1, 5, 5) * 0.9 + 0.05)
+    P = translation_matrix(torch.tensor([[-0.125]]), torch.tensor([[0.0]]))
+    T = translation_matrix(torch.tensor([0.25]), torch.tensor([-0.125]))  # (+2 px right, 1 px up)
+    p = torch.ones(1, 1)
+    before, _ = model.render(p, P)
+    after, _ = model.render(p, model.apply_transform(P, T))
+    assert torch.allclose(after, torch.roll(before, shifts=(-1, 2), dims=(2, 3)), atol=1e-6)
+    assert before.sum() > 1.0
+
+
+@pytest.mark.parametrize("combine", ["sum", "over"])
+def test_rendering_at_T_compose_P_is_the_image_transformed_by_T(combine):
+    # the equivariance the whole method rests on: template at T∘P = (template at P) warped by T, for a rotation,
+    # scaling and shear as well as a translation (bilinear sampling twice vs once: a small tolerance)
+    # smooth templates (Gaussians a few pixels wide, ~0 at their borders): bilinear error ~ f''/8 stays small
+    model = _model("affine", canvas=48, M=2, t=21, combine=combine)
+    _set_templates(model, torch.stack([_gaussian(21, 3.0), 0.8 * _gaussian(21, 2.5)]).unsqueeze(1))
+    P = torch.stack([affine_matrix(*map(torch.tensor, (1.1, 0.9, 0.3, 0.1, -0.2, 0.1))),
+                     affine_matrix(*map(torch.tensor, (0.8, 1.0, -0.5, 0.0, 0.25, -0.15)))]).unsqueeze(0)
+    T = affine_matrix(*map(torch.tensor, (1.15, 0.9, 0.35, -0.1, 0.1, 0.05))).unsqueeze(0)
+    p = torch.tensor([[0.9, 0.6]])
+    image_at_P, _ = model.render(p, P)
+    image_at_TP, _ = model.render(p, model.apply_transform(P, T))
+    warped = warp(image_at_P, T, 48)
+    assert image_at_P.amax() > 0.3
+    assert (image_at_TP - warped).abs().max() < 0.04  # measured 0.024; P∘T instead of T∘P gives 0.51
+    assert (image_at_TP - image_at_P).abs().max() > 0.3  # the transform did move things
+
+
+def test_combine_rules_by_hand():
+    # "sum": p1 t1 + p2 t2; "over" with white ink: coverage 1 − (1 − p1 t1)(1 − p2 t2)
+    ones = torch.ones(2, 1, 16, 16)
+    for combine, expected in (("sum", 0.5 * 0.4 + 1.0 * 0.3), ("over", 1 - (1 - 0.5 * 0.4) * (1 - 1.0 * 0.3))):
+        model = _model("translation", canvas=16, M=2, t=16, combine=combine)
+        _set_templates(model, ones * torch.tensor([0.4, 0.3]).view(2, 1, 1, 1))
+        image, _ = model.render(torch.tensor([[0.5, 1.0]]), torch.eye(3).expand(1, 2, 3, 3))
+        assert torch.allclose(image[0, 0, 8, 8], torch.tensor(expected), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ reading T back
+
+
+def test_translation_estimate_is_the_weighted_mean_shift():
+    # capsule shifts (0.1, 0) and (0.3, 0.2) with weights 1 and 3, a third with weight 0: (0.25, 0.15)
+    t1 = translation_matrix(torch.tensor([[0.0, 0.5, -0.3]]), torch.tensor([[0.0, 0.1, 0.9]]))
+    t2 = translation_matrix(torch.tensor([[0.1, 0.8, 5.0]]), torch.tensor([[0.0, 0.3, -7.0]]))
+    T = estimate_transform(t1, t2, torch.tensor([[1.0, 3.0, 0.0]]), "translation")
+    assert torch.allclose(T[0], translation_matrix(torch.tensor(0.25), torch.tensor(0.15)), atol=1e-6)
+    comps, names = transform_components(T, "translation", canvas_size=40)
+    assert names == ["dx", "dy"] and torch.allclose(comps, torch.tensor([[5.0, 3.0]]), atol=1e-5)  # × 40/2 px
+
+
+def test_affine_estimate_recovers_T_from_poses_and_ignores_absent_capsules():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    n, M = 4, 5
+    P1 = affine_matrix(*(torch.rand(6, n, M, generator=g) * torch.tensor([0.4, 0.4, 2, 0.4, 1, 1]).view(6, 1, 1)
+                         + torch.tensor([0.8, 0.8, -1, -0.2, -0.5, -0.5]).view(6, 1, 1)))
+    T = affine_matrix(torch.tensor([1.1, 0.9, 1.0, 1.2]), torch.tensor([0.95, 1.05, 1.0, 0.8]),
+                      torch.tensor([0.2, -0.3, 0.0, 0.1]), torch.tensor([0.1, 0.0, -0.1, 0.0]),
+                      torch.tensor([0.1, -0.2, 0.0, 0.05]), torch.tensor([0.0, 0.1, -0.1, 0.2]))
+    P2 = compose(T[:, None], P1)
+    P2[:, 0] = torch.eye(3) * 7  # a garbage capsule in the second image ...
+    P2[:, 0, 2, 2] = 1
+    w = torch.ones(n, M)
+    w[:, 0] = 0                  # ... that is absent, so it must not count
+    T_hat = estimate_transform(P1, P2, w, "affine", ridge=0.0)
+    assert torch.allclose(T_hat, T, atol=1e-4)
+    comps, names = transform_components(T, "affine", canvas_size=40)
+    assert names == ["m11", "m12", "tx", "m21", "m22", "ty"]
+    assert torch.allclose(comps[:, 2], T[:, 0, 2] * 20) and torch.allclose(comps[:, 0], T[:, 0, 0])
+
+
+def test_a_trained_model_pipeline_reads_its_own_transform_exactly_when_poses_are_equivariant():
+    # if recognition were perfectly equivariant (P2 = T P1), the estimator returns T: a consistency check of the
+    # evaluation's conventions (T acts after the pose, in canvas coordinates)
+    P1 = rotation_matrix(torch.tensor([[0.1, 0.7, -0.4]])) @ translation_matrix(torch.tensor([[0.2, -0.3, 0.1]]),
+                                                                              torch.tensor([[0.0, 0.2, -0.2]]))
+    T = compose(translation_matrix(torch.tensor([0.1]), torch.tensor([-0.05])), rotation_matrix(torch.tensor([0.2])))
+    P2 = TransformingAutoencoder.apply_transform(P1, T)
+    assert torch.allclose(estimate_transform(P1, P2, torch.ones(1, 3), "affine", ridge=0.0), T, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ data and config
+
+
+def _experiment():
+    from experiments import transforming_autoencoder as exp
+
+    return exp
+
+
+def test_sampled_transforms_stay_in_their_range_and_translation_mode_only_translates():
+    exp = _experiment()
+    rng = exp.TransformRange(jitter_translation_px=3.0, translation_px=5.0)
+    g = torch.Generator().manual_seed(0)
+    T = exp.sample_transforms(500, rng, 40, g, jitter=False)
+    assert torch.allclose(T[:, :2, :2], torch.eye(2).expand(500, 2, 2))
+    px = T[:, :2, 2] * 20  # normalised -> pixels on a 40-pixel canvas
+    assert px.abs().max() <= 5.0 + 1e-5 and px.abs().max() > 4.5
+    A = exp.sample_transforms(500, rng, 40, g, jitter=True)
+    assert (A[:, :2, 2] * 20).abs().max() <= 3.0 + 1e-5
+    full = exp.TransformRange(rotation_deg=30, scale=0.2, shear=0.0, translation_px=0)
+    R = exp.sample_transforms(500, full, 40, g, jitter=False)
+    det = torch.linalg.det(R[:, :2, :2])
+    sx, sy = R[:, :2, 0].norm(dim=1), R[:, :2, 1].norm(dim=1)  # no shear: columns are the scaled rotation
+    assert torch.allclose(det, sx * sy, atol=1e-5) and sx.min() >= 0.8 - 1e-5 and sx.max() <= 1.2 + 1e-5
+
+
+def test_pairs_are_the_digit_at_A_and_at_T_compose_A_and_swapping_reverses_them():
+    exp = _experiment()
+    rng = exp.TransformRange(jitter_translation_px=2.0, translation_px=3.0, rotation_deg=0.0)
+    digits = torch.rand(6, 1, 28, 28)
+    plain = exp.make_pairs(digits, rng, 36, torch.Generator().manual_seed(3), swap=False)
+    A = exp.sample_transforms(6, rng, 36, torch.Generator().manual_seed(3), jitter=True)
+    assert torch.allclose(plain["input"], warp(digits, A, 36))
+    assert torch.allclose(plain["target"], warp(digits, compose(plain["transform"], A), 36), atol=1e-6)
+    swapped = exp.make_pairs(digits, rng, 36, torch.Generator().manual_seed(3), swap=True)
+    flipped = ~torch.isclose(swapped["input"], plain["input"]).flatten(1).all(1)
+    assert 0 < int(flipped.sum()) < 6  # this seed flips some pairs and keeps others
+    for i in range(6):
+        if flipped[i]:
+            assert torch.allclose(swapped["input"][i], plain["target"][i])
+            assert torch.allclose(swapped["target"][i], plain["input"][i])
+            assert torch.allclose(swapped["transform"][i], invert(plain["transform"][i:i + 1])[0], atol=1e-6)
+        else:
+            assert torch.allclose(swapped["transform"][i], plain["transform"][i])
+
+
+def test_window_mask_is_22_by_22_around_the_digit_centre():
+    exp = _experiment()
+    mask = exp.window_mask(torch.eye(3).unsqueeze(0), 40)  # centre at pixel 19.5: rows/columns 9..30
+    assert mask.sum() == 22 * 22
+    assert bool(mask[0, 0, 9, 9]) and bool(mask[0, 0, 30, 30]) and not bool(mask[0, 0, 8, 20])
+    shifted = exp.window_mask(translation_matrix(torch.tensor([0.1]), torch.tensor([0.0])), 40)  # +2 px right
+    assert torch.equal(shifted, torch.roll(mask, 2, dims=3))
+
+
+def test_config_modes_overrides_and_errors(tmp_path):
+    exp = _experiment()
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = 50\n[affine]\nrotation_deg = 10.0\noverrides = ["train.steps=7", '
+                    '"model.num_capsules=4"]\n')
+    translation = exp.load_config(path, "translation")
+    affine = exp.load_config(path, "affine")
+    assert translation["train"].steps == 50 and translation["model"].mode == "translation"
+    assert affine["train"].steps == 7 and affine["model"].num_capsules == 4 and affine["model"].mode == "affine"
+    assert exp.load_config(path, "affine", ["train.steps=3"])["train"].steps == 3  # --set wins over the mode
+    with pytest.raises(ConfigError, match="translations only"):
+        exp.load_config(path, "translation", ["translation.rotation_deg=5"])
+    with pytest.raises(ConfigError, match="combine"):
+        exp.load_config(path, "affine", ["model.combine=add"])
+    with pytest.raises(ConfigError, match="unknown key"):
+        exp.load_config(path, "affine", ["model.capsules=3"])
+
+
+# ------------------------------------------------------------------------------------------ entry point
+
+
+TINY = ["--set", "data.dataset=synthetic", "--set", "data.train_limit=32", "--set", "data.test_limit=16",
+        "--set", "model.canvas_size=32", "--set", "model.num_capsules=3", "--set", "model.recognition_hidden=4",
+        "--set", "model.template_size=5", "--set", "model.template_init=data", "--set", "train.steps=4", "--set", "train.batch_size=8",
+        "--set", "train.warmup_steps=1", "--set", "train.log_every=1", "--set", "train.checkpoint_every=2",
+        "--set", "eval.pairs=24", "--set", "eval.readout_pairs=24", "--set", "eval.batch_size=10",
+        "--set", "eval.curve_pairs=8", "--set", "affine.overrides=[]", "--set", "translation.translation_px=2.0",
+        "--set", "translation.jitter_translation_px=1.0", "--set", "affine.translation_px=1.0",
+        "--set", "affine.jitter_translation_px=1.0"]
+
+
+def test_entry_point_runs_both_modes_on_tiny_data_and_resumes(tmp_path):
+    exp = _experiment()
+    results, runs = tmp_path / "results", tmp_path / "runs"
+    args = ["--seeds", "0", "1", "--out", str(runs), "--results-dir", str(results), "--quiet", *TINY]
+    assert exp.main(args) == 0
+    for mode, comps in (("translation", ["dx", "dy"]), ("affine", ["m11", "m12", "tx", "m21", "m22", "ty"])):
+        data = json.loads((results / f"transforming_autoencoder_{mode}.json").read_text())
+        m = data["metrics"]
+        assert [r["seed"] for r in m["per_seed"]] == [0, 1] and m["components"] == comps
+        assert m["per_seed"][0]["steps"] == 4 and data["provenance"]["seed"] == [0, 1]
+        r2 = [r[f"r2_{comps[0]}"] for r in m["per_seed"]]
+        assert m[f"r2_{comps[0]}_mean"] == pytest.approx(sum(r2) / 2)
+        assert all(math.isfinite(r["recon_mse"]) for r in m["per_seed"])
+        for fig in ("scatter", "reconstructions", "presence", "templates", "training", "r2_curve"):
+            assert (results / f"transforming_autoencoder_{mode}_{fig}.png").is_file(), fig
+        assert (runs / mode / "seed1" / "final.pt").is_file()
+    table = exp.readme_table(results)
+    assert "R²(dx)" in table and "R²(m12)" in table and "0.78" in table
+    # --resume on finished runs re-evaluates without training: identical metrics
+    before = json.loads((results / "transforming_autoencoder_translation.json").read_text())["metrics"]
+    assert exp.main([*args[:-len(TINY)], "--modes", "translation", "--resume", *TINY,
+                     "--set", "eval.figures=false"]) == 0
+    after = json.loads((results / "transforming_autoencoder_translation.json").read_text())["metrics"]
+    assert after["per_seed"][1]["r2_dx"] == pytest.approx(before["per_seed"][1]["r2_dx"])
+
+
+def test_entry_point_bad_config_is_one_line(tmp_path, capsys):
+    exp = _experiment()
+    assert exp.main(["--config", str(tmp_path / "nope.toml"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.toml" in err[0]
+    assert exp.readme_table(tmp_path) is None
