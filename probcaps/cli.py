@@ -202,6 +202,7 @@ def _ttvi(args) -> None:
         "elbo_encoder_mean": float(result.elbo_start.mean()), "elbo_ttvi_mean": float(result.elbo_end.mean()),
         "recon_mse_encoder": recon_mse(before), "recon_mse_ttvi": recon_mse(result.latents),
         "wall_time_s": result.wall_time_s, "image_steps_per_s": len(x) * args.steps / result.wall_time_s,
+        "cpu_time_s": result.cpu_time_s, "threads": torch.get_num_threads(),
         "elbo_trace": result.elbo_trace,
     }
     out = Path(args.out or Path("results") / f"ttvi_{cfg['name']}.json")
