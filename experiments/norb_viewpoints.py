@@ -1,0 +1,432 @@
+"""Novel viewpoints on (synthetic) smallNORB: matrix capsules with EM routing against a CNN, matched on familiar
+viewpoints (Hinton, Sabour & Frosst 2018, section 5.1).
+
+    python experiments/norb_viewpoints.py --seeds 0 1 2                  # headline (configs/norb_viewpoints.toml)
+    python experiments/norb_viewpoints.py --seeds 0 --resume             # continue interrupted runs
+    python experiments/norb_viewpoints.py --seeds 0 --set data.split="elevation"   # the elevation split
+    python experiments/norb_viewpoints.py --seeds 0 --set data.dataset="smallnorb" # the real files, if present
+
+Protocol (the paper's matched comparison): both models train on the training instances at the familiar
+viewpoints only (azimuths {300, .., 40} or the 3 lowest elevations); every ``train.checkpoint_every`` steps each is
+evaluated on fixed subsets of the test instances at familiar and at novel viewpoints (``eval.jsonl`` in its run
+folder).  Per seed, the target is the lower of the two models' best familiar accuracies; each model is read at
+the first evaluation where its familiar accuracy reaches the target, and the novel-viewpoint accuracies there
+are compared.  Writes ``results/<name>.json`` and the figures ``results/<name>_*.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
+from models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin  # noqa: E402
+from models.norb_cnn import NorbCNN, NorbCNNConfig  # noqa: E402
+from probcaps import plotting  # noqa: E402
+from probcaps.config import load_sections  # noqa: E402
+from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator  # noqa: E402
+from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split  # noqa: E402
+from probcaps.data.synthetic_norb import synthetic_norb  # noqa: E402
+from probcaps.errors import ConfigError, ProbcapsError  # noqa: E402
+from probcaps.io import atomic_write  # noqa: E402
+from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
+from probcaps.report import fmt_mean_std  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_viewpoints.toml"
+MODELS = ("caps", "cnn")
+
+
+@dataclass
+class NorbDataConfig:
+    dataset: str = "synthetic"     # "synthetic" (rendered, cached under the data root) or "smallnorb" (real files)
+    split: str = "azimuth"         # "azimuth" or "elevation"
+    seed: int = 0                  # the synthetic set's instances
+    train_limit: int = 0           # use only N training images (0: all), for smoke runs
+    instances_per_split: int = 5   # synthetic only: fewer instances (tests, smoke runs)
+    elevations: int = 9            # synthetic only: render only the N lowest elevations (tests, smoke runs)
+    lightings: int = 3             # synthetic only: render only the first N lighting conditions (tests, smoke runs)
+    familiar_eval: int = 1200      # size of the fixed familiar-viewpoint evaluation subset (0: all)
+    novel_eval: int = 2400         # size of the fixed novel-viewpoint evaluation subset (0: all)
+    eval_batch: int = 200
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SpreadConfig:
+    margin_start: float = 0.2
+    margin_end: float = 0.9
+    ramp_fraction: float = 0.5     # the margin reaches margin_end after this fraction of the training steps
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SCHEMA = {"name": str, "data": NorbDataConfig, "caps": MatrixCapsConfig, "cnn": NorbCNNConfig,
+          "caps_train": TrainConfig, "cnn_train": TrainConfig, "spread": SpreadConfig}
+
+
+def load_config(path, overrides=()) -> dict:
+    cfg = load_sections(path, SCHEMA, overrides)
+    cfg["name"] = cfg["name"] or "norb_viewpoints"
+    if cfg["data"].dataset not in ("synthetic", "smallnorb"):
+        raise ConfigError(f"{path}: data.dataset must be 'synthetic' or 'smallnorb', got {cfg['data'].dataset!r}")
+    if cfg["data"].split not in ("azimuth", "elevation"):
+        raise ConfigError(f"{path}: data.split must be 'azimuth' or 'elevation', got {cfg['data'].split!r}")
+    return cfg
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _synthetic_kwargs(data: NorbDataConfig) -> dict:
+    if data.dataset != "synthetic":
+        return {}
+    return {"seed": data.seed, "instances_per_split": data.instances_per_split, "elevations": data.elevations,
+            "lightings": data.lightings}
+
+
+def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
+    """``{"train", "familiar", "novel"}``: training instances at familiar views, and fixed subsets of the test
+    instances at familiar and at novel views."""
+    load = synthetic_norb if data.dataset == "synthetic" else load_smallnorb
+    kwargs = _synthetic_kwargs(data)
+    train, test = load("train", data_dir=data_dir, **kwargs), load("test", data_dir=data_dir, **kwargs)
+    familiar_train, _ = viewpoint_split(train, data.split)
+    familiar_test, novel_test = viewpoint_split(test, data.split)
+    sets = {"train": train.subset(familiar_train)}
+    if data.train_limit:
+        keep = torch.randperm(len(sets["train"]), generator=seeded_generator("norb_train_limit", data.seed))
+        sets["train"] = sets["train"].subset(keep[:data.train_limit])
+    for name, mask, n in (("familiar", familiar_test, data.familiar_eval), ("novel", novel_test, data.novel_eval)):
+        part = test.subset(mask)
+        if n and n < len(part):
+            part = part.subset(torch.randperm(len(part), generator=seeded_generator("norb_eval", name))[:n])
+        sets[name] = part
+    return sets
+
+
+def train_batches(train: NorbSet, batch_size: int, seed: int, device):
+    """``(epoch, start_batch) -> iterator of (x (B, 1, 32, 32), y (B,), global step)``: random 32x32 crops of the
+    48x48 images, each drawn from a generator seeded by ``(seed, epoch, batch)`` (exact resume)."""
+    per_epoch = num_batches(len(train), batch_size, drop_last=True)
+
+    def batches(epoch: int, start_batch: int):
+        it = iterate_batches(train.images, train.labels, batch_size, shuffle=True, seed=seed, epoch=epoch,
+                             start_batch=start_batch, drop_last=True, device=device)
+        for b, (x, y) in enumerate(it, start=start_batch):
+            yield crop32(x, train=True, generator=seeded_generator("norb_crop", seed, epoch, b)), y, \
+                epoch * per_epoch + b
+
+    return batches
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, data: NorbSet, batch_size: int, device) -> torch.Tensor:
+    """Predicted classes ``(N,)`` on centre crops (the model is put in eval mode and restored)."""
+    was_training = model.training
+    model.eval()
+    preds = []
+    for x, _ in iterate_batches(data.images, data.labels, batch_size, shuffle=False, device=device):
+        preds.append(model(crop32(x, train=False)).argmax(1).cpu())
+    model.train(was_training)
+    return torch.cat(preds) if preds else torch.zeros(0, dtype=torch.int64)
+
+
+def accuracy_by(correct: torch.Tensor, key: torch.Tensor) -> dict[str, float]:
+    """Mean of ``correct`` per value of ``key`` (e.g. azimuth): ``{"60": 0.91, ...}``."""
+    return {str(int(k)): float(correct[key == k].float().mean()) for k in torch.unique(key)}
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_model(kind: str, cfg: dict) -> torch.nn.Module:
+    return MatrixCapsNet(cfg["caps"]) if kind == "caps" else NorbCNN(cfg["cnn"])
+
+
+def make_loss(kind: str, model: torch.nn.Module, cfg: dict):
+    tcfg, spread = cfg[f"{kind}_train"], cfg["spread"]
+    ramp = max(1, int(spread.ramp_fraction * tcfg.steps))
+
+    def loss_fn(batch):
+        x, y, step = batch
+        if kind == "caps":
+            return spread_loss(model(x), y, spread_margin(step, ramp, spread.margin_start, spread.margin_end))
+        return F.cross_entropy(model(x), y)
+
+    return loss_fn
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, resume: bool, progress: bool) -> dict:
+    """Train one model on one seed, evaluating at every checkpoint; returns the training state."""
+    torch.manual_seed(seed)
+    model = build_model(kind, cfg).to(device)
+    tcfg = dataclasses.replace(cfg[f"{kind}_train"], seed=seed)
+    eval_log = out / "eval.jsonl"
+    resume = resume and (out / "checkpoint.pt").is_file()
+    if resume:  # keep the evaluations up to the checkpoint we resume from
+        step = load_checkpoint(out / "checkpoint.pt")["state"]["step"]
+        keep = [r for r in _read_jsonl(eval_log) if r["step"] <= step]
+        atomic_write(eval_log, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep)), mode="w")
+    else:
+        eval_log.unlink(missing_ok=True)
+    data_cfg = cfg["data"]
+
+    def evaluate(state) -> None:
+        if any(r["step"] == state.step for r in _read_jsonl(eval_log)):
+            return
+        record = {"step": state.step, "epoch": state.epoch, "wall_time_s": state.wall_time_s}
+        for name in ("familiar", "novel"):
+            part = sets[name]
+            correct = predict(model, part, data_cfg.eval_batch, device) == part.labels
+            record[f"{name}_acc"] = float(correct.float().mean())
+            record[f"{name}_by_azimuth"] = accuracy_by(correct, part.azimuth)
+            record[f"{name}_by_elevation"] = accuracy_by(correct, part.elevation)
+        with open(eval_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        evaluate(type("S", (), {"step": 0, "epoch": 0, "wall_time_s": 0.0})())
+    batches = train_batches(sets["train"], tcfg.batch_size, seed, device)
+    meta = {"kind": kind, "model_config": cfg[kind].to_dict(), "data": data_cfg.to_dict()}
+    state = train_loop(model, make_loss(kind, model, cfg), batches, tcfg, out, resume=resume, metadata=meta,
+                       progress=progress, on_checkpoint=evaluate)
+    return asdict(state)
+
+
+# --------------------------------------------------------------------------- the matched comparison
+
+
+def matched_comparison(logs: dict[str, list[dict]]) -> dict:
+    """Per seed: target = the lower of the two models' best familiar accuracies; each model is read at its first
+    evaluation reaching the target.  Returns the two records and the novel-error reduction."""
+    target = min(max(r["familiar_acc"] for r in logs[k]) for k in MODELS)
+    at = {k: next(r for r in logs[k] if r["familiar_acc"] >= target) for k in MODELS}
+    err = {k: 1.0 - at[k]["novel_acc"] for k in MODELS}
+    return {
+        "target_familiar_acc": target,
+        **{f"{k}_{m}": at[k][m] for k in MODELS for m in ("step", "familiar_acc", "novel_acc")},
+        **{f"{k}_novel_by_azimuth": at[k]["novel_by_azimuth"] for k in MODELS},
+        **{f"{k}_familiar_by_azimuth": at[k]["familiar_by_azimuth"] for k in MODELS},
+        **{f"{k}_novel_by_elevation": at[k]["novel_by_elevation"] for k in MODELS},
+        **{f"{k}_familiar_by_elevation": at[k]["familiar_by_elevation"] for k in MODELS},
+        "novel_error_reduction": (1.0 - err["caps"] / err["cnn"]) if err["cnn"] > 0 else 0.0,
+        **{f"{k}_final_familiar_acc": logs[k][-1]["familiar_acc"] for k in MODELS},
+        **{f"{k}_final_novel_acc": logs[k][-1]["novel_acc"] for k in MODELS},
+    }
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def plot_by_viewpoint(runs: list[dict], key: str, path: Path, xlabel: str) -> None:
+    """Accuracy per azimuth (or elevation) at the matched checkpoints, mean ± std over seeds, both models."""
+    curves = {}
+    for kind, label in (("caps", "matrix capsules"), ("cnn", "CNN")):
+        merged = [{**r[f"{kind}_familiar_by_{key}"], **r[f"{kind}_novel_by_{key}"]} for r in runs]
+        xs = sorted(int(k) for k in merged[0])
+        vals = np.array([[m[str(x)] for x in xs] for m in merged])
+        curves[label] = (xs, vals.mean(0).tolist(), vals.std(0).tolist())
+    plotting.plot_curves(curves, path, xlabel=xlabel, ylabel="test accuracy (matched familiar accuracy)",
+                         title=f"accuracy by {key}: familiar and novel viewpoints")
+
+
+def plot_examples(sets: dict, path: Path) -> None:
+    """One test instance per class (rows) at every other azimuth (columns), lowest elevation, first lighting."""
+    full = sets["_test_full"]
+    sel = (full.elevation == full.elevation.min()) & (full.lighting == full.lighting.min())
+    sel &= full.azimuth % 40 == 0
+    sel &= full.instance == full.instance[sel].min()
+    part = full.subset(sel)
+    order = torch.argsort(part.labels * 1000 + part.azimuth)
+    imgs = part.images[order].view(5, -1, *part.images.shape[1:]).float() / 255
+    azs = part.azimuth[order][: imgs.shape[1]].tolist()
+    plotting.plot_image_grid(imgs, path, row_labels=list(NORB_CLASSES),
+                             col_labels=[f"{a}°" + ("*" if a in (300, 320, 340, 0, 20, 40) else "") for a in azs],
+                             title="test instances by azimuth (* = familiar azimuths)")
+
+
+@torch.no_grad()
+def plot_class_poses(model: MatrixCapsNet, sets: dict, path: Path, device) -> None:
+    """For one novel-view test image per class (rows): the 5 class capsules' 4x4 pose matrices (columns)."""
+    data = sets["novel"]
+    idx = torch.stack([torch.nonzero(data.labels == c)[0, 0] for c in range(5)])
+    x = crop32(data.images[idx][:, None].float().div(255).to(device), train=False)
+    model.eval()
+    poses, log_a = model.capsules(x)
+    a = log_a.exp().cpu()
+    rows = [f"{NORB_CLASSES[c]}\n(a = {a[c, c]:.2f},\nmax {NORB_CLASSES[int(a[c].argmax())]})" for c in range(5)]
+    plotting.plot_image_grid(poses.cpu(), path, row_labels=rows,
+                             col_labels=[f"{NORB_CLASSES[j]} capsule" for j in range(5)],
+                             title="class-capsule 4x4 poses, one novel-view image per class")
+
+
+def plot_training(logs_by_seed: dict, path: Path) -> None:
+    curves = {}
+    for seed, logs in logs_by_seed.items():
+        for kind in MODELS:
+            recs = logs[kind]
+            curves[f"{kind} familiar, seed {seed}"] = ([r["step"] for r in recs], [r["familiar_acc"] for r in recs])
+            curves[f"{kind} novel, seed {seed}"] = ([r["step"] for r in recs], [r["novel_acc"] for r in recs])
+    plotting.plot_curves(curves, path, xlabel="training step", ylabel="test accuracy",
+                         title="familiar and novel viewpoint accuracy during training")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--results-dir", default=str(ROOT / "results"))
+    p.add_argument("--out", default="runs/norb_viewpoints", help="run folders (<out>/seed<S>/<model>)")
+    p.add_argument("--name", default=None, help="results name (default: the config's name)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
+    p.add_argument("--no-figures", action="store_true", help="write the results JSON only")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    try:
+        cfg = load_config(args.config, args.set)
+        name = args.name or cfg["name"]
+        t0 = time.perf_counter()
+        sets = load_sets(cfg["data"], args.data_dir)
+        for seed in args.seeds:
+            for kind in args.models:
+                out = Path(args.out) / f"seed{seed}" / kind
+                if args.resume and (out / "final.pt").is_file():
+                    continue
+                train_one(kind, cfg, sets, out, seed, args.device, args.resume, not args.quiet)
+        if args.train_only:
+            return 0
+        runs, logs_by_seed, walls = [], {}, {}
+        for seed in args.seeds:
+            logs = {k: _read_jsonl(Path(args.out) / f"seed{seed}" / k / "eval.jsonl") for k in MODELS}
+            if not all(logs.values()):
+                raise ConfigError(f"{args.out}/seed{seed}: evaluation logs missing (train both models first)")
+            logs_by_seed[seed] = logs
+            states = {k: load_checkpoint(Path(args.out) / f"seed{seed}" / k / "final.pt")["state"] for k in MODELS}
+            walls[seed] = {k: states[k]["wall_time_s"] for k in MODELS}
+            runs.append({"seed": seed, **matched_comparison(logs),
+                         **{f"{k}_train_wall_time_s": states[k]["wall_time_s"] for k in MODELS},
+                         **{f"{k}_steps": states[k]["step"] for k in MODELS}})
+            r = runs[-1]
+            print(f"seed {seed}: target familiar {r['target_familiar_acc']:.3f}; novel caps {r['caps_novel_acc']:.3f} "
+                  f"(step {r['caps_step']}), CNN {r['cnn_novel_acc']:.3f} (step {r['cnn_step']}); novel error "
+                  f"reduction {100 * r['novel_error_reduction']:.1f}%")
+        summary = {"per_seed": runs, "split": cfg["data"].split, "dataset": cfg["data"].dataset,
+                   "n_train": len(sets["train"]), "n_familiar_eval": len(sets["familiar"]),
+                   "n_novel_eval": len(sets["novel"]),
+                   "caps_parameters": sum(p.numel() for p in build_model("caps", cfg).parameters()),
+                   "cnn_parameters": sum(p.numel() for p in build_model("cnn", cfg).parameters())}
+        for key in ("target_familiar_acc", "caps_novel_acc", "cnn_novel_acc", "caps_familiar_acc",
+                    "cnn_familiar_acc", "novel_error_reduction", "caps_final_novel_acc", "cnn_final_novel_acc"):
+            values = np.array([r[key] for r in runs])
+            summary[f"{key}_mean"] = float(values.mean())
+            summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+        results = Path(args.results_dir)
+        prov = provenance(seed=args.seeds, steps={k: runs[0][f"{k}_steps"] for k in MODELS}, device=args.device,
+                          wall_time_s=sum(sum(w.values()) for w in walls.values()), threads=args.threads,
+                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
+                          report_wall_time_s=time.perf_counter() - t0)
+        prov["device"] = device_description(args.device)
+        write_results(results / f"{name}.json", summary, prov)
+        if args.no_figures:
+            return 0
+        key = cfg["data"].split
+        plot_by_viewpoint(runs, key, results / f"{name}_by_{key}.png", f"{key} (degrees)")
+        plot_training(logs_by_seed, results / f"{name}_training.png")
+        load = synthetic_norb if cfg["data"].dataset == "synthetic" else load_smallnorb
+        sets["_test_full"] = load("test", data_dir=args.data_dir, **_synthetic_kwargs(cfg["data"]))
+        plot_examples(sets, results / f"{name}_examples.png")
+        caps = build_model("caps", cfg).to(args.device)
+        final = Path(args.out) / f"seed{args.seeds[0]}" / "caps" / "final.pt"
+        load_module_state(caps, load_checkpoint(final)["module"], final)
+        plot_class_poses(caps, sets, results / f"{name}_class_poses.png", args.device)
+        print(f"wrote {results / (name + '.json')}")
+    except ProbcapsError as e:
+        print(f"norb_viewpoints: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def readme_table(results_dir: Path, name: str = "norb_viewpoints") -> str | None:
+    """The README table, built only from ``results/<name>.json``."""
+    path = Path(results_dir) / f"{name}.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    m, prov = data["metrics"], data["provenance"]
+    runs = m["per_seed"]
+    col = lambda key, scale=100.0: fmt_mean_std([r[key] for r in runs], scale=scale)  # noqa: E731
+    lines = [f"| {m['split']} split ({m['dataset']}), mean ± std over {len(runs)} seeds | matrix capsules | CNN | "
+             f"paper (smallNORB) | seed write-up (synthetic) |",
+             "| --- | --- | --- | --- | --- |",
+             f"| familiar-view accuracy at the matched checkpoint (%) | {col('caps_familiar_acc')} | "
+             f"{col('cnn_familiar_acc')} | matched | — |",
+             f"| novel-view accuracy at the matched checkpoint (%) | {col('caps_novel_acc')} | "
+             f"{col('cnn_novel_acc')} | about 30% less error for capsules | 72.6 vs 69.6 |",
+             f"| novel-view error reduction, capsules vs CNN (%) | {col('novel_error_reduction')} | — | about 30 | "
+             f"about 10 |",
+             f"| novel-view accuracy at the end of training (%) | {col('caps_final_novel_acc')} | "
+             f"{col('cnn_final_novel_acc')} | — | — |",
+             f"| parameters | {m['caps_parameters']:,} | {m['cnn_parameters']:,} | 310K / 4.2M | — |"]
+    walls = ", ".join(f"{r['caps_train_wall_time_s'] / 60:.0f}/{r['cnn_train_wall_time_s'] / 60:.0f}" for r in runs)
+    targets = ", ".join(f"{100 * r['target_familiar_acc']:.1f}" for r in runs)
+    lines += ["", f"Matched familiar accuracy (per seed, the lower of the two models' best): "
+                  f"{targets}%. Training images "
+                  f"{m['n_train']}, evaluation subsets {m['n_familiar_eval']} familiar / {m['n_novel_eval']} novel. "
+                  f"Seeds {', '.join(str(r['seed']) for r in runs)}; steps capsules/CNN "
+                  f"{runs[0]['caps_steps']}/{runs[0]['cnn_steps']}; training wall time per seed capsules/CNN (min): "
+                  f"{walls}; {prov.get('threads', '?')} thread(s) on a shared machine; device: "
+                  f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
+                  f"{prov.get('git_commit', '?')}."]
+    bench = Path(results_dir) / "bench_matrix_capsules.json"
+    if bench.is_file():  # the speed of the paper's network, from benchmarks/bench_matrix_capsules.py
+        b = json.loads(bench.read_text())
+        net = b["network"]
+        lines += ["", "| speed (`benchmarks/bench_matrix_capsules.py`) | training images/s | inference images/s | "
+                      "training images/s from CPU time | peak memory (MB) |", "| --- | --- | --- | --- | --- |",
+                  f"| A, B, C, D = {net['A']}, {net['B']}, {net['C']}, {net['D']}; {net['input_size']}x"
+                  f"{net['input_size']}; {net['iterations']} EM iterations; batch {b['batch']}; {b['threads']} threads "
+                  f"| {b['train_images_per_s']:.0f} | {b['inference_images_per_s']:.0f} | "
+                  f"{b['train_images_per_s_uncontended_estimate']:.0f} | {b['peak_memory_mb']:.0f} |",
+                  "", f"Device: {b['device_description']}; load average {b['load_average'][0]:.1f} while it ran (the "
+                      f"machine is shared: the wall-clock rates are pessimistic; the CPU-time rate is batch x threads "
+                      f"/ CPU seconds of the step); command: `{b['command']}`."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from probcaps.cli import reexec_with_allocator_settings
+
+    reexec_with_allocator_settings(sys.argv)
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""EM routing between capsule layers (Hinton, Sabour & Frosst 2018), in log space, vectorised.
+
+Notation (shapes use ``N`` = batch x output positions, ``J`` output capsules per position, ``I`` input capsules
+voting at that position, ``H = 16`` pose entries):
+
+- votes ``V[n, j, i] = M_i W_ij`` (4x4 flattened to 16), input activations ``a_i`` given as ``log a_i``;
+- M-step: weights ``r_ij = R_ij a_i``; ``mu_j``, ``sigma2_j`` are the ``r``-weighted mean and variance of the votes
+  (per pose entry, plus a floor); ``cost_j = S_j sum_h (beta_v + log sigma_jh)`` with ``S_j = sum_i r_ij``
+  relative to its mean over the ``J`` parents; by default (``standardise_cost``) the cost is then standardised
+  over the ``J`` parents at the position (zero mean, unit variance); ``a_j = sigmoid(lambda (beta_a - cost_j))``,
+  ``lambda`` growing linearly over the iterations to ``inverse_temperature``;
+- E-step: ``R_ij ∝ a_j N(V_ij; mu_j, sigma2_j)``, normalised over every parent an input votes for (``normalise``:
+  plain log-softmax over ``j`` by default; convolutional layers pass one that also sums over the overlapping
+  patches an input belongs to).
+
+Everything is held as logarithms (``log a``, ``log R``, log-normalised weights), so no activation or assignment
+underflows to an exact zero that a later ``log`` would turn into ``-inf``.  Variances have a floor.
+
+Speed: the votes are stored once, centred per (n, j), with their squares next to them, as ``VV`` of shape
+``(N, J, I, 2H)`` (contiguous).  Every M-step is then one batched product ``w @ VV`` over the ``N*J`` parents
+(weighted first and second moments) and every E-step one batched ``x @ VV^T`` (the Gaussian's quadratic form
+expanded as ``sum V^2/s2 - 2 V mu/s2 + mu^2/s2``): two passes over the votes per iteration, no temporaries of
+the votes' size.  Convolutional layers make the votes with one batched matrix product per input index ``i``
+(``M_i @ K_i``, ``K_i`` the 16 x 16J matrix that applies ``W_ij`` to every row of a 4x4 pose), then one
+transposing copy into ``VV``.
+
+Gradients: the assignments of the last E-step are treated as constants (``stop-gradient`` through the routing
+iterations, as most implementations of the paper do); the final M-step is differentiable with respect to the
+votes, the input activations and ``beta_v``, ``beta_a``.  Its backward (:class:`_WeightedMoments`) is written by
+hand, so autograd stores no tensor of the votes' size; convolutional layers rebuild their votes for the backward
+pass instead of keeping them (one layer's votes in memory at a time) and receive the votes' gradient directly as
+``dM``, ``dW`` (two batched products).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["EMConfig", "em_routing", "em_routing_conv", "votes_cache", "conv_votes_cache", "VoteCache",
+           "log_softmax_parents", "weighted_moments", "pose_transform_matrix"]
+
+_LOG_2PI = math.log(2 * math.pi)
+
+
+@dataclass
+class EMConfig:
+    iterations: int = 3
+    inverse_temperature: float = 1.0   # lambda of the last iteration; iteration t uses lambda (t + 1) / iterations
+    var_floor: float = 1e-4            # added to every variance (the log and the 1/sigma2 stay bounded)
+    log_a_floor: float = -30.0         # log activations are clamped here (a = 0 is exp(-30), not -inf)
+    standardise_cost: bool = True      # standardise the cost over the J parents before the sigmoid
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- the vote cache
+
+
+@dataclass
+class VoteCache:
+    """Centred votes and their squares, ``VV (N, J, I, 2H)``; the centre ``(N, J, H)`` (the unweighted mean of the
+    votes over ``i``) is added back to ``mu``.
+
+    ``grad_buffer()`` gives an ``(N, J, I, H)`` tensor whose memory layout suits the sources, and
+    ``backward(dV)`` maps a gradient on the votes written into it to gradients of ``sources`` (the tensors the
+    votes were made from).
+    """
+
+    VV: torch.Tensor | None
+    center: torch.Tensor
+    sources: tuple
+    grad_buffer: Callable[[], torch.Tensor]
+    backward: Callable[[torch.Tensor], tuple]
+    # rebuilds VV from the sources: when given, the final M-step frees VV after the forward pass and rebuilds it
+    # for the backward pass, so the votes of only one layer are in memory at a time
+    rebuild: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(N, J, I, H)``."""
+        N, J, I, H2 = self.VV.shape
+        return N, J, I, H2 // 2
+
+
+def _cache_from_centred(V: torch.Tensor) -> torch.Tensor:
+    """``VV (N, J, I, 2H)`` from centred votes ``(N, J, I, H)`` (any strides)."""
+    N, J, I, H = V.shape
+    VV = V.new_empty(N, J, I, 2 * H)
+    VV[..., :H] = V
+    torch.mul(VV[..., :H], VV[..., :H], out=VV[..., H:])
+    return VV
+
+
+def votes_cache(votes: torch.Tensor) -> VoteCache:
+    """Cache for votes given as a tensor ``(N, J, I, H)`` (class capsules, tests)."""
+    with torch.no_grad():
+        center = votes.mean(2)
+        VV = _cache_from_centred(votes - center[:, :, None])
+    return VoteCache(VV, center, (votes,), lambda: torch.empty_like(votes), lambda dV: (dV,))
+
+
+def pose_transform_matrix(W: torch.Tensor) -> torch.Tensor:
+    """``(I, J, 4, 4)`` transforms -> ``K (I, 16, 16 J)`` with ``M.flatten() @ K[i] = cat_j (M @ W[i, j]).flatten()``
+    for a 4x4 pose ``M`` (``K[i, (r, k), (j, s, c)] = delta_rs W[i, j, k, c]``)."""
+    I, J = W.shape[:2]
+    eye = torch.eye(4, dtype=W.dtype, device=W.device)
+    return torch.einsum("rs,ijkc->irkjsc", eye, W).reshape(I, 16, J * 16)
+
+
+def conv_votes_cache(M: torch.Tensor, W: torch.Tensor) -> VoteCache:
+    """Cache for the votes ``V[n, j, i] = M[n, i] @ W[i, j]`` of a layer whose transforms are shared over positions.
+
+    Args:
+        M: input poses ``(N, I, 4, 4)`` (unfolded patches).
+        W: transforms ``(I, J, 4, 4)``.
+    The votes are one batched product over ``i``, ``(N, 16) @ (16, 16 J)``; the centre is one ordinary matrix
+    product.  Their gradient is returned as ``(dM, dW)`` by two batched products over ``i``.
+    """
+    N, I = M.shape[:2]
+    J = W.shape[1]
+    with torch.no_grad():
+        K = pose_transform_matrix(W)                                   # (I, 16, 16 J)
+        center = (M.reshape(N, I * 16) @ K.reshape(I * 16, J * 16) / I).view(N, J, 16)
+        Mi = M.reshape(N, I, 16).transpose(0, 1).contiguous()          # (I, N, 16)
+
+    @torch.no_grad()
+    def rebuild() -> torch.Tensor:
+        V = torch.bmm(Mi, K).view(I, N, J, 16).permute(1, 2, 0, 3)     # (N, J, I, 16) view of an (I, N, J, 16) buffer
+        return _cache_from_centred(V.sub_(center[:, :, None]))
+
+    def grad_buffer() -> torch.Tensor:
+        return M.new_empty(I, N, J, 16).permute(1, 2, 0, 3)
+
+    def backward(dV: torch.Tensor) -> tuple:
+        dV = dV.permute(2, 0, 1, 3).reshape(I, N, J * 16)            # a view: grad_buffer's own layout
+        dM = torch.bmm(dV, K.transpose(1, 2)).transpose(0, 1).reshape(N, I, 4, 4)
+        dK = torch.bmm(Mi.transpose(1, 2), dV).view(I, 4, 4, J, 4, 4)  # (i, r, k, j, s, c)
+        dW = torch.diagonal(dK, dim1=1, dim2=4).sum(-1).permute(0, 2, 1, 3)  # sum over r = s -> (i, j, k, c)
+        return dM, dW
+
+    return VoteCache(rebuild(), center, (M, W), grad_buffer, backward, rebuild)
+
+
+def _dot_h(VV: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sum_h VV[n, j, i, h] x[n, j, h]`` -> ``(N, J, I)``: one batched product ``x @ VV^T``."""
+    N, J, I, H2 = VV.shape
+    return torch.bmm(x.reshape(N * J, 1, H2), VV.view(N * J, I, H2).transpose(1, 2)).view(N, J, I)
+
+
+def _moments(wn: torch.Tensor, cache: VoteCache) -> torch.Tensor:
+    """``(N, J, I)`` weights -> ``(N, J, 2H)``: ``sum_i wn VV_i`` (one batched product)."""
+    N, J, I, H2 = cache.VV.shape
+    return torch.bmm(wn.reshape(N * J, 1, I), cache.VV.view(N * J, I, H2)).view(N, J, H2)
+
+
+class _WeightedMoments(torch.autograd.Function):
+    """:func:`_moments` with a hand-written backward to ``wn`` and to the votes' sources."""
+
+    @staticmethod
+    def forward(ctx, wn, cache: VoteCache, *sources):
+        ctx.cache = cache
+        ctx.save_for_backward(wn)
+        out = _moments(wn, cache)
+        if cache.rebuild is not None and any(ctx.needs_input_grad):
+            cache.VV = None                                            # the last use in the forward pass
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (wn,) = ctx.saved_tensors
+        cache = ctx.cache
+        VV = cache.VV if cache.VV is not None else cache.rebuild()
+        H = VV.shape[-1] // 2
+        g = g.contiguous()
+        dwn = _dot_h(VV, g)                                            # d/dwn_i = VV_i . g
+        # d/dV_i = wn_i (g_mean + 2 g_sq V_i), written in the layout the sources' backward wants
+        dV = cache.grad_buffer()
+        torch.addcmul(g[:, :, None, :H], VV[..., :H], 2 * g[:, :, None, H:], out=dV)
+        del VV
+        dV.mul_(wn[..., None])
+        return (dwn, None, *cache.backward(dV))
+
+
+def weighted_moments(wn: torch.Tensor, cache: VoteCache) -> torch.Tensor:
+    """``(N, J, I)`` normalised weights -> ``(N, J, 2H)``: weighted means of the centred votes and their squares."""
+    return _WeightedMoments.apply(wn, cache, *cache.sources)
+
+
+# --------------------------------------------------------------------------- the routing
+
+
+def log_softmax_parents(logits: torch.Tensor) -> torch.Tensor:
+    """``log R``: normalise ``(N, J, I)`` logits over the ``J`` parents of each input (no shared inputs)."""
+    return torch.log_softmax(logits, dim=1)
+
+
+def _log_gaussian(cache: VoteCache, mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``log N(V_i; mu, diag(var))`` for the cached centred votes, ``mu, var (N, J, H)`` -> ``(N, J, I)``.
+
+    The quadratic form is expanded so that it is one multiply-and-sum with the cached votes and squares.
+    """
+    inv = 1.0 / var
+    quad = _dot_h(cache.VV, torch.cat([-2 * mu * inv, inv], -1))  # pairs with [V, V^2]
+    quad = (quad + (mu * mu * inv).sum(-1, keepdim=True)).clamp_min(0)  # >= 0 up to rounding
+    return -0.5 * quad - 0.5 * (torch.log(var) + _LOG_2PI).sum(-1, keepdim=True)
+
+
+def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_floor: float, standardise: bool):
+    """One M-step from log weights ``log r_ij = log R_ij + log a_i`` ``(N, J, I)``.
+
+    Returns centred ``mu (N, J, H)``, ``var (N, J, H)`` and ``log a_out (N, J)``.
+    """
+    wn = torch.softmax(log_w, dim=-1)                      # r_ij / S_j, stable however small the r_ij
+    moments = moments_fn(wn)
+    H = moments.shape[-1] // 2
+    mu, second = moments[..., :H], moments[..., H:]
+    var = (second - mu * mu).clamp_min(0) + var_floor
+    log_S = torch.logsumexp(log_w, dim=-1)                 # log sum_i r_ij
+    # S_j relative to its mean over the J parents: the cost's scale does not grow with the number of inputs
+    S_rel = torch.exp(log_S - (torch.logsumexp(log_S, -1, keepdim=True) - math.log(log_S.shape[-1])))
+    cost = S_rel * (beta_v + 0.5 * torch.log(var)).sum(-1)
+    if standardise:
+        # the cost standardised over the J parents at each position: activations say which parents explain their
+        # inputs better than the others do, whatever the cost's overall scale
+        centred = cost - cost.mean(-1, keepdim=True)
+        cost = centred / (centred.pow(2).mean(-1, keepdim=True) + 1e-12).sqrt()
+    log_a = F.logsigmoid(lam * (beta_a - cost))
+    return mu, var, log_a
+
+
+def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor, cfg: EMConfig,
+           normalise: Callable[[torch.Tensor], torch.Tensor]):
+    N, J, I, _ = cache.shape
+    if log_a_in.shape != (N, I):
+        raise ValueError(f"em_routing: log activations must be {(N, I)}, got {tuple(log_a_in.shape)}")
+    if cfg.iterations < 1:
+        raise ValueError(f"em_routing: iterations must be >= 1, got {cfg.iterations}")
+    log_a_in = log_a_in.clamp_min(cfg.log_a_floor)
+    bv, ba = beta_v.view(1, J, 1), beta_a.view(1, J)
+    T = cfg.iterations
+    with torch.no_grad():
+        log_R = normalise(log_a_in.new_zeros(N, J, I))     # uniform over each input's parents
+        for t in range(T - 1):
+            log_w = log_R + log_a_in[:, None, :]
+            mu, var, log_a = _m_step(log_w, lambda wn: _moments(wn, cache), bv.detach(), ba.detach(),
+                                     cfg.inverse_temperature * (t + 1) / T, cfg.var_floor, cfg.standardise_cost)
+            log_R = normalise(_log_gaussian(cache, mu, var) + log_a[..., None])
+    # the last M-step carries the gradient (the assignments log_R are constants here)
+    log_w = log_R + log_a_in[:, None, :]
+    mu, var, log_a = _m_step(log_w, lambda wn: weighted_moments(wn, cache), bv, ba, cfg.inverse_temperature,
+                             cfg.var_floor, cfg.standardise_cost)
+    return mu + cache.center, var, log_a, log_R
+
+
+def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor,
+               cfg: EMConfig = EMConfig(), normalise: Callable[[torch.Tensor], torch.Tensor] = log_softmax_parents):
+    """EM routing of votes given as a tensor.
+
+    Args:
+        votes: ``(N, J, I, H)`` (``H = 16`` for 4x4 poses).
+        log_a_in: ``(N, I)`` log activations of the inputs (``-inf`` allowed: clamped at ``cfg.log_a_floor``).
+        beta_v, beta_a: ``(J,)`` per parent type.
+        normalise: maps E-step logits ``(N, J, I)`` to ``log R`` (default: log-softmax over ``J``).
+    Returns:
+        ``mu (N, J, H)``, ``var (N, J, H)``, ``log a_out (N, J)`` and the last assignments ``log R (N, J, I)``.
+    """
+    return _route(votes_cache(votes), log_a_in, beta_v, beta_a, cfg, normalise)
+
+
+def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor,
+                    beta_a: torch.Tensor, cfg: EMConfig = EMConfig(),
+                    normalise: Callable[[torch.Tensor], torch.Tensor] = log_softmax_parents):
+    """EM routing with the votes ``M[n, i] @ W[i, j]`` computed inside (never stored by autograd).
+
+    Args:
+        M: ``(N, I, 4, 4)`` input poses per output position; W: ``(I, J, 4, 4)``. Otherwise as :func:`em_routing`.
+    """
+    return _route(conv_votes_cache(M, W), log_a_in, beta_v, beta_a, cfg, normalise)

@@ -1,0 +1,84 @@
+"""Smoke tests of the novel-viewpoint experiment and the matrix-capsule benchmark on tiny data, and the matched
+comparison's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TINY = ["--set", "data.instances_per_split=1", "--set", "data.elevations=1", "--set", "data.lightings=1",
+        "--set", "data.familiar_eval=30",
+        "--set", "data.novel_eval=40", "--set", "caps.A=8", "--set", "caps.B=2", "--set", "caps.C=2",
+        "--set", "caps.D=2", "--set", "cnn.channels=[4, 4]", "--set", "cnn.hidden=8",
+        "--set", "caps_train.steps=4", "--set", "cnn_train.steps=4", "--set", "caps_train.batch_size=8",
+        "--set", "cnn_train.batch_size=8", "--set", "caps_train.checkpoint_every=2",
+        "--set", "cnn_train.checkpoint_every=2", "--set", "caps_train.warmup_steps=1",
+        "--set", "cnn_train.warmup_steps=1"]
+
+
+def test_norb_viewpoints_entry_point(tmp_path):
+    # catches: the entry point failing to train, evaluate, match, resume or plot on tiny data
+    from experiments import norb_viewpoints
+
+    results, runs = tmp_path / "results", tmp_path / "runs"
+    args = ["--seeds", "0", "--out", str(runs), "--results-dir", str(results), "--data-dir", str(tmp_path),
+            "--quiet", *TINY]
+    assert norb_viewpoints.main(args) == 0
+    summary = json.loads((results / "norb_viewpoints.json").read_text())
+    per_seed = summary["metrics"]["per_seed"]
+    assert [r["seed"] for r in per_seed] == [0]
+    for r in per_seed:
+        assert r["caps_familiar_acc"] >= r["target_familiar_acc"] and r["cnn_familiar_acc"] >= r["target_familiar_acc"]
+    evals = [json.loads(line) for line in (runs / "seed0" / "caps" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    assert set(evals[-1]["novel_by_azimuth"]) <= {str(a) for a in range(60, 281, 20)}
+    for name in ("by_azimuth", "training", "examples", "class_poses"):
+        assert (results / f"norb_viewpoints_{name}.png").is_file()
+    table = norb_viewpoints.readme_table(results)
+    assert "matrix capsules" in table and "novel-view" in table
+    # resume with finished runs: nothing is retrained, the same numbers come out
+    assert norb_viewpoints.main(args + ["--resume", "--no-figures"]) == 0
+    again = json.loads((results / "norb_viewpoints.json").read_text())["metrics"]["per_seed"]
+    assert [r["caps_novel_acc"] for r in again] == [r["caps_novel_acc"] for r in per_seed]
+
+
+def test_matched_comparison_arithmetic():
+    from experiments.norb_viewpoints import matched_comparison
+
+    def rec(step, fam, nov):
+        return {"step": step, "familiar_acc": fam, "novel_acc": nov, "novel_by_azimuth": {},
+                "familiar_by_azimuth": {}, "novel_by_elevation": {}, "familiar_by_elevation": {}}
+
+    logs = {"caps": [rec(0, 0.2, 0.2), rec(10, 0.9, 0.8), rec(20, 0.95, 0.85)],
+            "cnn": [rec(0, 0.2, 0.2), rec(10, 0.92, 0.6), rec(20, 0.99, 0.7)]}
+    m = matched_comparison(logs)
+    # target = min(0.95, 0.99) = 0.95: capsules at step 20 (novel 0.85), the CNN at step 20 (0.99 >= 0.95; novel 0.7)
+    assert m["target_familiar_acc"] == 0.95 and m["caps_step"] == 20 and m["cnn_step"] == 20
+    assert m["novel_error_reduction"] == pytest.approx(1 - 0.15 / 0.3)
+
+
+def test_norb_viewpoints_bad_config_is_one_line(tmp_path, capsys):
+    from experiments import norb_viewpoints
+
+    assert norb_viewpoints.main(["--config", str(tmp_path / "nope.toml"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.toml" in err[0]
+    assert norb_viewpoints.main(["--set", "data.split=lighting", "--quiet"]) == 2
+
+
+def test_bench_matrix_capsules_runs(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_matrix_capsules
+
+    out = tmp_path / "bench.json"
+    bench_matrix_capsules.main(["--A", "8", "--B", "2", "--C", "2", "--D", "2", "--batch", "4", "--repeats", "1",
+                                "--threads", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["train_images_per_s"] > 0 and result["peak_memory_mb"] > 0
+    assert result["network"] == {"A": 8, "B": 2, "C": 2, "D": 2, "kernel": 3, "iterations": 3, "input_size": 32}
