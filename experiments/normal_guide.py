@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--init-scale", type=float, default=0.02, help="starting pose scale")
     p.add_argument("--min-scale", type=float, default=1e-3, help="floor on the pose scales")
+    p.add_argument("--scale-lr-multiplier", type=float, default=30.0, help="learning-rate multiplier of the scales")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-elbo-images", type=int, default=2000)
     p.add_argument("--elbo-samples", type=int, default=3)
@@ -109,7 +110,9 @@ def main(argv=None) -> int:
     system.use_normal_poses(init_scale=args.init_scale, min_scale=args.min_scale)
     cfg["train"] = TrainConfig(**{**cfg["train"].to_dict(), "steps": args.steps, "lr": args.lr,
                                   "warmup_steps": min(50, args.steps), "seed": args.seed,
-                                  "checkpoint_every": 100, "lr_multipliers": {}})
+                                  "checkpoint_every": 100,
+                                  # the scales start far from where they end: Adam moves a raw parameter ~lr a step
+                                  "lr_multipliers": {"guide.pose_scale_raw": args.scale_lr_multiplier}})
     out = Path(args.out)
     final = out / "final.pt"
     if not (args.resume and final.is_file()):

@@ -76,10 +76,32 @@ def _benchmark_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+def _ttvi_throughput_table(results_dir: Path) -> str | None:
+    path = results_dir / "ttvi_throughput.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    m, prov = data["metrics"], data["provenance"]
+    work = m["n_images"] * m["steps"]
+    return "\n".join([
+        "| images × steps | threads | wall time (min) | CPU time of the process (min) | image-steps/s (wall) | "
+        "ELBO per image, encoder → after | recon MSE ×100, encoder → after |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {m['n_images']:,} × {m['steps']} | {m['threads']} | {m['wall_time_s'] / 60:.1f} | "
+        f"{m['cpu_time_s'] / 60:.1f} | {work / m['wall_time_s']:.0f} | {m['elbo_encoder_mean']:.0f} → "
+        f"{m['elbo_ttvi_mean']:.0f} | {100 * m['recon_mse_encoder']:.3f} → {100 * m['recon_mse_ttvi']:.3f} |",
+        "",
+        f"With one thread the process's CPU time is the wall time it needs on an otherwise idle core; the wall time "
+        f"here was taken on a shared machine. Device: {prov.get('device')}; command: `{prov.get('command')}`; "
+        f"commit {prov.get('git_commit')}.",
+    ])
+
+
 #: name -> function building the table's markdown from the results folder (None when its JSON is missing)
 TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe": _mnist_probe_table,
     "bench_step": _benchmark_table,
+    "ttvi_throughput": _ttvi_throughput_table,
 }
 
 
