@@ -14,7 +14,6 @@ For scale, a supervised CNN (``models.cnn_classifier.ConvClassifier``) is traine
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
@@ -60,11 +59,10 @@ def cnn_baseline(train_images, train_labels, tests: dict, steps: int, seeds: lis
 
 
 def readme_table(results_dir: Path) -> str | None:
-    path = Path(results_dir) / "affnist.json"
-    if not path.is_file():
+    loaded = load_result(results_dir, "affnist")
+    if loaded is None:
         return None
-    data = json.loads(path.read_text())
-    m, prov = data["metrics"], data["provenance"]
+    m, prov = loaded
     cnn = m["cnn"]
 
     def cnn_ms(key):
@@ -93,8 +91,7 @@ def readme_table(results_dir: Path) -> str | None:
               f"[{AFFNIST_RECIPE['scale_min']}, {AFFNIST_RECIPE['scale_max']}], random translation inside the 40×40 "
               f"canvas; seed {m['recipe_seed']}) — a stand-in generated here, not the real affNIST. Probes fit on "
               f"{m['n_probe_train']} MNIST training images with the checkpoint `{prov.get('checkpoint')}`; CNN seeds "
-              f"{seeds}, {cnn[0]['steps'] if cnn else 0} steps of batch 128. Device: {prov.get('device')}; command: "
-              f"`{prov.get('command')}`; commit {prov.get('git_commit')}."]
+              f"{seeds}, {cnn[0]['steps'] if cnn else 0} steps of batch 128; {provenance_line(prov)}"]
     return "\n".join(lines)
 
 

@@ -15,7 +15,6 @@ guide's is a proper bound, so it pays the entropy of its pose posteriors.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
+from probcaps.report import load_result, provenance_line  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 
@@ -52,11 +52,10 @@ def evaluate(system, cfg: dict, train, test, elbo_images: torch.Tensor, elbo_sam
 
 
 def readme_table(results_dir: Path) -> str | None:
-    path = Path(results_dir) / "normal_guide.json"
-    if not path.is_file():
+    loaded = load_result(results_dir, "normal_guide")
+    if loaded is None:
         return None
-    data = json.loads(path.read_text())
-    m, prov = data["metrics"], data["provenance"]
+    m, prov = loaded
     lines = ["| guide | test ELBO per image (nats) | probe, presences + poses (%) | probe, presences (%) |",
              "| --- | --- | --- | --- |"]
     for key, label in (("delta", "delta poses (MAP), the starting checkpoint"),
@@ -68,8 +67,7 @@ def readme_table(results_dir: Path) -> str | None:
               f"samples; the delta guide's value is its MAP objective (point-mass poses, no entropy), the Normal "
               f"guide's a bound on log p(x). Learned pose scales (mean): parts {m['mean_part_pose_scale']:.3f}, objects "
               f"{m['mean_object_pose_scale']:.3f}. Probes fit on {m['n_probe_train']} training images. Training "
-              f"{m['train_wall_time_s'] / 60:.0f} min; device: {prov.get('device')}; command: `{prov.get('command')}`; "
-              f"commit {prov.get('git_commit')}."]
+              f"{m['train_wall_time_s'] / 60:.0f} min; {provenance_line(prov)}"]
     return "\n".join(lines)
 
 

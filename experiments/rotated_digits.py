@@ -15,7 +15,6 @@ encoder reconstruction, test-time VI reconstruction).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from probcaps.data import rotate, to_float  # noqa: E402
 from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
+from probcaps.report import load_result, provenance_line  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 
@@ -73,11 +73,10 @@ def checks(rows: list[dict]) -> dict:
 
 
 def readme_table(results_dir: Path) -> str | None:
-    path = Path(results_dir) / "rotated_digits.json"
-    if not path.is_file():
+    loaded = load_result(results_dir, "rotated_digits")
+    if loaded is None:
         return None
-    data = json.loads(path.read_text())
-    m, prov = data["metrics"], data["provenance"]
+    m, prov = loaded
     lines = ["| rotation | ELBO, encoder | ELBO, + test-time VI | recon MSE ×100, encoder | recon MSE ×100, + TTVI | "
              "MSE reduction |", "| --- | --- | --- | --- | --- | --- |"]
     for r in m["per_angle"]:
@@ -92,8 +91,7 @@ def readme_table(results_dir: Path) -> str | None:
               f"{m['steps']} Adam steps (lr {m['lr']}, {m['pose_family']} poses) on all "
               f"{m['n_images_total']} images, {m['batch_size']} at a time: {m['ttvi_wall_time_s'] / 60:.1f} min, "
               f"{m['image_steps_per_s']:.0f} image-steps/s, i.e. {m['seconds_per_1000x200'] / 60:.1f} min for 1,000 "
-              f"images × 200 steps; device: {prov.get('device')}; command: `{prov.get('command')}`; "
-              f"checkpoint `{prov.get('checkpoint')}`; commit {prov.get('git_commit')}."]
+              f"images × 200 steps; checkpoint `{prov.get('checkpoint')}`; {provenance_line(prov)}"]
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "rotated_training.toml"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
@@ -106,11 +106,10 @@ def plot(summary: dict, path: Path) -> Path:
 
 
 def readme_table(results_dir: Path) -> str | None:
-    path = Path(results_dir) / "rotated_training.json"
-    if not path.is_file():
+    loaded = load_result(results_dir, "rotated_training")
+    if loaded is None:
         return None
-    data = json.loads(path.read_text())
-    m, prov = data["metrics"], data["provenance"]
+    m, prov = loaded
     lines = ["| θmax (train and test) | probe, presences + poses (%) | probe, presences (%) | parent class purity | "
              "training (min per run) |", "| --- | --- | --- | --- | --- |"]
     for p in m["per_theta"]:
@@ -128,8 +127,7 @@ def readme_table(results_dir: Path) -> str | None:
                      f"from the smallest to the largest θmax (presences + poses).")
     lines.append(f"Seeds {prov.get('seed')}; {prov.get('steps')} steps of batch {prov.get('batch_size')} per run (the "
                  f"headline uses 2500); probe fit on {m['per_run'][0]['n_train']} training and scored on "
-                 f"{m['per_run'][0]['n_test']} test digits; device: {prov.get('device')}; command: "
-                 f"`{prov.get('command')}`; commit {prov.get('git_commit')}.")
+                 f"{m['per_run'][0]['n_test']} test digits; {provenance_line(prov)}")
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
-from models.transforming_autoencoder import (MODES, TransformingAutoencoder,  # noqa: E402
+from models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, TransformingAutoencoder,  # noqa: E402
                                              TransformingAutoencoderConfig, estimate_transform,
                                              pose_consistency, transform_components)
 from probcaps import plotting  # noqa: E402
@@ -107,6 +107,7 @@ class TAELossConfig:
     :func:`models.transforming_autoencoder.pose_consistency` of the two images' poses (0: the paper's loss)."""
 
     consistency_weight: float = 0.0
+    consistency_frame: str = "template"  # "template" or "split" (see pose_consistency)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,6 +148,9 @@ def load_config(path: str | Path | None, mode: str, overrides: list[str] = ()) -
         raise ConfigError(f"{label}: {e}") from None
     if cfg["loss"].consistency_weight < 0:
         raise ConfigError(f"{label}: loss.consistency_weight must be >= 0, got {cfg['loss'].consistency_weight}")
+    if cfg["loss"].consistency_frame not in CONSISTENCY_FRAMES:
+        raise ConfigError(f"{label}: loss.consistency_frame must be one of {CONSISTENCY_FRAMES}, got "
+                          f"{cfg['loss'].consistency_frame!r}")
     return {"name": cfg["name"] or NAME, "mode": mode, "data": cfg["data"], "model": cfg["model"],
             "loss": cfg["loss"], "train": cfg["train"], "eval": cfg["eval"], "range": rng}
 
@@ -263,11 +267,11 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
             batch = make_pairs(x, rng, canvas, seeded_generator(NAME, "pairs", tcfg.seed, epoch, b), swap=swap)
             yield batch["input"], batch["transform"], batch["target"]
 
-    consistency_weight = cfg["loss"].consistency_weight
+    consistency_weight, frame = cfg["loss"].consistency_weight, cfg["loss"].consistency_frame
 
     def loss_fn(batch):
         images, transforms, targets = batch
-        return transforming_loss(model, images, transforms, targets, consistency_weight)
+        return transforming_loss(model, images, transforms, targets, consistency_weight, frame)
 
     curve_path = out_dir / "r2_curve.jsonl"
     curve_time = [0.0]
@@ -301,7 +305,8 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
 
 
 def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, transforms: torch.Tensor,
-                      targets: torch.Tensor, consistency_weight: float = 0.0) -> torch.Tensor:
+                      targets: torch.Tensor, consistency_weight: float = 0.0, frame: str = "template"
+                      ) -> torch.Tensor:
     """MSE of the target rendered from the input's capsules moved by ``T`` (the paper's loss), plus, if
     ``consistency_weight > 0``, that weight times the pose consistency of input and target (both images
     recognised in one batched call), weighted by ``p1 · p2`` held fixed."""
@@ -312,7 +317,7 @@ def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, tran
     recon, _ = model.render(presence[:B], model.apply_transform(poses[:B], transforms))
     weights = (presence[:B] * presence[B:]).detach()
     return F.mse_loss(recon, targets) + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms,
-                                                                              weights)
+                                                                              weights, frame)
 
 
 def _truncate_jsonl(path: Path, step: int) -> None:
@@ -592,7 +597,15 @@ def readme_table(results_dir: Path) -> str | None:
                   f"translation ±{rng.get('translation_px')} px; input jitter: rotation ±{rng.get('jitter_rotation_deg')}°, "
                   f"scales 1 ± {rng.get('jitter_scale')}, shear ±{rng.get('jitter_shear')}, translation "
                   f"±{rng.get('jitter_translation_px')} px")
-        footer.append(f"{mode}: {ranges}; seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps "
+        model_cfg, loss_cfg = prov.get("configs", {}).get("model", {}), prov.get("configs", {}).get("loss", {})
+        recognition = model_cfg.get("recognition", "mlp")
+        setup = (f"recognition: {recognition}"
+                 + (f" ({model_cfg.get('keypoints')} keypoint(s) per capsule)" if recognition == "conv" else "")
+                 + f", {model_cfg.get('num_capsules')} capsules, pose-consistency weight "
+                 f"{loss_cfg.get('consistency_weight', 0.0)}"
+                 + (f" ({loss_cfg.get('consistency_frame', 'template')} frame)"
+                    if loss_cfg.get('consistency_weight') else ""))
+        footer.append(f"{mode}: {ranges}; {setup}; seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps "
                       f"of batch {prov.get('batch_size', '?')}; {runs[0].get('threads')} torch thread(s); device: "
                       f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
                       f"{prov.get('git_commit', '?')}.")

@@ -13,7 +13,6 @@ constrains; re-encoding keeps the object features in the distribution the probe 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from probcaps.data import rotate, to_float  # noqa: E402
 from probcaps.cli import launch, one_line_errors  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
+from probcaps.report import load_result, provenance_line  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
@@ -37,19 +37,17 @@ LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form object
 
 
 def readme_table(results_dir: Path) -> str | None:
-    path = Path(results_dir) / "ttvi_classification.json"
-    if not path.is_file():
+    loaded = load_result(results_dir, "ttvi_classification")
+    if loaded is None:
         return None
-    data = json.loads(path.read_text())
-    m, prov = data["metrics"], data["provenance"]
+    m, prov = loaded
     lines = ["| latents of the test digits | probe, presences + poses (%) | probe, presences (%) |",
              "| --- | --- | --- |"]
     for key, label in LATENTS.items():
         lines.append(f"| {label} | {100 * m[f'{key}_presence_pose_acc']:.1f} | {100 * m[f'{key}_presence_acc']:.1f} |")
     lines += ["", f"{m['n_test']} MNIST test digits (rotated {m['rotation_deg']:g}°), {m['steps']} steps of test-time VI "
               f"(ELBO per image {m['elbo_encoder']:.0f} → {m['elbo_ttvi']:.0f}); probes fit on the encoder's features of "
-              f"{m['n_train']} training digits; checkpoint `{prov.get('checkpoint')}`; device: {prov.get('device')}; "
-              f"command: `{prov.get('command')}`; commit {prov.get('git_commit')}."]
+              f"{m['n_train']} training digits; checkpoint `{prov.get('checkpoint')}`; {provenance_line(prov)}"]
     return "\n".join(lines)
 
 

@@ -11,16 +11,27 @@ Two modes:
 
 - ``"translation"``: the pose is a translation ``(x, y)`` (normalised canvas units), ``T`` a known shift
   ``(dx, dy)``; ``T ∘ P`` adds ``(dx, dy)`` to ``(x, y)``.
-- ``"affine"``: the pose is a full 2-D affine map (6 numbers, squashed into plausible scales / shears by
-  :func:`probcaps.geometry.constrained_pose`), ``T`` a known 2-D affine map composed with it.
+- ``"affine"``: the pose is a full 2-D affine map (from 6 numbers squashed into plausible scales / shears by
+  :func:`probcaps.geometry.constrained_pose`, or from keypoints), ``T`` a known 2-D affine map composed with it.
 
 Because the decoder is exactly equivariant (rendering at ``T ∘ P`` is rendering at ``P`` then warping the canvas
-by ``T``), the only way to reconstruct the transformed image is for the recognised poses to track where the
-entities are: that is the disentanglement.  :func:`estimate_transform` reads ``T`` back from the recognised poses
-of two images alone.
+by ``T``), reconstructing the transformed image is the same as auto-encoding the input: the poses must place the
+templates where the entities are, but nothing ties the linear part of a pose to the image's own frame.  Translations
+are disentangled all the same (a template is placed where its part is); for affine maps see ``pose_consistency``.
+:func:`estimate_transform` reads ``T`` back from the recognised poses of two images alone.
 
-All capsules are evaluated together: the recognition hidden layers of every capsule are one matrix product, the
-output layers one batched ``einsum``, the rendering one ``render_templates`` call.
+Two recognition front ends (``recognition``):
+
+- ``"mlp"`` (the paper's): each capsule's own hidden units on the raw pixels.  All capsules together: the hidden
+  layers of every capsule are one matrix product, the output layers one batched ``einsum``.
+- ``"conv"``: a small shared conv trunk, then per-capsule heads, all of them one 1x1 conv
+  (:class:`probcaps.encoders.PartEncoder` with ``M·K`` attention heads): capsule ``m`` has ``K`` keypoints, each
+  where its own spatial-softmax attention looks plus a bounded offset, and its pose is the affine map taking ``K``
+  canonical template points to them (``K = 1``: attention gives the translation, the linear part is regressed).
+
+For the affine mode, :func:`pose_consistency` (not in the paper) is what teaches the recognition the linear part:
+with the exactly equivariant renderer the reconstruction loss alone is blind to the known ``T``.  The rendering
+is always one ``render_templates`` call.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from probcaps.geometry import (compose, constrained_pose, invert, matrix_to_pose
 from probcaps.render import composite_over, render_templates, warp
 
 __all__ = ["MODES", "COMBINES", "RECOGNITIONS", "TransformingAutoencoderConfig", "TransformingAutoencoder",
-           "estimate_transform", "transform_components", "pose_consistency"]
+           "estimate_transform", "transform_components", "pose_consistency", "CONSISTENCY_FRAMES"]
 
 MODES = ("translation", "affine")
 COMBINES = ("sum", "over")
@@ -55,6 +66,10 @@ class TransformingAutoencoderConfig:
     recognition_hidden: int = 32     # "mlp": recognition units per capsule
     conv_channels: list = field(default_factory=lambda: [32, 64, 64])  # "conv": trunk channels per layer
     conv_strides: list = field(default_factory=lambda: [2, 2, 1])      # "conv": trunk strides (3x3 kernels)
+    keypoints: int = 3               # "conv": attention points per capsule; >= 3: the pose is the affine map that
+                                     # takes K canonical template points to them; 1: attention gives the translation
+                                     # and the linear part is regressed (constrained_pose)
+    keypoint_radius: float = 0.3     # the canonical points lie on a circle of this radius (normalised units)
     recognition_activation: str = "sigmoid"  # "sigmoid" (the paper's) or "relu"
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
     template_init: str = "blob"      # "blob": a soft round brush plus noise; "data": training images (see
@@ -80,6 +95,10 @@ class TransformingAutoencoderConfig:
         if len(self.conv_channels) != len(self.conv_strides) or not self.conv_channels:
             raise ValueError(f"model.conv_channels and model.conv_strides must be non-empty and of equal length, got "
                              f"{self.conv_channels} and {self.conv_strides}")
+        if self.keypoints == 2 or self.keypoints < 1:
+            raise ValueError(f"model.keypoints must be 1 or >= 3 (an affine map needs 3 points), got {self.keypoints}")
+        if not 0 < self.keypoint_radius < self.max_translation:
+            raise ValueError(f"model.keypoint_radius must be in (0, max_translation), got {self.keypoint_radius}")
         if self.template_init not in ("blob", "data"):
             raise ValueError(f"model.template_init must be 'blob' or 'data', got {self.template_init!r}")
         if self.recognition_activation not in ("sigmoid", "relu"):
@@ -91,6 +110,13 @@ class TransformingAutoencoderConfig:
         if not 0 < self.min_scale < self.max_scale:
             raise ValueError(f"model.min_scale/max_scale must satisfy 0 < min < max, got {self.min_scale}, "
                              f"{self.max_scale}")
+
+
+def _canonical_points(K: int, radius: float) -> torch.Tensor:
+    """``(K, 2)`` points evenly spaced on a circle of ``radius`` (the first straight up): their mean is 0, so the
+    pose's translation is the keypoints' mean."""
+    angle = 2 * math.pi * torch.arange(K, dtype=torch.float64) / K - math.pi / 2
+    return (radius * torch.stack([angle.cos(), angle.sin()], -1)).float()
 
 
 def _blob_logits(M: int, t: int, gen: torch.Generator) -> torch.Tensor:
@@ -116,15 +142,7 @@ class TransformingAutoencoder(nn.Module):
         out_dim = 1 + _POSE_DIMS[cfg.mode]  # presence logit, then the pose numbers
         gen = torch.Generator().manual_seed(cfg.seed)
         if cfg.recognition == "conv":
-            # a shared conv trunk, then one 1x1 conv whose output channels are grouped per capsule: capsule m's own
-            # head gives its presence logit, 6 raw pose numbers and an attention map over the feature grid; the
-            # pose's translation is where its attention looks (plus a bounded offset)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(cfg.seed)
-                self.encoder = PartEncoder(M, channels=tuple(cfg.conv_channels), strides=tuple(cfg.conv_strides),
-                                           feature_dim=0, pose_kwargs=self._pose_kwargs())
-                with torch.no_grad():  # presence logits start at presence_bias_init (the head's bias column 6)
-                    self.encoder.head.bias.view(M, -1)[:, 6] = cfg.presence_bias_init
+            self._init_conv_recognition()
             self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
             return
         # recognition: capsule m's hidden units are columns [m*Hd, (m+1)*Hd) of one (D, M*Hd) matrix, so the hidden
@@ -137,6 +155,32 @@ class TransformingAutoencoder(nn.Module):
         self.output_bias = nn.Parameter(bias)
         # generative side: one learned template per capsule (intensities through a sigmoid, so in [0, 1])
         self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
+
+    def _init_conv_recognition(self) -> None:
+        """A shared conv trunk, then one 1x1 conv whose output channels are grouped per capsule and keypoint
+        (:class:`probcaps.encoders.PartEncoder` with ``M·K`` "parts"): keypoint ``k`` of capsule ``m`` has its own
+        attention map over the feature grid, and sits where it looks plus a bounded learned offset.
+
+        The offsets start at the canonical points ``u_k``, so a capsule's first pose maps the template onto the
+        canvas at its native size wherever its keypoints look (they all look at nearly the same place at first).
+        """
+        cfg = self.config
+        M, K = cfg.num_capsules, cfg.keypoints
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            self.encoder = PartEncoder(M * K, channels=tuple(cfg.conv_channels), strides=tuple(cfg.conv_strides),
+                                       feature_dim=0, pose_kwargs=self._pose_kwargs())
+        bias = self.encoder.head.bias.view(M, K, -1)  # per keypoint: 6 pose, presence logit, attention logit
+        with torch.no_grad():
+            bias[..., 6] = cfg.presence_bias_init
+        if K == 1:
+            return
+        # canonical template points (K, 2) and the constant (3, K) -> (3, 3) least-squares map U⁺ with P = Q U⁺
+        self.register_buffer("canonical_points", _canonical_points(K, cfg.keypoint_radius), persistent=False)
+        U = torch.cat([self.canonical_points.T, torch.ones(1, K)])                      # (3, K)
+        self.register_buffer("canonical_pinv", U.T @ torch.linalg.inv(U @ U.T), persistent=False)  # (K, 3)
+        with torch.no_grad():  # offsets (tanh-squashed translations, entries 4 and 5 of the raw pose) at the u_k
+            bias[..., 4:6] = torch.atanh(self.canonical_points / cfg.max_translation)
 
     @torch.no_grad()
     def init_templates_from(self, images: torch.Tensor, scale: float = 1.0, contrast: float = 0.9) -> None:
@@ -165,11 +209,7 @@ class TransformingAutoencoder(nn.Module):
         cfg = self.config
         B = images.shape[0]
         if cfg.recognition == "conv":
-            out = self.encoder(images)
-            pose = pose6_to_matrix(out.pose)
-            if cfg.mode == "translation":  # keep only where the capsule is
-                pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])
-            return torch.sigmoid(out.presence_logit), pose
+            return self._recognise_conv(images)
         x = images.reshape(B, -1)
         if x.shape[1] != self.hidden_weight.shape[0]:
             raise ValueError(f"recognise: expected images of {cfg.canvas_size}x{cfg.canvas_size} pixels, got "
@@ -179,6 +219,28 @@ class TransformingAutoencoder(nn.Module):
         out = torch.einsum("bmh,mho->bmo", hidden, self.output_weight) + self.output_bias  # (B, M, 1 + pose)
         presence = torch.sigmoid(out[..., 0])
         return presence, self.pose_matrix(out[..., 1:])
+
+    def _recognise_conv(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        B, M, K = images.shape[0], cfg.num_capsules, cfg.keypoints
+        out = self.encoder(images)
+        presence = torch.sigmoid(out.presence_logit.view(B, M, K).mean(-1))  # (B, M): the keypoints' mean logit
+        if K == 1:
+            pose = pose6_to_matrix(out.pose).view(B, M, 3, 3)
+        else:
+            points = out.pose.view(B, M, K, 6)[..., [2, 5]]                  # (B, M, K, 2): the translations
+            pose = self.pose_from_points(points)
+        if cfg.mode == "translation":  # keep only where the capsule is
+            pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])
+        return presence, pose
+
+    def pose_from_points(self, points: torch.Tensor) -> torch.Tensor:
+        """``(..., K, 2)`` keypoints on the canvas -> the least-squares affine pose ``(..., 3, 3)`` taking the
+        canonical template points ``u_k`` to them (exact for ``K = 3``).  Linear in the points, so a pose moves
+        exactly with its keypoints: ``T`` applied to every keypoint is ``T ∘ P``."""
+        Q = torch.cat([points, torch.ones_like(points[..., :1])], -1).transpose(-1, -2)  # (..., 3, K)
+        P = Q @ self.canonical_pinv                                                      # (..., 3, 3)
+        return torch.cat([P[..., :2, :], P.new_tensor([0.0, 0.0, 1.0]).expand(*P.shape[:-2], 1, 3)], -2)
 
     def pose_matrix(self, raw: torch.Tensor) -> torch.Tensor:
         """Recognition outputs ``(..., 2)`` (translation) or ``(..., 6)`` (affine) -> poses ``(..., 3, 3)``.
@@ -291,24 +353,46 @@ def transform_components(T: torch.Tensor, mode: str, canvas_size: int) -> tuple[
     return comps, ["m11", "m12", "tx", "m21", "m22", "ty"]
 
 
-def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch.Tensor, weights: torch.Tensor
-                     ) -> torch.Tensor:
+CONSISTENCY_FRAMES = ("template", "split")
+
+
+def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch.Tensor, weights: torch.Tensor,
+                     frame: str = "template") -> torch.Tensor:
     """How far the poses of two images are from being related by their known transformation: a scalar.
 
-    ``mean_b [Σ_m w_bm (‖P2_bm − T_b P1_bm‖² + ‖P1_bm − T_b⁻¹ P2_bm‖²)] / Σ_m w_bm`` (squared Frobenius norms of
-    the 3x3 matrices, so translations count in normalised canvas units), averaged over the batch.  It is zero
-    exactly when every weighted capsule's pose moves with the image (``P2 = T P1``), the property the transformation
-    is read back from.  Not in the paper (see the README): it makes the known ``T`` matter for the recognition
-    units, whereas the reconstruction loss alone is blind to it with an exactly equivariant renderer.
+    With ``E_bm = P2_bm⁻¹ T_b P1_bm`` (the identity exactly when the capsule's pose moved with the image,
+    ``P2 = T P1``, the property the transformation is read back from), the value is
+    ``mean_b [Σ_m w_bm (‖E_bm − I‖² + ‖E_bm⁻¹ − I‖²)] / Σ_m w_bm`` (squared Frobenius norms), the mismatch
+    measured in each capsule's own template frame, both ways.  Measured on the canvas instead
+    (``‖P2 − T P1‖²``) it has a trivial minimum: a capsule whose pose shrinks to a point is consistent under every
+    ``T``; in the template frame a shrinking pose magnifies the mismatch.  Not in the paper (see the README): it
+    makes the known ``T`` matter for the recognition units, whereas the reconstruction loss alone is blind to it
+    with an exactly equivariant renderer.
+
+    In the template frame the translation mismatch is the canvas one divided by the pose's scale, so growing poses
+    hide it (measured: capsule scales drifting to 3x and beyond in one of three seeds).  ``frame = "split"`` keeps the
+    linear blocks in the template frame (``‖E_lin − I‖² + ‖E_lin⁻¹ − I‖²``, unchanged by scaling both poses) and
+    measures the translations on the canvas (``‖t(P2) − t(T P1)‖² + ‖t(P1) − t(T⁻¹ P2)‖²``): no pose size is
+    favoured, and at unit scale both frames agree.
 
     Args:
         pose1, pose2: ``(B, M, 3, 3)`` poses recognised in the first and the second image.
         transforms: ``(B, 3, 3)``, the second image is the first transformed by it.
         weights: ``(B, M)`` non-negative, e.g. ``p1 * p2`` (detach them to keep presences out of it).
+        frame: ``"template"`` or ``"split"``.
     """
+    if frame not in CONSISTENCY_FRAMES:
+        raise ValueError(f"pose_consistency: frame must be one of {CONSISTENCY_FRAMES}, got {frame!r}")
+    eye = torch.eye(3, dtype=pose1.dtype, device=pose1.device)
     T = transforms.unsqueeze(1)
-    forward = (pose2 - compose(T, pose1)).square().sum((-1, -2))             # (B, M)
-    backward = (pose1 - compose(invert(T), pose2)).square().sum((-1, -2))    # (B, M)
+    E = compose(invert(pose2), compose(T, pose1))                            # (B, M, 3, 3)
+    if frame == "template":
+        mismatch = (E - eye).square().sum((-1, -2)) + (invert(E) - eye).square().sum((-1, -2))  # (B, M)
+    else:
+        lin = (E - eye)[..., :2, :2].square().sum((-1, -2)) + (invert(E) - eye)[..., :2, :2].square().sum((-1, -2))
+        forward = (pose2 - compose(T, pose1))[..., :2, 2].square().sum(-1)
+        backward = (pose1 - compose(invert(T), pose2))[..., :2, 2].square().sum(-1)
+        mismatch = lin + forward + backward
     w = weights.clamp_min(0)
-    per_image = (w * (forward + backward)).sum(1) / w.sum(1).clamp_min(1e-8)
+    per_image = (w * mismatch).sum(1) / w.sum(1).clamp_min(1e-8)
     return per_image.mean()

@@ -13,7 +13,21 @@ from typing import Callable
 
 from probcaps.io import atomic_write
 
-__all__ = ["update_readme", "TABLES", "fmt_mean_std"]
+__all__ = ["update_readme", "TABLES", "fmt_mean_std", "load_result", "provenance_line"]
+
+
+def load_result(results_dir: str | Path, name: str) -> tuple[dict, dict] | None:
+    """``(metrics, provenance)`` of ``results_dir/<name>.json``, or None when it has not been written yet."""
+    path = Path(results_dir) / f"{name}.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data["metrics"], data["provenance"]
+
+
+def provenance_line(prov: dict) -> str:
+    """The closing words of every results paragraph: device, command and commit of the run."""
+    return f"device: {prov.get('device')}; command: `{prov.get('command')}`; commit {prov.get('git_commit')}."
 
 
 def fmt_mean_std(values: list[float], scale: float = 100.0, digits: int = 1) -> str:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 import probcaps.render  # noqa: E402
 from models import transforming_autoencoder as tae_module  # noqa: E402
 from models.transforming_autoencoder import (TransformingAutoencoder, TransformingAutoencoderConfig,  # noqa: E402
-                                             estimate_transform, transform_components)
+                                             estimate_transform, pose_consistency, transform_components)
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, invert, rotation_matrix, translation_matrix  # noqa: E402
 from probcaps.render import render_templates, warp  # noqa: E402
@@ -58,6 +58,36 @@ def test_batched_recognition_equals_each_capsule_on_its_own():
             out = hidden @ model.output_weight[m] + model.output_bias[m]
             assert torch.allclose(presence[:, m], torch.sigmoid(out[:, 0]), atol=1e-6)
             assert torch.allclose(poses[:, m], model.pose_matrix(out[:, 1:]), atol=1e-6)
+
+
+def _conv_model(mode="affine", canvas=16, M=3, t=5) -> TransformingAutoencoder:
+    return TransformingAutoencoder(TransformingAutoencoderConfig(mode=mode, canvas_size=canvas, num_capsules=M,
+                                                                 template_size=t, recognition="conv",
+                                                                 conv_channels=[4, 8], conv_strides=[2, 2],
+                                                                 presence_bias_init=-1.5))
+
+
+def test_conv_recognition_heads_are_per_capsule_and_translation_mode_keeps_only_xy():
+    # catches: capsules sharing head weights (the 1x1 head's output channels grouped in the wrong order)
+    torch.manual_seed(0)
+    model = _conv_model("affine", M=3)
+    x = torch.rand(2, 1, 16, 16)
+    presence, poses = model.recognise(x)
+    assert presence.shape == (2, 3) and poses.shape == (2, 3, 3, 3)
+    assert torch.allclose(poses[..., 2, :], torch.tensor([0.0, 0.0, 1.0]).expand(2, 3, 3))
+    head = model.encoder.head
+    with torch.no_grad():  # change capsule 1's head only: capsules 0 and 2 must not notice
+        head.weight.view(3, -1, *head.weight.shape[1:])[1].add_(1.0)
+        head.bias.view(3, -1)[1].add_(1.0)
+    presence2, poses2 = model.recognise(x)
+    for m, same in ((0, True), (1, False), (2, True)):
+        assert torch.allclose(presence2[:, m], presence[:, m]) == same
+        assert torch.allclose(poses2[:, m], poses[:, m]) == same
+    fresh = _conv_model("affine", M=3)  # presence_bias_init sets the presence logits' bias
+    assert torch.allclose(fresh.encoder.head.bias.view(3, -1)[:, 6], torch.full((3,), -1.5))
+    translation = _conv_model("translation", M=3)
+    _, P = translation.recognise(x)
+    assert torch.allclose(P[..., :2, :2], torch.eye(2).expand(2, 3, 2, 2))
 
 
 def test_translation_pose_is_the_bounded_xy_and_affine_pose_starts_at_identity():
@@ -199,6 +229,68 @@ def test_a_trained_model_pipeline_reads_its_own_transform_exactly_when_poses_are
     assert torch.allclose(estimate_transform(P1, P2, torch.ones(1, 3), "affine", ridge=0.0), T, atol=1e-5)
 
 
+def test_pose_consistency_by_hand():
+    # exactly equivariant poses (P2 = T P1): zero, whatever T and the weights
+    P1 = rotation_matrix(torch.tensor([[0.1, 0.7]])) @ translation_matrix(torch.tensor([[0.2, -0.3]]),
+                                                                           torch.tensor([[0.0, 0.2]]))
+    T = compose(translation_matrix(torch.tensor([0.1]), torch.tensor([-0.05])), rotation_matrix(torch.tensor([0.2])))
+    P2 = TransformingAutoencoder.apply_transform(P1, T)
+    assert pose_consistency(P1, P2, T, torch.tensor([[1.0, 0.5]])) < 1e-10
+    # a capsule that did not move (P2 = P1 = I) under a 0.1 shift: ‖I − T‖² = 0.01 each way, 0.02 in all; a second
+    # capsule with weight 0 is ignored however wrong it is; a second image with zero error halves the batch mean
+    I = torch.eye(3).expand(2, 2, 3, 3).clone()
+    shift = translation_matrix(torch.tensor([0.1, 0.0]), torch.tensor([0.0, 0.0]))
+    P2 = I.clone()
+    P2[0, 1] = 5 * torch.eye(3)
+    P2[1] = compose(shift[1], I[1])
+    value = pose_consistency(I, P2, shift, torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+    assert value.item() == pytest.approx(0.02 / 2, abs=1e-7)
+    # measured in the template frame: P1 = I, P2 = diag(2, 2, 1), T = I -> E = P2⁻¹ = diag(.5, .5, 1):
+    # ‖E − I‖² = 0.25 + 0.25 and ‖E⁻¹ − I‖² = 1 + 1, so 2.5 in all
+    assert pose_consistency(torch.eye(3).expand(1, 1, 3, 3), torch.diag(torch.tensor([2.0, 2.0, 1.0])).expand(1, 1, 3, 3),
+                            torch.eye(3).expand(1, 3, 3), torch.ones(1, 1)).item() == pytest.approx(2.5)
+    # a pose shrunk by s that ignores a 0.1 shift costs 2 (0.1 / s)²: shrinking poses cannot hide a mismatch
+    for s_ in (1.0, 0.1):
+        P = torch.diag(torch.tensor([s_, s_, 1.0])).expand(1, 1, 3, 3)
+        assert pose_consistency(P, P, shift[:1], torch.ones(1, 1)).item() == pytest.approx(2 * (0.1 / s_) ** 2, rel=1e-4)
+
+
+def test_split_frame_consistency_ignores_pose_size_and_agrees_at_unit_scale():
+    # a 0.1 shift that the poses ignore: 2 · 0.01 in the split frame whatever the pose size (template frame: 2 (0.1/s)²)
+    shift = translation_matrix(torch.tensor([0.1]), torch.tensor([0.0]))
+    for s_ in (1.0, 0.1, 5.0):
+        P = torch.diag(torch.tensor([s_, s_, 1.0])).expand(1, 1, 3, 3)
+        assert pose_consistency(P, P, shift, torch.ones(1, 1), "split").item() == pytest.approx(0.02, rel=1e-4)
+    # scaling both poses by the same factor leaves the split mismatch unchanged; at unit scale the frames agree
+    g = torch.Generator().manual_seed(0)
+    P1 = affine_matrix(*(0.8 + 0.4 * torch.rand(6, 2, 3, generator=g)))
+    P2 = affine_matrix(*(0.8 + 0.4 * torch.rand(6, 2, 3, generator=g)))
+    T = rotation_matrix(torch.tensor([0.3, -0.2]))
+    w = torch.rand(2, 3, generator=g)
+    S = torch.diag(torch.tensor([3.0, 3.0, 1.0]))
+    assert torch.allclose(pose_consistency(P1 @ S, P2 @ S, T, w, "split"), pose_consistency(P1, P2, T, w, "split"))
+    P1t, P2t = P1.clone(), P2.clone()
+    P1t[..., :2, :2] = torch.eye(2)
+    P2t[..., :2, :2] = torch.eye(2)
+    assert torch.allclose(pose_consistency(P1t, P2t, T, w, "split"), pose_consistency(P1t, P2t, T, w, "template"))
+    with pytest.raises(ValueError, match="frame"):
+        pose_consistency(P1, P2, T, w, "canvas")
+
+
+def test_transforming_loss_is_the_mse_plus_weighted_consistency():
+    exp = _experiment()
+    torch.manual_seed(0)
+    model = _conv_model("affine", M=3)
+    x1, x2 = torch.rand(2, 1, 16, 16), torch.rand(2, 1, 16, 16)
+    T = rotation_matrix(torch.tensor([0.3, -0.2]))
+    mse = torch.nn.functional.mse_loss(model(x1, T), x2)
+    assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 0.0), mse)
+    p1, P1 = model.recognise(x1)
+    p2, P2 = model.recognise(x2)
+    expected = mse + 2.5 * pose_consistency(P1, P2, T, p1 * p2)
+    assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5), expected, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------ data and config
 
 
@@ -270,6 +362,10 @@ def test_config_modes_overrides_and_errors(tmp_path):
         exp.load_config(path, "affine", ["model.combine=add"])
     with pytest.raises(ConfigError, match="unknown key"):
         exp.load_config(path, "affine", ["model.capsules=3"])
+    with pytest.raises(ConfigError, match="recognition"):
+        exp.load_config(path, "affine", ["model.recognition=cnn"])
+    with pytest.raises(ConfigError, match="consistency_weight"):
+        exp.load_config(path, "affine", ["loss.consistency_weight=-1"])
 
 
 # ------------------------------------------------------------------------------------------ entry point
@@ -280,7 +376,10 @@ TINY = ["--set", "data.dataset=synthetic", "--set", "data.train_limit=32", "--se
         "--set", "model.template_size=5", "--set", "model.template_init=data", "--set", "train.steps=4", "--set", "train.batch_size=8",
         "--set", "train.warmup_steps=1", "--set", "train.log_every=1", "--set", "train.checkpoint_every=2",
         "--set", "eval.pairs=24", "--set", "eval.readout_pairs=24", "--set", "eval.batch_size=10",
-        "--set", "eval.curve_pairs=8", "--set", "affine.overrides=[]", "--set", "translation.translation_px=2.0",
+        "--set", "eval.curve_pairs=8",
+        # affine: the conv recognition and the pose-consistency term (the shipped affine set-up), a tiny trunk
+        "--set", 'affine.overrides=["model.recognition=conv", "model.conv_channels=[4, 4]", '
+                 '"model.conv_strides=[2, 2]", "loss.consistency_weight=1.0"]', "--set", "translation.translation_px=2.0",
         "--set", "translation.jitter_translation_px=1.0", "--set", "affine.translation_px=1.0",
         "--set", "affine.jitter_translation_px=1.0"]
 

@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import DataError
 from ..io import atomic_write
 
-__all__ = ["read_idx", "write_idx", "GZIP_MAGIC", "IDX_UBYTE", "LABELS_MAGIC", "IMAGES_MAGIC"]
+__all__ = ["read_idx", "write_idx", "read_maybe_gzipped", "GZIP_MAGIC", "IDX_UBYTE", "LABELS_MAGIC", "IMAGES_MAGIC"]
 
 GZIP_MAGIC = b"\x1f\x8b"
 IDX_UBYTE = 0x08
@@ -28,7 +28,7 @@ IMAGES_MAGIC = 0x00000803
 _SUPPORTED_NDIM = (1, 3)
 
 
-def _read_bytes(path: Path) -> bytes:
+def read_maybe_gzipped(path: Path) -> bytes:
     """The file's decoded bytes: gunzipped when it starts with the gzip magic (whatever its name says)."""
     try:
         raw = path.read_bytes()
@@ -56,7 +56,7 @@ def read_idx(path: str | os.PathLike, ndim: int | None = None) -> np.ndarray:
             type or dimension count, or a payload that is shorter or longer than the header says.
     """
     path = Path(path)
-    data = _read_bytes(path)
+    data = read_maybe_gzipped(path)
     if len(data) < 4:
         raise DataError(f"{path}: truncated: {len(data)} bytes, too short for the 4-byte IDX magic")
     magic = struct.unpack(">I", data[:4])[0]

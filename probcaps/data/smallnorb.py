@@ -25,7 +25,6 @@ import os
 import struct
 import urllib.error
 import urllib.request
-import zlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
+from .idx import read_maybe_gzipped
 from ..io import atomic_write
 from .mnist import resolve_data_root
 
@@ -104,21 +104,6 @@ class NorbSet:
 # --------------------------------------------------------------------------- the binary matrix format
 
 
-def _decoded_bytes(path: Path) -> bytes:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
-    if raw[:2] != b"\x1f\x8b":
-        return raw
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"{path}: corrupt gzip stream: {e}") from None
-
-
 def read_norb_matrix(path: str | os.PathLike) -> np.ndarray:
     """Read a smallNORB binary matrix file (gzip or raw, detected from the content) into a numpy array.
 
@@ -127,7 +112,7 @@ def read_norb_matrix(path: str | os.PathLike) -> np.ndarray:
             or a payload shorter or longer than the header's dimensions say.
     """
     path = Path(path)
-    data = _decoded_bytes(path)
+    data = read_maybe_gzipped(Path(path))
     if len(data) < 8:
         raise DataError(f"{path}: truncated: {len(data)} bytes, too short for a smallNORB header")
     magic, ndim = struct.unpack("<ii", data[:8])
