@@ -10,7 +10,7 @@ export PROBCAPS_DATA ?= $(if $(wildcard $(SHARED_DATA)/mnist),$(SHARED_DATA),)
 export MALLOC_MMAP_THRESHOLD_ := 1000000000
 export MALLOC_TRIM_THRESHOLD_ := 1000000000
 
-.PHONY: install demo test bench bench-matrix-capsules report clean
+.PHONY: install demo test bench bench-capsnet bench-matrix-capsules report clean
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ bench: install
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "headline config" --parts 24 --parents 16 \
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
+
+# one CapsNet training step at batch 128, reduced and paper-size configs
+bench-capsnet: install
+	$(PY) benchmarks/bench_capsnet.py --threads 2 --json results/multimnist_bench.json
 
 # the paper's smallNORB matrix-capsule network (A, B, C, D = 64, 8, 16, 16, 32x32, 3 EM iterations) at batch 64
 bench-matrix-capsules: install

@@ -1,0 +1,412 @@
+"""MultiMNIST with CapsNet (Sabour, Frosst & Hinton 2017; seed 001): name both of two overlapping digits and
+reconstruct each from its own digit capsule.
+
+    python experiments/multimnist.py --seeds 0                      # reduced config (configs/multimnist.toml)
+    python experiments/multimnist.py --config experiments/configs/multimnist_paper.toml --device cuda
+    python experiments/multimnist.py --seeds 0 --resume             # continue an interrupted run
+    python experiments/multimnist.py --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
+
+Training pairs are generated on the fly (new partners and shifts every epoch, :mod:`probcaps.data.multimnist`);
+the test set is a fixed seeded set of pairs of test digits.  Writes ``results/<name>.json`` (two-digit set
+accuracy, at-least-one accuracy, reconstruction error; per seed, mean and std), and figures of the first seed:
+``<name>_reconstructions.png`` (each digit reconstructed from one masked capsule), ``<name>_capsules.png``
+(capsule lengths), ``<name>_training.png`` (loss and test set accuracy against step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
+from models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes  # noqa: E402
+from probcaps import plotting  # noqa: E402
+from probcaps.config import load_sections  # noqa: E402
+from probcaps.data import load_mnist, synthetic_digits  # noqa: E402
+from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
+from probcaps.errors import ConfigError, ProbcapsError  # noqa: E402
+from probcaps.io import atomic_write  # noqa: E402
+from probcaps.provenance import provenance, write_results  # noqa: E402
+from probcaps.report import fmt_mean_std  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
+# anchors: the seed write-up's reduced numpy CapsNet and the paper (about 5% error at full scale)
+WRITEUP_SET_ACC = 0.486
+PAPER_SET_ACC = 0.95
+
+
+@dataclass
+class MultiMNISTData:
+    dataset: str = "mnist"        # "mnist" or "synthetic" (tests, smoke runs)
+    canvas_size: int = 36
+    max_shift: int = 4
+    min_iou: float = 0.8
+    train_limit: int = 0          # use only the first N training digits (0: all)
+    test_limit: int = 0
+    test_pairs: int = 10000       # fixed test set: pairs of test digits (each test digit first once per 10,000)
+    seed: int = 0                 # test-set pairs (training pairs follow train.seed)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class MultiMNISTEval:
+    batch_size: int = 500
+    curve_pairs: int = 2000       # test pairs scored at every checkpoint (training curve)
+    figures: bool = True
+    figure_pairs: int = 8         # test composites in the reconstruction figure
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SCHEMA = {"name": str, "data": MultiMNISTData, "model": CapsNetConfig, "train": TrainConfig, "eval": MultiMNISTEval}
+
+
+def load_config(path, overrides=()) -> dict:
+    """The experiment config (strict TOML + ``--set`` overrides), checked for consistency."""
+    cfg = load_sections(path, SCHEMA, list(overrides))
+    cfg["name"] = cfg["name"] or (Path(path).stem if path else "multimnist")
+    data, model = cfg["data"], cfg["model"]
+    if data.dataset not in ("mnist", "synthetic"):
+        raise ConfigError(f"{path}: data.dataset must be 'mnist' or 'synthetic', got {data.dataset!r}")
+    if model.image_size != data.canvas_size:
+        raise ConfigError(f"{path}: model.image_size ({model.image_size}) differs from data.canvas_size "
+                          f"({data.canvas_size})")
+    if data.canvas_size < 28 + 2 * data.max_shift:
+        raise ConfigError(f"{path}: data.canvas_size ({data.canvas_size}) too small for 28-px digits shifted by "
+                          f"{data.max_shift}")
+    if model.primary_grid < 1:
+        raise ConfigError(f"{path}: model kernels too large for a {model.image_size}-px image")
+    return cfg
+
+
+def load_digits(data: MultiMNISTData, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 ``(N, 28, 28)`` digits and labels of a split (first ``*_limit`` of them)."""
+    limit = (data.train_limit if split == "train" else data.test_limit) or None
+    if data.dataset == "synthetic":
+        return synthetic_digits(limit or (512 if split == "train" else 256), seed=0 if split == "train" else 1)
+    images, labels = load_mnist(split, data_dir=data_dir)
+    images, labels = torch.as_tensor(images)[:limit], torch.as_tensor(labels).long()[:limit]
+    return images, labels
+
+
+class PairSource:
+    """Digits of one split, their ink boxes, and the pairs of an epoch (or of the test set)."""
+
+    def __init__(self, digits: torch.Tensor, labels: torch.Tensor, data: MultiMNISTData):
+        self.digits, self.labels, self.data = digits, labels, data
+        self.boxes = bounding_boxes(digits)
+
+    def pairs(self, seed: int, epoch, n: int | None = None):
+        return multimnist_pairs(self.labels, self.boxes, seed, epoch, n=n, max_shift=self.data.max_shift,
+                                min_iou=self.data.min_iou)
+
+    def batches(self, pairs, batch_size: int, start_batch: int = 0, device="cpu", drop_last=False):
+        for x, a, b, y in multimnist_batches(self.digits, pairs, batch_size, start_batch=start_batch,
+                                             canvas=self.data.canvas_size, device=device, drop_last=drop_last):
+            yield x, torch.stack([a, b], 1), y
+
+
+@torch.no_grad()
+def evaluate(model: CapsNet, source: PairSource, pairs, batch_size: int, device="cpu") -> dict:
+    """Set accuracy (both top-2 capsules right), at-least-one accuracy, and the per-pixel squared error of the
+    reconstructions of the two *true* classes, each from its own masked capsule."""
+    set_ok, one_ok, sq_err, n = 0, 0, 0.0, 0
+    for x, sources, labels in source.batches(pairs, batch_size, device=device):
+        out = model(x)
+        set_ok += int(set_accuracy(out.lengths, labels).sum())
+        top2 = top_k_classes(out.lengths, 2)
+        one_ok += int((top2[:, :, None] == labels[:, None, :]).any(-1).any(-1).sum())
+        rec = model.reconstruct_each(out.digits, labels)
+        sq_err += float(((rec - sources) ** 2).mean(dim=(2, 3, 4)).sum())
+        n += len(x)
+    return {"set_acc": set_ok / n, "at_least_one_acc": one_ok / n, "recon_mse": sq_err / (2 * n), "n_pairs": n}
+
+
+def _read_elapsed(out: Path) -> float:
+    """Elapsed training time (s) recorded in ``out/elapsed.json`` (0 when absent)."""
+    path = out / "elapsed.json"
+    return json.loads(path.read_text())["elapsed_s"] if path.is_file() else 0.0
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, data_dir, progress: bool):
+    """Train one seed (resumable); returns ``(model, train_state)``; ``out/eval.jsonl`` gets the test-set curve."""
+    tcfg = dataclasses.replace(cfg["train"], seed=seed)
+    torch.manual_seed(seed)
+    model = CapsNet(cfg["model"]).to(device)
+    train = PairSource(*load_digits(cfg["data"], "train", data_dir), cfg["data"])
+    test = PairSource(*load_digits(cfg["data"], "test", data_dir), cfg["data"])
+    curve_pairs = test.pairs(cfg["data"].seed, "test", n=min(cfg["eval"].curve_pairs, cfg["data"].test_pairs))
+    eval_log = out / "eval.jsonl"
+    if resume:  # keep the curve consistent with the checkpoint we resume from
+        step = load_checkpoint(out / "checkpoint.pt")["state"]["step"]
+        keep = [r for r in _read_jsonl(eval_log) if r["step"] <= step]
+        atomic_write(eval_log, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep)), mode="w")
+    else:
+        eval_log.unlink(missing_ok=True)
+    running = {"set_acc": [], "margin": [], "recon_sse": []}
+
+    def batches(epoch: int, start: int):
+        pairs = train.pairs(seed, epoch)
+        return train.batches(pairs, tcfg.batch_size, start_batch=start, device=device,
+                             drop_last=len(pairs) >= tcfg.batch_size)
+
+    def loss_fn(batch):
+        x, sources, labels = batch
+        loss, diag = model.loss(x, labels, sources)
+        for k in running:
+            running[k].append(diag[k])
+        return loss
+
+    def on_checkpoint(state):
+        metrics = evaluate(model, test, curve_pairs, cfg["eval"].batch_size, device)
+        record = {"step": state.step, "test_set_acc": metrics["set_acc"], "wall_time_s": state.wall_time_s,
+                  **{f"train_{k}": float(np.mean(v)) if v else None for k, v in running.items()}}
+        for v in running.values():
+            v.clear()
+        with open(eval_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    metadata = {"name": cfg["name"], "kind": "capsnet",
+                "configs": {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}}
+    state = train_loop(model, loss_fn, batches, tcfg, out, resume=resume, metadata=metadata, progress=progress,
+                       on_checkpoint=on_checkpoint)
+    return model, state, test
+
+
+def plot_reconstructions(model: CapsNet, test: PairSource, pairs, path: Path, n: int = 8) -> None:
+    """Rows: composite, digit A, digit B, reconstruction from capsule A alone, from capsule B alone (the true
+    classes), and from the two *predicted* capsules."""
+    sub = pairs.subset(torch.arange(min(n, len(pairs))))
+    x, sources, labels = next(test.batches(sub, len(sub)))
+    with torch.no_grad():
+        out = model(x)
+        rec_true = model.reconstruct_each(out.digits, labels)
+        pred = top_k_classes(out.lengths, 2)
+        rec_pred = model.reconstruct_each(out.digits, pred)
+    rows = [x[:, 0], sources[:, 0, 0], sources[:, 1, 0], rec_true[:, 0, 0], rec_true[:, 1, 0], rec_pred[:, 0, 0],
+            rec_pred[:, 1, 0]]
+    grid = torch.stack(rows, 0)
+    cols = [f"{a}+{b} → {p}{q}" for (a, b), (p, q) in zip(labels.tolist(), pred.tolist())]
+    plotting.plot_image_grid(grid, path, row_labels=["input", "digit A", "digit B", "caps A only", "caps B only",
+                                                     "pred 1 only", "pred 2 only"], col_labels=cols,
+                             title="each digit reconstructed from one masked digit capsule")
+
+
+def plot_capsule_lengths(model: CapsNet, test: PairSource, pairs, path: Path, n: int = 24) -> None:
+    """Heat map of the 10 capsule lengths for ``n`` test composites, true classes outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    sub = pairs.subset(torch.arange(min(n, len(pairs))))
+    x, _, labels = next(test.batches(sub, len(sub)))
+    with torch.no_grad():
+        lengths = model(x).lengths.numpy()
+    fig, ax = plt.subplots(figsize=(5.5, 0.25 * len(lengths) + 1.2))
+    im = ax.imshow(lengths, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    for r, pair in enumerate(labels.tolist()):
+        for c in pair:
+            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.5))
+    pred = top_k_classes(torch.as_tensor(lengths), 2).numpy()
+    ax.scatter(pred.flatten(), np.repeat(np.arange(len(pred)), 2), s=8, c="white", label="top-2 (predicted)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=7, frameon=False)
+    ax.set_xticks(range(lengths.shape[1]))
+    ax.set_xlabel("digit capsule (class)")
+    ax.set_ylabel("test composite")
+    ax.set_title("capsule lengths ||v_k|| (red boxes: the two true digits)", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_training(runs: dict[str, Path], path: Path) -> None:
+    """Two panels: training loss (from ``log.jsonl``) and test-subset set accuracy (``eval.jsonl``) vs step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for label, out in runs.items():
+        log = {r["step"]: r["loss"] for r in _read_jsonl(out / "log.jsonl")}
+        ev = {r["step"]: r["test_set_acc"] for r in _read_jsonl(out / "eval.jsonl")}
+        a1.plot(sorted(log), [log[s] for s in sorted(log)], label=label)
+        a2.plot(sorted(ev), [100 * ev[s] for s in sorted(ev)], marker="o", ms=3, label=label)
+    a1.set_yscale("log")
+    a1.set(xlabel="step", ylabel="margin + 0.0005 x reconstruction loss", title="training loss")
+    a2.set(xlabel="step", ylabel="set accuracy (%)", title="test pairs (subset): both digits named")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--results-dir", default=str(ROOT / "results"))
+    p.add_argument("--out", default=None, help="run folders, one per seed (default runs/<name>)")
+    p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
+    p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = load_config(args.config, args.set)
+        name = cfg["name"]
+        out_root = Path(args.out or ROOT / "runs" / name)
+        results = Path(args.results_dir)
+        runs, outs = [], {}
+        for seed in args.seeds:
+            out = out_root / f"seed{seed}"
+            outs[f"seed {seed}"] = out
+            if args.resume and (out / "final.pt").is_file():
+                torch.manual_seed(seed)
+                model = CapsNet(cfg["model"]).to(args.device)
+                ckpt = load_checkpoint(out / "final.pt", map_location=args.device)
+                load_module_state(model, ckpt["module"], out / "final.pt")
+                state = ckpt["state"]
+                test = PairSource(*load_digits(cfg["data"], "test", args.data_dir), cfg["data"])
+            else:
+                resume = args.resume and (out / "checkpoint.pt").is_file()
+                t_start = time.perf_counter()
+                model, st, test = train_seed(cfg, seed, out, resume=resume, device=args.device,
+                                             data_dir=args.data_dir, progress=not args.quiet)
+                state = dataclasses.asdict(st)
+                # elapsed time including pair generation and the curve evaluations, summed over resumed parts
+                elapsed = _read_elapsed(out) if resume else 0.0
+                atomic_write(out / "elapsed.json", lambda f: f.write(json.dumps(
+                    {"elapsed_s": elapsed + time.perf_counter() - t_start})), mode="w")
+            if args.train_only:
+                continue
+            t0 = time.perf_counter()
+            test_pairs = test.pairs(cfg["data"].seed, "test", n=cfg["data"].test_pairs)
+            metrics = evaluate(model, test, test_pairs, cfg["eval"].batch_size, args.device)
+            steps_per_s = state["step"] / max(state["wall_time_s"], 1e-9)
+            runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"],
+                         "train_elapsed_s": _read_elapsed(out) or None,
+                         "steps_per_s": steps_per_s, "eval_time_s": time.perf_counter() - t0,
+                         "mean_test_iou": float(test_pairs.iou.mean())})
+            print(f"seed {seed}: set accuracy {metrics['set_acc']:.4f}, at least one {metrics['at_least_one_acc']:.4f}"
+                  f", recon MSE {metrics['recon_mse']:.4f}; {state['step']} steps in {state['wall_time_s'] / 60:.1f} "
+                  f"min ({steps_per_s:.2f} steps/s)")
+            if seed == args.seeds[0] and cfg["eval"].figures:
+                model.cpu()
+                plot_reconstructions(model, test, test_pairs, results / f"{name}_reconstructions.png",
+                                     n=cfg["eval"].figure_pairs)
+                plot_capsule_lengths(model, test, test_pairs, results / f"{name}_capsules.png")
+                model.to(args.device)
+        if args.train_only:
+            return 0
+        summary = {"per_seed": runs, "writeup_set_acc": WRITEUP_SET_ACC, "paper_set_acc": PAPER_SET_ACC}
+        for key in ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"):
+            values = np.array([r[key] for r in runs])
+            summary[f"{key}_mean"] = float(values.mean())
+            summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+        prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
+                          wall_time_s=sum(r["train_wall_time_s"] for r in runs),
+                          batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
+                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+        write_results(results / f"{name}.json", summary, prov)
+        if cfg["eval"].figures:
+            plot_training(outs, results / f"{name}_training.png")
+        print(f"wrote {results / (name + '.json')}")
+    except ProbcapsError as e:
+        print(f"multimnist: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _table_rows(path: Path) -> tuple[list[str], dict] | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data["metrics"], data["provenance"]
+
+
+def readme_table(results_dir: Path) -> str | None:
+    """Markdown table of the reduced (and, if present, paper-size) runs, from ``results/multimnist*.json``."""
+    results_dir = Path(results_dir)
+    rows = [(label, _table_rows(results_dir / f"{name}.json"))
+            for label, name in (("reduced", "multimnist"), ("paper-size", "multimnist_paper"))]
+    rows = [(label, r) for label, r in rows if r is not None]
+    bench = results_dir / "multimnist_bench.json"
+    if not rows and not bench.is_file():
+        return None
+    lines = [] if not rows else ["| config | two-digit set accuracy (%) | at least one digit (%) | recon MSE per pixel | training "
+             "steps (min) | steps/s | write-up (reduced numpy) | paper (full scale) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, (m, prov) in rows:
+        runs = m["per_seed"]
+        model = prov.get("configs", {}).get("model", {})
+        size = (f"{label}: conv1 {model.get('conv1_channels')}, {model.get('primary_capsules')}×"
+                f"{model.get('primary_dim')}-D primary caps")
+        lines.append(f"| {size} | {fmt_mean_std([r['set_acc'] for r in runs])} | "
+                     f"{fmt_mean_std([r['at_least_one_acc'] for r in runs])} | "
+                     f"{fmt_mean_std([r['recon_mse'] for r in runs], scale=1.0, digits=4)} | "
+                     f"{fmt_mean_std([r['train_wall_time_s'] for r in runs], scale=1 / 60, digits=0)} | "
+                     f"{fmt_mean_std([r['steps_per_s'] for r in runs], scale=1.0, digits=2)} | "
+                     f"{100 * m['writeup_set_acc']:.1f} | about {100 * m['paper_set_acc']:.0f} |")
+    if rows:
+        lines.append("")
+    for label, (m, prov) in rows:
+        runs = m["per_seed"]
+        elapsed = [r.get("train_elapsed_s") for r in runs]
+        elapsed = (f" (elapsed, with pair generation and the curve evaluations: "
+                   f"{', '.join(f'{e / 60:.0f}' for e in elapsed)} min)" if all(elapsed) else "")
+        lines.append(f"{label}: seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps of batch "
+                     f"{prov.get('batch_size')}{elapsed}; {runs[0]['n_pairs']} test pairs (mean IoU "
+                     f"{runs[0]['mean_test_iou']:.2f}); device: {prov.get('device')}; command: "
+                     f"`{prov.get('command')}`; commit {prov.get('git_commit')}.")
+    if bench.is_file():
+        brows = json.loads(bench.read_text())
+        lines += ["" if rows else None, "| benchmark: one training step, batch 128 | children | bf16 convs | step (ms) | "
+                  "images/s | peak memory (MB) | threads | load average |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines = [line for line in lines if line is not None]
+        for r in brows:
+            lines.append(f"| {r['config']} | {r['num_primary_capsules']} | {r['model']['bf16']} | "
+                         f"{1000 * r['step_s']:.0f} | {r['images_per_s']:.1f} | {r['peak_memory_mb']:.0f} | "
+                         f"{r['threads']} | {r['load_average']:.1f} |")
+        lines.append("")
+        lines.append(f"Benchmark device: {brows[0]['device_description'].split(' (')[0]}, shared with other jobs (load "
+                     f"average in the table; 2.0 would be a fully used 2-core machine); command: "
+                     f"`{brows[0]['command']}` and variants.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from probcaps.cli import reexec_with_allocator_settings
+
+    reexec_with_allocator_settings(sys.argv)
+    sys.exit(main())

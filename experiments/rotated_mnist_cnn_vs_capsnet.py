@@ -1,0 +1,333 @@
+"""Rotated MNIST: LeNet-5 vs CapsNet vs the probabilistic capsule model's probe (seed 003).
+
+LeNet-5 and a (reduced) CapsNet are trained on MNIST digits shifted by up to ±2 px (the write-up's
+``RandomAffine(translate=0.0714)``) and tested on the test digits rotated by each angle (0° to 180°).  With
+``--probcaps-checkpoint`` the probabilistic capsule model (``checkpoints/mnist_probe.pt``) is scored on the same
+rotated digits: each is placed on its 40x40 canvas at its SCAE offset, encoded, and classified by a linear
+probe on object presences + poses fit on unrotated training digits.
+
+    python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --probcaps-checkpoint checkpoints/mnist_probe.pt
+    python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --set data.dataset="synthetic" \\
+        --set lenet_train.steps=5 --set capsnet_train.steps=5          # smoke test
+
+Writes ``results/rotated_mnist_cnn_vs_capsnet.json`` (accuracy per angle and model, per seed, mean and std) and
+``results/rotated_mnist_cnn_vs_capsnet_accuracy.png`` (accuracy against angle) and ``..._examples.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
+from models.capsnet import CapsNet, CapsNetConfig  # noqa: E402
+from models.lenet import LeNet5  # noqa: E402
+from probcaps import plotting  # noqa: E402
+from probcaps.config import load_sections  # noqa: E402
+from probcaps.data import (iterate_batches, load_mnist, place_on_canvas, random_offsets, rotate,  # noqa: E402
+                           synthetic_digits, to_float)
+from probcaps.data.loaders import seeded_generator  # noqa: E402
+from probcaps.errors import ConfigError, ProbcapsError  # noqa: E402
+from probcaps.provenance import provenance, write_results  # noqa: E402
+from probcaps.report import fmt_mean_std  # noqa: E402
+
+NAME = "rotated_mnist_cnn_vs_capsnet"
+DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
+# the write-up's numbers (seed 003): accuracy on the 10,000 test digits, unrotated and rotated by 35 degrees
+WRITEUP = {"lenet": {0: 0.9868, 35: 0.7605}, "capsnet": {0: 0.9937, 35: 0.8409}}
+
+
+@dataclass
+class RotatedData:
+    dataset: str = "mnist"        # "mnist" or "synthetic" (tests)
+    train_shift: int = 2          # training digits shifted by up to ±2 px (0.0714 x 28)
+    train_limit: int = 0
+    test_limit: int = 0           # rotated test digits (0: all 10,000)
+    angles: list = field(default_factory=lambda: [0, 15, 30, 35, 45, 60, 75, 90, 105, 120, 135, 150, 165, 180])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ProbeEval:
+    train_limit: int = 10000      # unrotated training digits the probe is fit on (0: all)
+    test_limit: int = 2000        # rotated test digits per angle (0: all)
+    batch_size: int = 500
+    max_iter: int = 2000
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SCHEMA = {"name": str, "data": RotatedData, "lenet_train": TrainConfig, "capsnet": CapsNetConfig,
+          "capsnet_train": TrainConfig, "probe": ProbeEval}
+
+
+def load_config(path, overrides=()) -> dict:
+    cfg = load_sections(path, SCHEMA, list(overrides))
+    cfg["name"] = cfg["name"] or NAME
+    if cfg["data"].dataset not in ("mnist", "synthetic"):
+        raise ConfigError(f"{path}: data.dataset must be 'mnist' or 'synthetic', got {cfg['data'].dataset!r}")
+    if cfg["capsnet"].image_size != 28:
+        raise ConfigError(f"{path}: capsnet.image_size must be 28 (the digits are 28x28), got "
+                          f"{cfg['capsnet'].image_size}")
+    return cfg
+
+
+def load_digits(data: RotatedData, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
+    limit = (data.train_limit if split == "train" else data.test_limit) or None
+    if data.dataset == "synthetic":
+        return synthetic_digits(limit or (256 if split == "train" else 64), seed=0 if split == "train" else 1)
+    images, labels = load_mnist(split, data_dir=data_dir)
+    return torch.as_tensor(images)[:limit], torch.as_tensor(labels).long()[:limit]
+
+
+def shift_digits(digits: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Shift ``(N, 28, 28)`` digits by integer ``(dx, dy)`` offsets, keeping 28x28 (ink leaving the frame is
+    cut): placed on a larger canvas, then the centre cropped."""
+    pad = int(offsets.abs().max()) if offsets.numel() else 0
+    size = digits.shape[-1]
+    placed = place_on_canvas(digits, offsets, canvas=size + 2 * pad)
+    return placed[:, pad:pad + size, pad:pad + size]
+
+
+def shifted_batches(images, labels, data: RotatedData, tcfg: TrainConfig, device):
+    """``(epoch, start) -> batches`` of training digits with fresh ±``train_shift`` px shifts every epoch."""
+
+    def batches(epoch: int, start: int):
+        offsets = random_offsets(len(images), data.train_shift, generator=seeded_generator("shift", tcfg.seed, epoch))
+        shifted = shift_digits(images, offsets)
+        yield from iterate_batches(shifted, labels, tcfg.batch_size, shuffle=True, seed=tcfg.seed, epoch=epoch,
+                                   start_batch=start, drop_last=len(images) >= tcfg.batch_size, device=device)
+
+    return batches
+
+
+def rotated(digits: torch.Tensor, angle: float) -> torch.Tensor:
+    """Float ``(N, 28, 28)`` digits rotated by ``angle`` degrees (counter-clockwise on screen), clamped to [0, 1]."""
+    return rotate(to_float(digits), float(angle)).clamp_(0.0, 1.0)
+
+
+@torch.no_grad()
+def classify(predict, images: torch.Tensor, batch_size: int = 500, device="cpu") -> torch.Tensor:
+    """Predicted classes of float ``(N, H, W)`` images, in batches."""
+    out = [predict(images[i:i + batch_size].unsqueeze(1).to(device)).cpu() for i in range(0, len(images), batch_size)]
+    return torch.cat(out)
+
+
+def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, resume: bool, device, progress):
+    """Train LeNet-5 (cross-entropy) or CapsNet (margin + reconstruction) on shifted digits; returns the model
+    and its wall time.  A finished run (``final.pt``) is loaded instead of retrained when resuming."""
+    torch.manual_seed(seed)
+    model = (LeNet5() if kind == "lenet" else CapsNet(cfg["capsnet"])).to(device)
+    tcfg = dataclasses.replace(cfg[f"{kind}_train"], seed=seed)
+    if resume and (out / "final.pt").is_file():
+        ckpt = load_checkpoint(out / "final.pt", map_location=device)
+        load_module_state(model, ckpt["module"], out / "final.pt")
+        return model, ckpt["state"]["wall_time_s"], ckpt["state"]["step"]
+    if kind == "lenet":
+        def loss_fn(batch):
+            x, y = batch
+            return F.cross_entropy(model(x), y)
+    else:
+        def loss_fn(batch):
+            x, y = batch
+            return model.loss(x, y[:, None], x[:, None])[0]
+    state = train_loop(model, loss_fn, shifted_batches(images, labels, cfg["data"], tcfg, device), tcfg, out,
+                       resume=resume and (out / "checkpoint.pt").is_file(), progress=progress,
+                       metadata={"kind": kind, "configs": {k: v.to_dict() for k, v in cfg.items()
+                                                           if hasattr(v, "to_dict")}})
+    return model, state.wall_time_s, state.step
+
+
+def probe_curve(checkpoint: Path, test_digits: torch.Tensor, test_labels: torch.Tensor, angles, probe: ProbeEval,
+                data_dir, device, progress) -> dict:
+    """Linear-probe accuracy of the probabilistic capsule model on the rotated digits, per angle.
+
+    The probe (object presences + poses, and presences alone) is fit on unrotated training digits placed as the
+    model was trained; each rotated test digit is placed at its own SCAE offset on the model's canvas.
+    """
+    from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
+    from probcaps.data import placed_mnist
+    from probcaps.metrics import LinearProbe
+
+    pcfg, system = load_trained(checkpoint, device=device)
+    data = pcfg["data"]
+    train_images, train_labels = load_images(data, "train", data_dir, limit=probe.train_limit or None)
+    feats = probe_features(encode_dataset(system.encoder, train_images, probe.batch_size, device))
+    probes = {k: LinearProbe(max_iter=probe.max_iter).fit(v, train_labels) for k, v in feats.items()}
+    n = probe.test_limit or len(test_digits)
+    digits, labels = test_digits[:n], test_labels[:n]
+    offsets = placed_mnist("test", data_dir=data_dir, canvas=data.canvas_size, max_shift=data.max_shift,
+                           seed=data.seed, limit=n).offsets
+    acc = {k: [] for k in probes}
+    for angle in angles:
+        placed = place_on_canvas(rotated(digits, angle), offsets, canvas=data.canvas_size)
+        test_feats = probe_features(encode_dataset(system.encoder, placed, probe.batch_size, device))
+        for k, p in probes.items():
+            acc[k].append(p.accuracy(test_feats[k], labels))
+        if progress:
+            print(f"  probe {angle:5.1f}°: presence+pose {acc['presence_pose'][-1]:.4f}")
+    return {"probe_presence_pose_acc": acc["presence_pose"], "probe_presence_acc": acc["presence"],
+            "probe_train_digits": len(train_images), "probe_test_digits": n, "probe_checkpoint": str(checkpoint)}
+
+
+def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
+    """Accuracy (%) against rotation angle, one line per model (mean ± std over seeds), the write-up's numbers as
+    separate markers, and the 35° point marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"LeNet-5": "C0", "CapsNet": "C1"}
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, (label, acc) in enumerate(curves.items()):
+        acc = 100 * np.asarray(acc)
+        std = acc.std(0, ddof=1) if len(acc) > 1 else None
+        n = f" ({len(acc)} seeds)" if len(acc) > 1 else ""
+        ax.errorbar(angles, acc.mean(0), yerr=std, marker="o", ms=3, capsize=2, label=label + n,
+                    color=colours.get(label, f"C{i}"))
+    for key, label in (("lenet", "LeNet-5"), ("capsnet", "CapsNet")):
+        pts = sorted(WRITEUP[key].items())
+        ax.plot([a for a, _ in pts], [100 * v for _, v in pts], linestyle="none", marker="*", ms=11,
+                color=colours[label], markeredgecolor="k", label=f"write-up {label}")
+    ax.axvline(35, color="grey", ls="--", lw=0.8)
+    ax.set(xlabel="rotation of the test digits (degrees)", ylabel="test accuracy (%)", ylim=(0, 101),
+           title="trained on ±2 px shifted MNIST, tested on rotated digits")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--results-dir", default=str(ROOT / "results"))
+    p.add_argument("--out", default=str(ROOT / "runs" / NAME), help="run folders (one per model and seed)")
+    p.add_argument("--resume", action="store_true", help="continue (or reuse) each model's run")
+    p.add_argument("--probcaps-checkpoint", default=None,
+                   help="also score this probabilistic capsule model (e.g. checkpoints/mnist_probe.pt)")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.probcaps_checkpoint and not Path(args.probcaps_checkpoint).is_file():
+            raise ConfigError(f"--probcaps-checkpoint {args.probcaps_checkpoint}: no such file")
+        angles = [float(a) for a in cfg["data"].angles]
+        train_images, train_labels = load_digits(cfg["data"], "train", args.data_dir)
+        test_images, test_labels = load_digits(cfg["data"], "test", args.data_dir)
+        rotated_tests = {a: rotated(test_images, a) for a in angles}
+        runs = []
+        for seed in args.seeds:
+            run = {"seed": seed}
+            for kind in ("lenet", "capsnet"):
+                model, wall, steps = train_model(kind, cfg, seed, Path(args.out) / f"{kind}_seed{seed}", train_images,
+                                                 train_labels, resume=args.resume, device=args.device,
+                                                 progress=not args.quiet)
+                model.eval()
+                predict = (lambda x, m=model: m(x).argmax(-1)) if kind == "lenet" else \
+                    (lambda x, m=model: m(x).lengths.argmax(-1))
+                t0 = time.perf_counter()
+                run[f"{kind}_acc"] = [float((classify(predict, rotated_tests[a], device=args.device)
+                                             == test_labels).float().mean()) for a in angles]
+                run.update({f"{kind}_train_wall_time_s": wall, f"{kind}_steps": steps,
+                            f"{kind}_eval_time_s": time.perf_counter() - t0})
+                print(f"seed {seed} {kind}: " + ", ".join(f"{a:.0f}°: {100 * v:.1f}" for a, v in
+                                                         zip(angles, run[f"{kind}_acc"])))
+            runs.append(run)
+        summary = {"angles": angles, "per_seed": runs, "writeup": WRITEUP, "n_test": len(test_labels)}
+        curves = {"LeNet-5": np.array([r["lenet_acc"] for r in runs]),
+                  "CapsNet": np.array([r["capsnet_acc"] for r in runs])}
+        if args.probcaps_checkpoint:
+            t0 = time.perf_counter()
+            probe = probe_curve(Path(args.probcaps_checkpoint), test_images, test_labels, angles, cfg["probe"],
+                                args.data_dir, args.device, not args.quiet)
+            summary["probcaps"] = {**probe, "eval_time_s": time.perf_counter() - t0}
+            curves["probabilistic capsules, linear probe"] = np.array([probe["probe_presence_pose_acc"]])
+        for key, acc in (("lenet_acc", curves["LeNet-5"]), ("capsnet_acc", curves["CapsNet"])):
+            summary[f"{key}_mean"] = acc.mean(0).tolist()
+            summary[f"{key}_std"] = (acc.std(0, ddof=1) if len(acc) > 1 else np.zeros(len(angles))).tolist()
+        results = Path(args.results_dir)
+        prov = provenance(seed=args.seeds, steps={"lenet": runs[0]["lenet_steps"], "capsnet": runs[0]["capsnet_steps"]},
+                          device=args.device, threads=torch.get_num_threads(),
+                          wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs),
+                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+        write_results(results / f"{NAME}.json", summary, prov)
+        plot_accuracy(angles, curves, results / f"{NAME}_accuracy.png")
+        show = [a for a in (0, 35, 90, 180) if a in angles] or angles[:1]
+        grid = torch.stack([rotated_tests[a][:8] for a in show])
+        plotting.plot_image_grid(grid, results / f"{NAME}_examples.png", row_labels=[f"{a:.0f}°" for a in show],
+                                 title="test digits as rotated for all three models")
+        print(f"wrote {results / (NAME + '.json')}")
+    except ProbcapsError as e:
+        print(f"{NAME}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def readme_table(results_dir: Path) -> str | None:
+    """Accuracy per angle for LeNet-5, CapsNet and the probe, with the write-up's 0° and 35° numbers."""
+    path = Path(results_dir) / f"{NAME}.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    m, prov = data["metrics"], data["provenance"]
+    runs = m["per_seed"]
+    probe = m.get("probcaps")
+    head = "| rotation | LeNet-5 (%) | CapsNet (%) |" + (" probabilistic capsules, probe (%) |" if probe else "") + \
+        " write-up LeNet-5 | write-up CapsNet |"
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for i, a in enumerate(m["angles"]):
+        key = str(int(a)) if float(a).is_integer() else str(a)
+        wl, wc = m["writeup"]["lenet"].get(key), m["writeup"]["capsnet"].get(key)
+        label = f"**{a:.0f}°** (write-up's point)" if a == 35 else f"{a:.0f}°"
+        row = (f"| {label} | {fmt_mean_std([r['lenet_acc'][i] for r in runs])} | "
+               f"{fmt_mean_std([r['capsnet_acc'][i] for r in runs])} |")
+        if probe:
+            row += f" {100 * probe['probe_presence_pose_acc'][i]:.1f} |"
+        row += f" {f'{100 * wl:.2f}' if wl else '—'} | {f'{100 * wc:.2f}' if wc else '—'} |"
+        lines.append(row)
+    steps = prov.get("steps", {})
+    walls = ", ".join(f"LeNet-5 {r['lenet_train_wall_time_s'] / 60:.1f} min, CapsNet "
+                      f"{r['capsnet_train_wall_time_s'] / 60:.1f} min" for r in runs)
+    lines.append("")
+    lines.append(f"Seeds {', '.join(str(r['seed']) for r in runs)}; {m['n_test']} rotated test digits per angle; "
+                 f"training steps LeNet-5 {steps.get('lenet')}, CapsNet {steps.get('capsnet')} (training wall time: "
+                 f"{walls}); device: {prov.get('device')}; command: `{prov.get('command')}`; commit "
+                 f"{prov.get('git_commit')}.")
+    if probe:
+        lines.append(f"Probe: linear classifier on object presences + poses of `{probe['probe_checkpoint']}`, fit on "
+                     f"{probe['probe_train_digits']} unrotated training digits, scored on the first "
+                     f"{probe['probe_test_digits']} rotated test digits per angle (each placed at its SCAE offset on "
+                     f"the 40×40 canvas).")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from probcaps.cli import reexec_with_allocator_settings
+
+    reexec_with_allocator_settings(sys.argv)
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Decoders shared by the capsule models: reconstruct an image from a set of capsule vectors.
+
+``MaskedCapsuleDecoder`` is CapsNet's reconstruction network (Sabour et al. 2017, Fig. 2): all capsules but the
+selected ones are zeroed, the ``(K * D)`` result goes through an MLP with ReLU hidden layers and a sigmoid
+output of ``C * H * W`` pixels.  It knows nothing about routing, so any model with ``K`` capsules of ``D``
+dimensions can reuse it (e.g. to reconstruct from the parent capsules of another capsule model).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["capsule_mask", "MaskedCapsuleDecoder"]
+
+
+def capsule_mask(selected: torch.Tensor, num_capsules: int) -> torch.Tensor:
+    """A float ``(B, K)`` mask from ``(B,)`` capsule indices (one-hot) or a ``(B, K)`` 0/1 mask (returned as
+    float)."""
+    if selected.dim() == 1:
+        return torch.nn.functional.one_hot(selected.long(), num_capsules).float()
+    if selected.dim() != 2 or selected.shape[1] != num_capsules:
+        raise ValueError(f"capsule_mask: expected (B,) indices or a (B, {num_capsules}) mask, "
+                         f"got {tuple(selected.shape)}")
+    return selected.float()
+
+
+class MaskedCapsuleDecoder(nn.Module):
+    """MLP decoder from masked capsules ``(B, K, D)`` to images ``(B, C, H, W)`` in ``[0, 1]``.
+
+    Args:
+        num_capsules: ``K``; capsule_dim: ``D``.
+        hidden: hidden layer widths (paper: ``(512, 1024)``).
+        image_shape: ``(C, H, W)`` of the output.
+    """
+
+    def __init__(self, num_capsules: int, capsule_dim: int, hidden: Sequence[int], image_shape: Sequence[int]):
+        super().__init__()
+        self.num_capsules, self.capsule_dim = num_capsules, capsule_dim
+        self.image_shape = tuple(int(s) for s in image_shape)
+        sizes = [num_capsules * capsule_dim, *hidden]
+        layers: list[nn.Module] = []
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU(inplace=True)]
+        n_out = 1
+        for s in self.image_shape:
+            n_out *= s
+        layers.append(nn.Linear(sizes[-1], n_out))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, capsules: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+        """Reconstruct from the capsules ``selected`` (``(B,)`` indices or a ``(B, K)`` mask) alone.
+
+        Args:
+            capsules: ``(B, K, D)``.
+        Returns:
+            ``(B, C, H, W)`` in ``[0, 1]``.
+        """
+        mask = capsule_mask(selected, self.num_capsules).to(capsules.dtype)
+        flat = (capsules * mask.unsqueeze(-1)).flatten(1)
+        return torch.sigmoid(self.net(flat)).view(capsules.shape[0], *self.image_shape)
