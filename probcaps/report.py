@@ -105,9 +105,8 @@ def _ttvi_throughput_table(results_dir: Path) -> str | None:
         f"{m['cpu_time_s'] / 60:.1f} | {work / m['wall_time_s']:.0f} | {m['elbo_encoder_mean']:.0f} → "
         f"{m['elbo_ttvi_mean']:.0f} | {100 * m['recon_mse_encoder']:.3f} → {100 * m['recon_mse_ttvi']:.3f} |",
         "",
-        f"With one thread the process's CPU time is the wall time it needs on an otherwise idle core; the wall time "
-        f"here was taken on a shared machine. Device: {prov.get('device')}; command: `{prov.get('command')}`; "
-        f"commit {prov.get('git_commit')}.",
+        f"CPU time is the process's, summed over its threads (with one thread: the wall time on an otherwise idle "
+        f"core); measured with nothing else running. " + provenance_line(prov)[0].upper() + provenance_line(prov)[1:],
     ])
 
 
