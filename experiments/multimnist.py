@@ -35,7 +35,8 @@ from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import load_mnist, synthetic_digits  # noqa: E402
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
-from probcaps.errors import ConfigError, ProbcapsError  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std  # noqa: E402
@@ -266,6 +267,7 @@ def plot_training(runs: dict[str, Path], path: Path) -> None:
     plt.close(fig)
 
 
+@one_line_errors("multimnist")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -282,69 +284,65 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        cfg = load_config(args.config, args.set)
-        name = cfg["name"]
-        out_root = Path(args.out or ROOT / "runs" / name)
-        results = Path(args.results_dir)
-        runs, outs = [], {}
-        for seed in args.seeds:
-            out = out_root / f"seed{seed}"
-            outs[f"seed {seed}"] = out
-            if args.resume and (out / "final.pt").is_file():
-                torch.manual_seed(seed)
-                model = CapsNet(cfg["model"]).to(args.device)
-                ckpt = load_checkpoint(out / "final.pt", map_location=args.device)
-                load_module_state(model, ckpt["module"], out / "final.pt")
-                state = ckpt["state"]
-                test = PairSource(*load_digits(cfg["data"], "test", args.data_dir), cfg["data"])
-            else:
-                resume = args.resume and (out / "checkpoint.pt").is_file()
-                t_start = time.perf_counter()
-                model, st, test = train_seed(cfg, seed, out, resume=resume, device=args.device,
-                                             data_dir=args.data_dir, progress=not args.quiet)
-                state = dataclasses.asdict(st)
-                # elapsed time including pair generation and the curve evaluations, summed over resumed parts
-                elapsed = _read_elapsed(out) if resume else 0.0
-                atomic_write(out / "elapsed.json", lambda f: f.write(json.dumps(
-                    {"elapsed_s": elapsed + time.perf_counter() - t_start})), mode="w")
-            if args.train_only:
-                continue
-            t0 = time.perf_counter()
-            test_pairs = test.pairs(cfg["data"].seed, "test", n=cfg["data"].test_pairs)
-            metrics = evaluate(model, test, test_pairs, cfg["eval"].batch_size, args.device)
-            steps_per_s = state["step"] / max(state["wall_time_s"], 1e-9)
-            runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"],
-                         "train_elapsed_s": _read_elapsed(out) or None,
-                         "steps_per_s": steps_per_s, "eval_time_s": time.perf_counter() - t0,
-                         "mean_test_iou": float(test_pairs.iou.mean())})
-            print(f"seed {seed}: set accuracy {metrics['set_acc']:.4f}, at least one {metrics['at_least_one_acc']:.4f}"
-                  f", recon MSE {metrics['recon_mse']:.4f}; {state['step']} steps in {state['wall_time_s'] / 60:.1f} "
-                  f"min ({steps_per_s:.2f} steps/s)")
-            if seed == args.seeds[0] and cfg["eval"].figures:
-                model.cpu()
-                plot_reconstructions(model, test, test_pairs, results / f"{name}_reconstructions.png",
-                                     n=cfg["eval"].figure_pairs)
-                plot_capsule_lengths(model, test, test_pairs, results / f"{name}_capsules.png")
-                model.to(args.device)
+    cfg = load_config(args.config, args.set)
+    name = cfg["name"]
+    out_root = Path(args.out or ROOT / "runs" / name)
+    results = Path(args.results_dir)
+    runs, outs = [], {}
+    for seed in args.seeds:
+        out = out_root / f"seed{seed}"
+        outs[f"seed {seed}"] = out
+        if args.resume and (out / "final.pt").is_file():
+            torch.manual_seed(seed)
+            model = CapsNet(cfg["model"]).to(args.device)
+            ckpt = load_checkpoint(out / "final.pt", map_location=args.device)
+            load_module_state(model, ckpt["module"], out / "final.pt")
+            state = ckpt["state"]
+            test = PairSource(*load_digits(cfg["data"], "test", args.data_dir), cfg["data"])
+        else:
+            resume = args.resume and (out / "checkpoint.pt").is_file()
+            t_start = time.perf_counter()
+            model, st, test = train_seed(cfg, seed, out, resume=resume, device=args.device,
+                                         data_dir=args.data_dir, progress=not args.quiet)
+            state = dataclasses.asdict(st)
+            # elapsed time including pair generation and the curve evaluations, summed over resumed parts
+            elapsed = _read_elapsed(out) if resume else 0.0
+            atomic_write(out / "elapsed.json", lambda f: f.write(json.dumps(
+                {"elapsed_s": elapsed + time.perf_counter() - t_start})), mode="w")
         if args.train_only:
-            return 0
-        summary = {"per_seed": runs, "writeup_set_acc": WRITEUP_SET_ACC, "paper_set_acc": PAPER_SET_ACC}
-        for key in ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"):
-            values = np.array([r[key] for r in runs])
-            summary[f"{key}_mean"] = float(values.mean())
-            summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-        prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
-                          wall_time_s=sum(r["train_wall_time_s"] for r in runs),
-                          batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
-                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
-        write_results(results / f"{name}.json", summary, prov)
-        if cfg["eval"].figures:
-            plot_training(outs, results / f"{name}_training.png")
-        print(f"wrote {results / (name + '.json')}")
-    except ProbcapsError as e:
-        print(f"multimnist: error: {e}", file=sys.stderr)
-        return 2
+            continue
+        t0 = time.perf_counter()
+        test_pairs = test.pairs(cfg["data"].seed, "test", n=cfg["data"].test_pairs)
+        metrics = evaluate(model, test, test_pairs, cfg["eval"].batch_size, args.device)
+        steps_per_s = state["step"] / max(state["wall_time_s"], 1e-9)
+        runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"],
+                     "train_elapsed_s": _read_elapsed(out) or None,
+                     "steps_per_s": steps_per_s, "eval_time_s": time.perf_counter() - t0,
+                     "mean_test_iou": float(test_pairs.iou.mean())})
+        print(f"seed {seed}: set accuracy {metrics['set_acc']:.4f}, at least one {metrics['at_least_one_acc']:.4f}"
+              f", recon MSE {metrics['recon_mse']:.4f}; {state['step']} steps in {state['wall_time_s'] / 60:.1f} "
+              f"min ({steps_per_s:.2f} steps/s)")
+        if seed == args.seeds[0] and cfg["eval"].figures:
+            model.cpu()
+            plot_reconstructions(model, test, test_pairs, results / f"{name}_reconstructions.png",
+                                 n=cfg["eval"].figure_pairs)
+            plot_capsule_lengths(model, test, test_pairs, results / f"{name}_capsules.png")
+            model.to(args.device)
+    if args.train_only:
+        return 0
+    summary = {"per_seed": runs, "writeup_set_acc": WRITEUP_SET_ACC, "paper_set_acc": PAPER_SET_ACC}
+    for key in ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"):
+        values = np.array([r[key] for r in runs])
+        summary[f"{key}_mean"] = float(values.mean())
+        summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
+                      wall_time_s=sum(r["train_wall_time_s"] for r in runs),
+                      batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
+                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+    write_results(results / f"{name}.json", summary, prov)
+    if cfg["eval"].figures:
+        plot_training(outs, results / f"{name}_training.png")
+    print(f"wrote {results / (name + '.json')}")
     return 0
 
 
@@ -406,7 +404,4 @@ def readme_table(results_dir: Path) -> str | None:
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

@@ -39,7 +39,8 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator  # noqa: E402
 from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split  # noqa: E402
 from probcaps.data.synthetic_norb import synthetic_norb  # noqa: E402
-from probcaps.errors import ConfigError, ProbcapsError  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std  # noqa: E402
@@ -296,6 +297,7 @@ def plot_training(logs_by_seed: dict, path: Path) -> None:
 # --------------------------------------------------------------------------- entry point
 
 
+@one_line_errors("norb_viewpoints")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -314,67 +316,63 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    try:
-        cfg = load_config(args.config, args.set)
-        name = args.name or cfg["name"]
-        t0 = time.perf_counter()
-        sets = load_sets(cfg["data"], args.data_dir)
-        for seed in args.seeds:
-            for kind in args.models:
-                out = Path(args.out) / f"seed{seed}" / kind
-                if args.resume and (out / "final.pt").is_file():
-                    continue
-                train_one(kind, cfg, sets, out, seed, args.device, args.resume, not args.quiet)
-        if args.train_only:
-            return 0
-        runs, logs_by_seed, walls = [], {}, {}
-        for seed in args.seeds:
-            logs = {k: _read_jsonl(Path(args.out) / f"seed{seed}" / k / "eval.jsonl") for k in MODELS}
-            if not all(logs.values()):
-                raise ConfigError(f"{args.out}/seed{seed}: evaluation logs missing (train both models first)")
-            logs_by_seed[seed] = logs
-            states = {k: load_checkpoint(Path(args.out) / f"seed{seed}" / k / "final.pt")["state"] for k in MODELS}
-            walls[seed] = {k: states[k]["wall_time_s"] for k in MODELS}
-            runs.append({"seed": seed, **matched_comparison(logs),
-                         **{f"{k}_train_wall_time_s": states[k]["wall_time_s"] for k in MODELS},
-                         **{f"{k}_steps": states[k]["step"] for k in MODELS}})
-            r = runs[-1]
-            print(f"seed {seed}: target familiar {r['target_familiar_acc']:.3f}; novel caps {r['caps_novel_acc']:.3f} "
-                  f"(step {r['caps_step']}), CNN {r['cnn_novel_acc']:.3f} (step {r['cnn_step']}); novel error "
-                  f"reduction {100 * r['novel_error_reduction']:.1f}%")
-        summary = {"per_seed": runs, "split": cfg["data"].split, "dataset": cfg["data"].dataset,
-                   "n_train": len(sets["train"]), "n_familiar_eval": len(sets["familiar"]),
-                   "n_novel_eval": len(sets["novel"]),
-                   "caps_parameters": sum(p.numel() for p in build_model("caps", cfg).parameters()),
-                   "cnn_parameters": sum(p.numel() for p in build_model("cnn", cfg).parameters())}
-        for key in ("target_familiar_acc", "caps_novel_acc", "cnn_novel_acc", "caps_familiar_acc",
-                    "cnn_familiar_acc", "novel_error_reduction", "caps_final_novel_acc", "cnn_final_novel_acc"):
-            values = np.array([r[key] for r in runs])
-            summary[f"{key}_mean"] = float(values.mean())
-            summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-        results = Path(args.results_dir)
-        prov = provenance(seed=args.seeds, steps={k: runs[0][f"{k}_steps"] for k in MODELS}, device=args.device,
-                          wall_time_s=sum(sum(w.values()) for w in walls.values()), threads=args.threads,
-                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
-                          report_wall_time_s=time.perf_counter() - t0)
-        prov["device"] = device_description(args.device)
-        write_results(results / f"{name}.json", summary, prov)
-        if args.no_figures:
-            return 0
-        key = cfg["data"].split
-        plot_by_viewpoint(runs, key, results / f"{name}_by_{key}.png", f"{key} (degrees)")
-        plot_training(logs_by_seed, results / f"{name}_training.png")
-        load = synthetic_norb if cfg["data"].dataset == "synthetic" else load_smallnorb
-        sets["_test_full"] = load("test", data_dir=args.data_dir, **_synthetic_kwargs(cfg["data"]))
-        plot_examples(sets, results / f"{name}_examples.png")
-        caps = build_model("caps", cfg).to(args.device)
-        final = Path(args.out) / f"seed{args.seeds[0]}" / "caps" / "final.pt"
-        load_module_state(caps, load_checkpoint(final)["module"], final)
-        plot_class_poses(caps, sets, results / f"{name}_class_poses.png", args.device)
-        print(f"wrote {results / (name + '.json')}")
-    except ProbcapsError as e:
-        print(f"norb_viewpoints: error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.set)
+    name = args.name or cfg["name"]
+    t0 = time.perf_counter()
+    sets = load_sets(cfg["data"], args.data_dir)
+    for seed in args.seeds:
+        for kind in args.models:
+            out = Path(args.out) / f"seed{seed}" / kind
+            if args.resume and (out / "final.pt").is_file():
+                continue
+            train_one(kind, cfg, sets, out, seed, args.device, args.resume, not args.quiet)
+    if args.train_only:
+        return 0
+    runs, logs_by_seed, walls = [], {}, {}
+    for seed in args.seeds:
+        logs = {k: _read_jsonl(Path(args.out) / f"seed{seed}" / k / "eval.jsonl") for k in MODELS}
+        if not all(logs.values()):
+            raise ConfigError(f"{args.out}/seed{seed}: evaluation logs missing (train both models first)")
+        logs_by_seed[seed] = logs
+        states = {k: load_checkpoint(Path(args.out) / f"seed{seed}" / k / "final.pt")["state"] for k in MODELS}
+        walls[seed] = {k: states[k]["wall_time_s"] for k in MODELS}
+        runs.append({"seed": seed, **matched_comparison(logs),
+                     **{f"{k}_train_wall_time_s": states[k]["wall_time_s"] for k in MODELS},
+                     **{f"{k}_steps": states[k]["step"] for k in MODELS}})
+        r = runs[-1]
+        print(f"seed {seed}: target familiar {r['target_familiar_acc']:.3f}; novel caps {r['caps_novel_acc']:.3f} "
+              f"(step {r['caps_step']}), CNN {r['cnn_novel_acc']:.3f} (step {r['cnn_step']}); novel error "
+              f"reduction {100 * r['novel_error_reduction']:.1f}%")
+    summary = {"per_seed": runs, "split": cfg["data"].split, "dataset": cfg["data"].dataset,
+               "n_train": len(sets["train"]), "n_familiar_eval": len(sets["familiar"]),
+               "n_novel_eval": len(sets["novel"]),
+               "caps_parameters": sum(p.numel() for p in build_model("caps", cfg).parameters()),
+               "cnn_parameters": sum(p.numel() for p in build_model("cnn", cfg).parameters())}
+    for key in ("target_familiar_acc", "caps_novel_acc", "cnn_novel_acc", "caps_familiar_acc",
+                "cnn_familiar_acc", "novel_error_reduction", "caps_final_novel_acc", "cnn_final_novel_acc"):
+        values = np.array([r[key] for r in runs])
+        summary[f"{key}_mean"] = float(values.mean())
+        summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    results = Path(args.results_dir)
+    prov = provenance(seed=args.seeds, steps={k: runs[0][f"{k}_steps"] for k in MODELS}, device=args.device,
+                      wall_time_s=sum(sum(w.values()) for w in walls.values()), threads=args.threads,
+                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
+                      report_wall_time_s=time.perf_counter() - t0)
+    prov["device"] = device_description(args.device)
+    write_results(results / f"{name}.json", summary, prov)
+    if args.no_figures:
+        return 0
+    key = cfg["data"].split
+    plot_by_viewpoint(runs, key, results / f"{name}_by_{key}.png", f"{key} (degrees)")
+    plot_training(logs_by_seed, results / f"{name}_training.png")
+    load = synthetic_norb if cfg["data"].dataset == "synthetic" else load_smallnorb
+    sets["_test_full"] = load("test", data_dir=args.data_dir, **_synthetic_kwargs(cfg["data"]))
+    plot_examples(sets, results / f"{name}_examples.png")
+    caps = build_model("caps", cfg).to(args.device)
+    final = Path(args.out) / f"seed{args.seeds[0]}" / "caps" / "final.pt"
+    load_module_state(caps, load_checkpoint(final)["module"], final)
+    plot_class_poses(caps, sets, results / f"{name}_class_poses.png", args.device)
+    print(f"wrote {results / (name + '.json')}")
     return 0
 
 
@@ -426,7 +424,4 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints") -> str | None
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

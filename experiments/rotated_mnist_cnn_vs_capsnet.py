@@ -39,7 +39,8 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import (iterate_batches, load_mnist, place_on_canvas, random_offsets, rotate,  # noqa: E402
                            synthetic_digits, to_float)
 from probcaps.data.loaders import seeded_generator  # noqa: E402
-from probcaps.errors import ConfigError, ProbcapsError  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std  # noqa: E402
 
@@ -215,6 +216,7 @@ def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
     plt.close(fig)
 
 
+@one_line_errors("rotated_mnist_cnn_vs_capsnet")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -232,59 +234,55 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        cfg = load_config(args.config, args.set)
-        if args.probcaps_checkpoint and not Path(args.probcaps_checkpoint).is_file():
-            raise ConfigError(f"--probcaps-checkpoint {args.probcaps_checkpoint}: no such file")
-        angles = [float(a) for a in cfg["data"].angles]
-        train_images, train_labels = load_digits(cfg["data"], "train", args.data_dir)
-        test_images, test_labels = load_digits(cfg["data"], "test", args.data_dir)
-        rotated_tests = {a: rotated(test_images, a) for a in angles}
-        runs = []
-        for seed in args.seeds:
-            run = {"seed": seed}
-            for kind in ("lenet", "capsnet"):
-                model, wall, steps = train_model(kind, cfg, seed, Path(args.out) / f"{kind}_seed{seed}", train_images,
-                                                 train_labels, resume=args.resume, device=args.device,
-                                                 progress=not args.quiet)
-                model.eval()
-                predict = (lambda x, m=model: m(x).argmax(-1)) if kind == "lenet" else \
-                    (lambda x, m=model: m(x).lengths.argmax(-1))
-                t0 = time.perf_counter()
-                run[f"{kind}_acc"] = [float((classify(predict, rotated_tests[a], device=args.device)
-                                             == test_labels).float().mean()) for a in angles]
-                run.update({f"{kind}_train_wall_time_s": wall, f"{kind}_steps": steps,
-                            f"{kind}_eval_time_s": time.perf_counter() - t0})
-                print(f"seed {seed} {kind}: " + ", ".join(f"{a:.0f}°: {100 * v:.1f}" for a, v in
-                                                         zip(angles, run[f"{kind}_acc"])))
-            runs.append(run)
-        summary = {"angles": angles, "per_seed": runs, "writeup": WRITEUP, "n_test": len(test_labels)}
-        curves = {"LeNet-5": np.array([r["lenet_acc"] for r in runs]),
-                  "CapsNet": np.array([r["capsnet_acc"] for r in runs])}
-        if args.probcaps_checkpoint:
+    cfg = load_config(args.config, args.set)
+    if args.probcaps_checkpoint and not Path(args.probcaps_checkpoint).is_file():
+        raise ConfigError(f"--probcaps-checkpoint {args.probcaps_checkpoint}: no such file")
+    angles = [float(a) for a in cfg["data"].angles]
+    train_images, train_labels = load_digits(cfg["data"], "train", args.data_dir)
+    test_images, test_labels = load_digits(cfg["data"], "test", args.data_dir)
+    rotated_tests = {a: rotated(test_images, a) for a in angles}
+    runs = []
+    for seed in args.seeds:
+        run = {"seed": seed}
+        for kind in ("lenet", "capsnet"):
+            model, wall, steps = train_model(kind, cfg, seed, Path(args.out) / f"{kind}_seed{seed}", train_images,
+                                             train_labels, resume=args.resume, device=args.device,
+                                             progress=not args.quiet)
+            model.eval()
+            predict = (lambda x, m=model: m(x).argmax(-1)) if kind == "lenet" else \
+                (lambda x, m=model: m(x).lengths.argmax(-1))
             t0 = time.perf_counter()
-            probe = probe_curve(Path(args.probcaps_checkpoint), test_images, test_labels, angles, cfg["probe"],
-                                args.data_dir, args.device, not args.quiet)
-            summary["probcaps"] = {**probe, "eval_time_s": time.perf_counter() - t0}
-            curves["probabilistic capsules, linear probe"] = np.array([probe["probe_presence_pose_acc"]])
-        for key, acc in (("lenet_acc", curves["LeNet-5"]), ("capsnet_acc", curves["CapsNet"])):
-            summary[f"{key}_mean"] = acc.mean(0).tolist()
-            summary[f"{key}_std"] = (acc.std(0, ddof=1) if len(acc) > 1 else np.zeros(len(angles))).tolist()
-        results = Path(args.results_dir)
-        prov = provenance(seed=args.seeds, steps={"lenet": runs[0]["lenet_steps"], "capsnet": runs[0]["capsnet_steps"]},
-                          device=args.device, threads=torch.get_num_threads(),
-                          wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs),
-                          configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
-        write_results(results / f"{NAME}.json", summary, prov)
-        plot_accuracy(angles, curves, results / f"{NAME}_accuracy.png")
-        show = [a for a in (0, 35, 90, 180) if a in angles] or angles[:1]
-        grid = torch.stack([rotated_tests[a][:8] for a in show])
-        plotting.plot_image_grid(grid, results / f"{NAME}_examples.png", row_labels=[f"{a:.0f}°" for a in show],
-                                 title="test digits as rotated for all three models")
-        print(f"wrote {results / (NAME + '.json')}")
-    except ProbcapsError as e:
-        print(f"{NAME}: error: {e}", file=sys.stderr)
-        return 2
+            run[f"{kind}_acc"] = [float((classify(predict, rotated_tests[a], device=args.device)
+                                         == test_labels).float().mean()) for a in angles]
+            run.update({f"{kind}_train_wall_time_s": wall, f"{kind}_steps": steps,
+                        f"{kind}_eval_time_s": time.perf_counter() - t0})
+            print(f"seed {seed} {kind}: " + ", ".join(f"{a:.0f}°: {100 * v:.1f}" for a, v in
+                                                     zip(angles, run[f"{kind}_acc"])))
+        runs.append(run)
+    summary = {"angles": angles, "per_seed": runs, "writeup": WRITEUP, "n_test": len(test_labels)}
+    curves = {"LeNet-5": np.array([r["lenet_acc"] for r in runs]),
+              "CapsNet": np.array([r["capsnet_acc"] for r in runs])}
+    if args.probcaps_checkpoint:
+        t0 = time.perf_counter()
+        probe = probe_curve(Path(args.probcaps_checkpoint), test_images, test_labels, angles, cfg["probe"],
+                            args.data_dir, args.device, not args.quiet)
+        summary["probcaps"] = {**probe, "eval_time_s": time.perf_counter() - t0}
+        curves["probabilistic capsules, linear probe"] = np.array([probe["probe_presence_pose_acc"]])
+    for key, acc in (("lenet_acc", curves["LeNet-5"]), ("capsnet_acc", curves["CapsNet"])):
+        summary[f"{key}_mean"] = acc.mean(0).tolist()
+        summary[f"{key}_std"] = (acc.std(0, ddof=1) if len(acc) > 1 else np.zeros(len(angles))).tolist()
+    results = Path(args.results_dir)
+    prov = provenance(seed=args.seeds, steps={"lenet": runs[0]["lenet_steps"], "capsnet": runs[0]["capsnet_steps"]},
+                      device=args.device, threads=torch.get_num_threads(),
+                      wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs),
+                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+    write_results(results / f"{NAME}.json", summary, prov)
+    plot_accuracy(angles, curves, results / f"{NAME}_accuracy.png")
+    show = [a for a in (0, 35, 90, 180) if a in angles] or angles[:1]
+    grid = torch.stack([rotated_tests[a][:8] for a in show])
+    plotting.plot_image_grid(grid, results / f"{NAME}_examples.png", row_labels=[f"{a:.0f}°" for a in show],
+                             title="test digits as rotated for all three models")
+    print(f"wrote {results / (NAME + '.json')}")
     return 0
 
 
@@ -327,7 +325,4 @@ def readme_table(results_dir: Path) -> str | None:
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)

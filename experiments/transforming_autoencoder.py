@@ -39,7 +39,8 @@ from models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, Transfor
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, load_mnist, seeded_generator, synthetic_digits  # noqa: E402
-from probcaps.errors import ConfigError, ProbcapsError  # noqa: E402
+from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
 from probcaps.io import atomic_write, write_json  # noqa: E402
 from probcaps.metrics import r2_scores  # noqa: E402
@@ -615,6 +616,7 @@ def readme_table(results_dir: Path) -> str | None:
 # ---------------------------------------------------------------------------------------------- command line
 
 
+@one_line_errors("transforming_autoencoder")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
@@ -632,17 +634,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        for mode in args.modes:
-            run_mode(mode, args)
-    except ProbcapsError as e:
-        print(f"{NAME}: error: {e}", file=sys.stderr)
-        return 2
+    for mode in args.modes:
+        run_mode(mode, args)
     return 0
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
-
-    reexec_with_allocator_settings(sys.argv)
-    sys.exit(main())
+    launch(main)
