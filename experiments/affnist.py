@@ -31,7 +31,7 @@ from inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
 from models.cnn_classifier import ConvClassifier  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -109,12 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--cnn-steps", type=int, default=1500)
     p.add_argument("--cnn-seeds", type=int, nargs="*", default=[0])
     p.add_argument("--out", default="runs/affnist", help="run folder of the CNN baseline")
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--name", default="affnist")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quiet", action="store_true")
+    add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

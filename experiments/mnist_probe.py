@@ -28,7 +28,7 @@ from inference.capsule_svi import load_experiment_config, train_capsules  # noqa
 from inference.evaluate import evaluate_checkpoint  # noqa: E402
 from inference.train import load_checkpoint  # noqa: E402
 from probcaps import plotting  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
 
@@ -62,20 +62,16 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default="runs/mnist_probe", help="run folders (one per seed)")
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--checkpoint-out", default=str(ROOT / "checkpoints" / "mnist_probe.pt"))
     p.add_argument("--name", default="mnist_probe")
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--jit", action="store_true")
-    p.add_argument("--quiet", action="store_true")
     p.add_argument("--reuse-results", action="store_true",
                    help="take a seed's metrics from its results JSON when that is newer than its final checkpoint")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
+    add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

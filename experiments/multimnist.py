@@ -35,7 +35,7 @@ from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import load_mnist, synthetic_digits  # noqa: E402
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -273,14 +273,10 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--out", default=None, help="run folders, one per seed (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
-    p.add_argument("--quiet", action="store_true")
+    add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -39,7 +39,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator  # noqa: E402
 from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split  # noqa: E402
 from probcaps.data.synthetic_norb import synthetic_norb  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -304,16 +304,12 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--out", default="runs/norb_viewpoints", help="run folders (<out>/seed<S>/<model>)")
     p.add_argument("--name", default=None, help="results name (default: the config's name)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
     p.add_argument("--no-figures", action="store_true", help="write the results JSON only")
-    p.add_argument("--quiet", action="store_true")
+    add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)

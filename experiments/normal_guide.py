@@ -27,7 +27,7 @@ from experiments.mnist_probe import export_checkpoint, plot_training_curves  # n
 from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules  # noqa: E402
 from inference.evaluate import test_elbo  # noqa: E402
 from inference.train import TrainConfig, load_checkpoint  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -85,14 +85,10 @@ def main(argv=None) -> int:
     p.add_argument("--elbo-samples", type=int, default=3)
     p.add_argument("--probe-train-limit", type=int, default=10000)
     p.add_argument("--out", default="runs/normal_guide")
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--checkpoint-out", default=str(ROOT / "checkpoints" / "normal_guide.pt"))
     p.add_argument("--name", default="normal_guide")
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quiet", action="store_true")
+    add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

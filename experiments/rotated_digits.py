@@ -29,7 +29,7 @@ from inference.guides import Latents  # noqa: E402
 from inference.ttvi import ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import load_result, provenance_line  # noqa: E402
@@ -107,12 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
     p.add_argument("--example", type=int, default=0, help="index of the digit shown across angles")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--name", default="rotated_digits")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quiet", action="store_true")
+    add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

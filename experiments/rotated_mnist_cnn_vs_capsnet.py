@@ -39,7 +39,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import (iterate_batches, load_mnist, place_on_canvas, random_offsets, rotate,  # noqa: E402
                            synthetic_digits, to_float)
 from probcaps.data.loaders import seeded_generator  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std  # noqa: E402
@@ -222,15 +222,11 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--out", default=str(ROOT / "runs" / NAME), help="run folders (one per model and seed)")
     p.add_argument("--resume", action="store_true", help="continue (or reuse) each model's run")
     p.add_argument("--probcaps-checkpoint", default=None,
                    help="also score this probabilistic capsule model (e.g. checkpoints/mnist_probe.pt)")
-    p.add_argument("--quiet", action="store_true")
+    add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

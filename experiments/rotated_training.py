@@ -33,7 +33,7 @@ from inference.capsule_svi import (  # noqa: E402
 )
 from inference.train import load_checkpoint  # noqa: E402
 from probcaps import plotting  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -138,16 +138,12 @@ def main(argv=None) -> int:
     p.add_argument("--thetas", type=float, nargs="+", default=[0, 45, 90, 180])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--out", default="runs/rotated_training")
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--name", default="rotated_training")
     p.add_argument("--resume", action="store_true", help="continue interrupted runs; reuse finished ones")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--jit", action="store_true")
-    p.add_argument("--quiet", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train (and probe) the runs, skip the summary")
+    add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -39,7 +39,7 @@ from models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, Transfor
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, load_mnist, seeded_generator, synthetic_digits  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
 from probcaps.io import atomic_write, write_json  # noqa: E402
@@ -624,13 +624,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--out", default=str(ROOT / "runs" / NAME), help="run folders (<out>/<mode>/seed<S>)")
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--name", default=NAME, help="prefix of the results files")
     p.add_argument("--resume", action="store_true", help="continue unfinished runs, re-evaluate finished ones")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--quiet", action="store_true")
+    add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

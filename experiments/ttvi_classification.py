@@ -25,7 +25,7 @@ from inference.capsule_svi import encode_dataset, load_images, load_trained, pro
 from inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
-from probcaps.cli import launch, one_line_errors  # noqa: E402
+from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import load_result, provenance_line  # noqa: E402
@@ -63,12 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=0.03)
     p.add_argument("--batch-size", type=int, default=250)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--results-dir", default=str(ROOT / "results"))
     p.add_argument("--name", default="ttvi_classification")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quiet", action="store_true")
+    add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

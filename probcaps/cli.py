@@ -55,12 +55,17 @@ def launch(main) -> None:
     sys.exit(main())
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_common_args(p: argparse.ArgumentParser, results_dir=None, threads: int | None = None) -> None:
+    """The options every command and experiment shares: ``--device``, ``--data-dir``, ``--threads``, ``--quiet``
+    (and ``--results-dir`` when ``results_dir`` is given)."""
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument("--data-dir", default=None, help="data root holding mnist/ (default: $PROBCAPS_DATA, else the "
                                                     "user cache)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: "
+                                                                f"{threads or 'torch' + chr(39) + 's choice'})")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    if results_dir is not None:
+        p.add_argument("--results-dir", default=str(results_dir), help="where the results JSON and figures go")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--evaluate", action="store_true", help="evaluate the final checkpoint afterwards")
     p.add_argument("--results-dir", default="results")
-    _common(p)
+    add_common_args(p)
 
     p = sub.add_parser("evaluate", help="probe accuracies, k-means accuracy and figures of a checkpoint")
     p.add_argument("--checkpoint", required=True)
@@ -86,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default="results")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--no-figures", action="store_true")
-    _common(p)
+    add_common_args(p)
 
     p = sub.add_parser("ttvi", help="free-form test-time VI on test images with a trained checkpoint")
     p.add_argument("--checkpoint", required=True)
@@ -99,14 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default: results/ttvi_<run name>.json)")
-    _common(p)
+    add_common_args(p)
 
     p = sub.add_parser("demo", help="train a small model on real MNIST for a few minutes and report the probes")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--results-dir", default="runs/demo/results")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    _common(p)
+    add_common_args(p)
 
     p = sub.add_parser("download", help="download MNIST into the data root (needs a network)")
     p.add_argument("--data-dir", default=None)
