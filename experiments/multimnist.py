@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
+from inference.train import (  # noqa: E402
+    TrainConfig, load_checkpoint, load_module_state, read_jsonl, train_loop, truncate_log,
+)
 from models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
@@ -143,12 +145,6 @@ def _read_elapsed(out: Path) -> float:
     return json.loads(path.read_text())["elapsed_s"] if path.is_file() else 0.0
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, data_dir, progress: bool):
     """Train one seed (resumable); returns ``(model, train_state)``; ``out/eval.jsonl`` gets the test-set curve."""
     tcfg = dataclasses.replace(cfg["train"], seed=seed)
@@ -159,9 +155,7 @@ def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, da
     curve_pairs = test.pairs(cfg["data"].seed, "test", n=min(cfg["eval"].curve_pairs, cfg["data"].test_pairs))
     eval_log = out / "eval.jsonl"
     if resume:  # keep the curve consistent with the checkpoint we resume from
-        step = load_checkpoint(out / "checkpoint.pt")["state"]["step"]
-        keep = [r for r in _read_jsonl(eval_log) if r["step"] <= step]
-        atomic_write(eval_log, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep)), mode="w")
+        truncate_log(eval_log, load_checkpoint(out / "checkpoint.pt")["state"]["step"])
     else:
         eval_log.unlink(missing_ok=True)
     running = {"set_acc": [], "margin": [], "recon_sse": []}
@@ -252,8 +246,8 @@ def plot_training(runs: dict[str, Path], path: Path) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
     for label, out in runs.items():
-        log = {r["step"]: r["loss"] for r in _read_jsonl(out / "log.jsonl")}
-        ev = {r["step"]: r["test_set_acc"] for r in _read_jsonl(out / "eval.jsonl")}
+        log = {r["step"]: r["loss"] for r in read_jsonl(out / "log.jsonl")}
+        ev = {r["step"]: r["test_set_acc"] for r in read_jsonl(out / "eval.jsonl")}
         a1.plot(sorted(log), [log[s] for s in sorted(log)], label=label)
         a2.plot(sorted(ev), [100 * ev[s] for s in sorted(ev)], marker="o", ms=3, label=label)
     a1.set_yscale("log")

@@ -31,7 +31,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
+from inference.train import (  # noqa: E402
+    TrainConfig, load_checkpoint, load_module_state, read_jsonl, train_loop, truncate_log,
+)
 from models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin  # noqa: E402
 from models.norb_cnn import NorbCNN, NorbCNNConfig  # noqa: E402
 from probcaps import plotting  # noqa: E402
@@ -41,7 +43,6 @@ from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnor
 from probcaps.data.synthetic_norb import synthetic_norb  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
-from probcaps.io import atomic_write  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std  # noqa: E402
 
@@ -172,12 +173,6 @@ def make_loss(kind: str, model: torch.nn.Module, cfg: dict):
     return loss_fn
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, resume: bool, progress: bool) -> dict:
     """Train one model on one seed, evaluating at every checkpoint; returns the training state."""
     torch.manual_seed(seed)
@@ -186,15 +181,13 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
     eval_log = out / "eval.jsonl"
     resume = resume and (out / "checkpoint.pt").is_file()
     if resume:  # keep the evaluations up to the checkpoint we resume from
-        step = load_checkpoint(out / "checkpoint.pt")["state"]["step"]
-        keep = [r for r in _read_jsonl(eval_log) if r["step"] <= step]
-        atomic_write(eval_log, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep)), mode="w")
+        truncate_log(eval_log, load_checkpoint(out / "checkpoint.pt")["state"]["step"])
     else:
         eval_log.unlink(missing_ok=True)
     data_cfg = cfg["data"]
 
     def evaluate(state) -> None:
-        if any(r["step"] == state.step for r in _read_jsonl(eval_log)):
+        if any(r["step"] == state.step for r in read_jsonl(eval_log)):
             return
         record = {"step": state.step, "epoch": state.epoch, "wall_time_s": state.wall_time_s}
         for name in ("familiar", "novel"):
@@ -326,7 +319,7 @@ def main(argv=None) -> int:
         return 0
     runs, logs_by_seed, walls = [], {}, {}
     for seed in args.seeds:
-        logs = {k: _read_jsonl(Path(args.out) / f"seed{seed}" / k / "eval.jsonl") for k in MODELS}
+        logs = {k: read_jsonl(Path(args.out) / f"seed{seed}" / k / "eval.jsonl") for k in MODELS}
         if not all(logs.values()):
             raise ConfigError(f"{args.out}/seed{seed}: evaluation logs missing (train both models first)")
         logs_by_seed[seed] = logs

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from probcaps.errors import CheckpointError, TrainingDiverged
 from probcaps.io import atomic_torch_save, atomic_write
 
-__all__ = ["TrainConfig", "TrainState", "train_loop", "load_checkpoint", "make_elbo"]
+__all__ = ["TrainConfig", "TrainState", "train_loop", "load_checkpoint", "make_elbo", "read_jsonl", "truncate_log"]
 
 
 @dataclass
@@ -184,7 +184,7 @@ def train_loop(
         scheduler.load_state_dict(ckpt["scheduler"])
         state = TrainState(**ckpt["state"])
         _set_rng_state(ckpt["rng"])
-        _truncate_log(log_path, state.step)
+        truncate_log(log_path, state.step)
     else:
         seed_everything(cfg.seed)
         log_path.unlink(missing_ok=True)
@@ -278,12 +278,22 @@ def _interrupt_on_sigterm():
     return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop log records past ``step`` (written after the checkpoint we resume from), so the log is one history."""
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines log (``[]`` when the file does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_log(path: str | Path, step: int) -> None:
+    """Drop the records of a JSON-lines log past ``step`` (written after the checkpoint a run resumes from), so the
+    log is one history.  Used for the training log and for any per-step evaluation log kept beside it."""
+    path = Path(path)
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    atomic_write(path, lambda f: f.write("".join(line + "\n" for line in keep)), mode="w")
+    keep = [r for r in read_jsonl(path) if r["step"] <= step]
+    atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep)), mode="w")
 
 
 def _batch_len(batch) -> int:
