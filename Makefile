@@ -27,13 +27,20 @@ demo: install
 test: install
 	$(PY) -m pytest -q
 
-# one training step at batch 128, Pyro vs plain torch, at SCAE's sizes (40 parts, 32 objects) with the fast
-# encoder and with the headline config's encoder; rows go to results/bench_step.json (README table)
+# one training step at batch 128, Pyro vs plain torch, at SCAE's sizes (40 parts, 32 objects) with the headline
+# config's encoder and the light encoder, eager and with compiled compositing; rows go to results/bench_step.json
+# (README table). The light encoder: SCAE's object-encoder width (16, one head) and a lighter, coarser CNN (README: what it costs)
+LIGHT_ENCODER = --set "encoder.channels=[64,128,128]" --set "encoder.strides=[2,2,2]" --set encoder.part_features=0 \
+  --set encoder.set_hidden=16 --set encoder.set_heads=1
 bench: install
-	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, fast encoder" \
-	  --set "encoder.channels=[128,128,128]" --set "encoder.strides=[2,2,2]" --set encoder.part_features=0 --json results/bench_step.json
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, headline encoder" \
+	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json
+	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, headline encoder" --compile \
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
+	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, light encoder" $(LIGHT_ENCODER) \
+	  --json results/bench_step.json --append
+	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, light encoder" $(LIGHT_ENCODER) --compile \
+	  --json results/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "headline config" --parts 24 --parents 16 \
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
 

@@ -28,6 +28,7 @@ from inference.capsule_svi import CapsuleSystem, load_experiment_config  # noqa:
 from inference.train import make_elbo  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
+from probcaps.render import use_compiled_compositing  # noqa: E402
 
 
 def main() -> None:
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--jit", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     p.add_argument("--append", action="store_true", help="append a row to --json instead of replacing it")
     p.add_argument("--label", default=None, help="name of this row in the JSON file")
@@ -52,6 +54,8 @@ def main() -> None:
         print("note: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ unset; `make bench` sets them (25-40% faster)")
     pyro.settings.set(module_local_params=True)
     pyro.enable_validation(False)
+    if args.compile:
+        use_compiled_compositing()
     cfg = load_experiment_config(args.config, [f"model.num_parts={args.parts}", f"model.num_parents={args.parents}",
                                                f"model.template_size={args.template_size}", *args.set])
     system = CapsuleSystem(cfg["model"], cfg["encoder"]).to(args.device)
@@ -94,7 +98,7 @@ def main() -> None:
         "peak_memory_mb": peak_mb, "losses_agree": agree, "device": args.device,
         "device_description": device_description(args.device), "label": args.label,
         "encoder": cfg["encoder"].to_dict(), "command": " ".join(["python", *sys.argv]),
-        "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ,
+        "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "compiled_compositing": args.compile,
     }
     print(f"batch {args.batch}, {args.parts} parts, {args.parents} objects, {torch.get_num_threads()} threads, "
           f"{args.device}")

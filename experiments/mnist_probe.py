@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--jit", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing (faster steps)")
     p.add_argument("--reuse-results", action="store_true",
                    help="take a seed's metrics from its results JSON when that is newer than its final checkpoint")
     p.add_argument("--train-only", action="store_true",
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     runs = []
     for seed in args.seeds:
-        overrides = [*args.set, f"train.seed={seed}"] + (["train.jit=true"] if args.jit else [])
+        overrides = [*args.set, f"train.seed={seed}"] + (["train.jit=true"] if args.jit else []) \
+            + (["train.compile=true"] if args.compile else [])
         cfg = load_experiment_config(args.config, overrides)
         out = Path(args.out) / f"seed{seed}"
         final = out / "final.pt"

@@ -178,8 +178,9 @@ class CapsuleModel(PyroModule):
         the back) over a black background.
         """
         layers = render_templates(self.templates(), pose6_to_matrix(y0), self.config.canvas_size)
-        colours, alphas = layers[:, :, :1], layers[:, :, 1:] * z0[..., None, None, None]
-        image, weights = composite_over(colours, alphas, dim=1)
+        # split, not two slices: its backward writes the layers' gradient in one pass (a cat), not zeros + 2 copies
+        colours, alphas = layers.split(1, dim=2)
+        image, weights = composite_over(colours, alphas * z0[..., None, None, None], dim=1)
         return image, weights * colours
 
     def parent_prior_probs(self) -> torch.Tensor:

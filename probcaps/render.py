@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .geometry import invert
 
-__all__ = ["sampling_grid", "warp", "render_templates", "alpha_over", "composite_over"]
+__all__ = ["sampling_grid", "warp", "render_templates", "alpha_over", "composite_over", "use_compiled_compositing"]
 
 _GRID_CACHE: dict = {}
 
@@ -90,27 +90,92 @@ def alpha_over(a: torch.Tensor, alpha_a: torch.Tensor, b: torch.Tensor, alpha_b:
     return colour, alpha
 
 
+#: Alphas are clamped below 1 in the log-space products, so an opaque layer keeps a finite log.
+ALPHA_CLAMP = 1 - 1e-6
+
+
+class _OverComposite(torch.autograd.Function):
+    """``composite_over`` with a hand-written backward.
+
+    Autograd's backward of the log-space closed form makes about twice as many passes over the
+    ``(B, M, C, H, W)`` layers as the forward does. This backward makes about as many passes as the forward.
+    The image is ``Σ_m w_m c_m`` with ``w_m = α_m T_m`` and ``T_m = ∏_{j>m}(1 − α_j)``. Given
+    ``q_m = g c_m + ḡ_m`` (``g`` is the image's gradient and ``ḡ`` the weights'), the gradients are
+    ``∂/∂c_m = g w_m`` and ``∂/∂α_m = T_m q_m − Σ_{i<m} w_i q_i / (1 − α_m)``. The background is one more layer
+    at the bottom of the sum.
+    """
+
+    @staticmethod
+    def forward(ctx, colours, alphas, dim: int, background: float):
+        log_clear = torch.log1p(-alphas.clamp(max=ALPHA_CLAMP))   # log(1 − α_m)
+        through_to = torch.cumsum(log_clear, dim)                 # Σ_{j<=m}
+        total = through_to.narrow(dim, through_to.shape[dim] - 1, 1)
+        transmit = torch.exp(total - through_to)                  # T_m = ∏_{j>m} (1 − α_j)
+        weights = alphas * transmit
+        image = (weights * colours).sum(dim)
+        background_share = torch.exp(total.squeeze(dim))
+        if background != 0.0:
+            image = image + background * background_share
+        ctx.save_for_backward(colours, alphas, transmit, weights, background_share)
+        ctx.dim, ctx.background = dim, background
+        return image, weights
+
+    @staticmethod
+    def backward(ctx, grad_image, grad_weights):
+        colours, alphas, transmit, weights, background_share = ctx.saved_tensors
+        dim = ctx.dim
+        if grad_image is None:
+            grad_image = torch.zeros_like(background_share)
+        g = grad_image.unsqueeze(dim)
+        q = g * colours
+        if grad_weights is not None:
+            q = q + grad_weights
+        wq = weights * q
+        below = wq.cumsum(dim) - wq                               # Σ_{i<m} w_i q_i
+        if ctx.background != 0.0:
+            below = below + (ctx.background * background_share * grad_image).unsqueeze(dim)
+        # the clamp stops the gradient through log(1 − α) where α is at the clamp
+        grad_alphas = transmit * q - torch.where(alphas < ALPHA_CLAMP, below / (1 - alphas), 0.0)
+        grad_colours = g * weights if ctx.needs_input_grad[0] else None
+        return grad_colours, grad_alphas, None, None
+
+
 def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, background: float = 0.0):
     """Fold :func:`alpha_over` over layers along ``dim`` (index 0 at the back), onto an opaque background.
 
-    Closed form of the fold: layer ``m`` contributes ``α_m ∏_{j>m} (1 − α_j)``, the background what is left.
-    The products are taken in log space as one cumulative sum (``∏_{j>m} = exp(Σ_all − Σ_{j<=m})``): no loop over
-    layers, no flips, and a cheap backward.  Alphas are clamped to ``1 − 1e-6`` so an opaque layer keeps a finite
-    log; what shows through it is then ``1e-6`` of the layers behind instead of exactly 0.
+    This is the closed form of the fold. Layer ``m`` contributes ``α_m ∏_{j>m} (1 − α_j)`` and the background
+    gets what is left. The products are taken in log space as one cumulative sum
+    (``∏_{j>m} = exp(Σ_all − Σ_{j<=m})``), so there is no loop over layers. The backward is written by hand
+    (:class:`_OverComposite`). Alphas are clamped to ``1 − 1e-6`` so an opaque layer keeps a finite log. What
+    shows through it is then ``1e-6`` of the layers behind it, not exactly 0.
 
     Args:
         colours: ``(..., M, C, H, W)`` layer colours (``dim`` indexes the layers).
         alphas: alphas broadcastable to ``colours``.
     Returns:
-        ``(image, weights)``: the composite with ``dim`` reduced, and the per-layer weights (which sum with the
-        background's share to 1).
+        ``(image, weights)``: the composite with ``dim`` reduced, and the per-layer weights. The weights sum to 1
+        together with the background's share.
     """
-    dim = dim % colours.dim()
-    log_clear = torch.log1p(-alphas.clamp(max=1 - 1e-6))   # log(1 − α_m)
-    through_to = torch.cumsum(log_clear, dim)              # Σ_{j<=m}
-    total = through_to.narrow(dim, through_to.shape[dim] - 1, 1)
-    weights = alphas * torch.exp(total - through_to)        # α_m ∏_{j>m} (1 − α_j)
-    image = (weights * colours).sum(dim)
-    if background != 0.0:
-        image = image + background * torch.exp(total.squeeze(dim))
-    return image, weights
+    if _COMPILED["fn"] is not None:
+        return _COMPILED["fn"](colours, alphas, dim, float(background))
+    return _composite_over(colours, alphas, dim, float(background))
+
+
+def _composite_over(colours, alphas, dim: int, background: float):
+    dim = dim % max(colours.dim(), alphas.dim())
+    colours, alphas = torch.broadcast_tensors(colours, alphas)
+    return _OverComposite.apply(colours, alphas, dim, background)
+
+
+_COMPILED: dict = {"fn": None}
+
+
+def use_compiled_compositing(enable: bool = True) -> None:
+    """Run :func:`composite_over` through ``torch.compile``.
+
+    Compiling fuses the ten or so passes that the forward and the backward make over the layers into a few.
+    Measured on the 2-core CPU at batch 128 with 40 layers of 40x40, this took the compositing from about 76 ms
+    to 44 ms a step (``benchmarks/bench_step.py --compile``). It costs about 20 s of compiling on the first
+    call. It is off by default. Turn it on with ``train.compile = true`` or ``--compile``.
+    """
+    _COMPILED["fn"] = torch.compile(_composite_over, dynamic=False) if enable else None

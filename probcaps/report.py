@@ -78,7 +78,9 @@ def _benchmark_table(results_dir: Path) -> str | None:
              "peak memory (MB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         enc = r.get("encoder", {})
-        setting = f"{r.get('label') or ''} (conv {enc.get('channels')}, strides {enc.get('strides')})"
+        setting = (f"{r.get('label') or ''} (conv {enc.get('channels')}, strides {enc.get('strides')}, set "
+                   f"transformer {enc.get('set_hidden')} wide × {enc.get('set_heads')} heads"
+                   f"{', compiled compositing' if r.get('compiled_compositing') else ''})")
         lines.append(f"| {setting} | {r['parts']} × {r['parents']} | {r['batch']} | {r['pyro_step_ms']:.0f} | "
                      f"{r['torch_step_ms']:.0f} | {r['ratio_pyro_over_torch']:.3f} | {r['pyro_images_per_s']:.0f} | "
                      f"{r['peak_memory_mb']:.0f} |")
@@ -87,6 +89,28 @@ def _benchmark_table(results_dir: Path) -> str | None:
                  f"{rows[0]['threads']} threads, glibc allocator thresholds set: {rows[0].get('malloc_env')}; "
                  f"command: `make bench`. The ratio is what the benchmark is for (interleaved in one run); images/s "
                  f"depends on the machine.")
+    return "\n".join(lines)
+
+
+def _encoder_pilots_table(results_dir: Path) -> str | None:
+    paths = sorted((results_dir / "encoder_pilots").glob("*.json"))
+    if not paths:
+        return None
+    lines = ["| encoder | training steps | training wall time (s) | test ELBO per image | probe: presences + poses | "
+             "probe: presences |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        m, prov = data["metrics"], data["provenance"]
+        enc = prov["configs"]["encoder"]
+        rows.append((m["probe_presence_pose_test_acc"], f"| conv {enc['channels']}, strides {enc['strides']}, set "
+                     f"transformer {enc['set_hidden']} wide × {enc['set_heads']} heads | {prov['steps']} | "
+                     f"{prov['wall_time_s']:.0f} | {m['test_elbo_per_image']:.0f} | "
+                     f"{100 * m['probe_presence_pose_test_acc']:.1f}% | {100 * m['probe_presence_test_acc']:.1f}% |"))
+    lines += [row for _, row in sorted(rows, reverse=True)]
+    first = json.loads(paths[0].read_text())["metrics"]
+    lines += ["", f"Probe fitted on the first {first['n_train']:,} training images and scored on {first['n_test']:,} "
+              f"test images; one seed each; the runs trained two at a time, one thread each."]
     return "\n".join(lines)
 
 
@@ -115,6 +139,7 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe": _mnist_probe_table,
     "bench_step": _benchmark_table,
     "ttvi_throughput": _ttvi_throughput_table,
+    "encoder_pilots": _encoder_pilots_table,
 }
 
 

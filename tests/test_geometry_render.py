@@ -295,3 +295,60 @@ def test_composite_over_equals_alpha_over_fold(background):
     # and ``dim`` other than 1 gives the same answer
     image2, _ = composite_over(colours.movedim(1, 0), alphas.movedim(1, 0), dim=0, background=background)
     assert torch.allclose(image2, image, atol=1e-12)
+
+
+@pytest.mark.parametrize("background", [0.0, 0.3])
+def test_composite_over_hand_backward_matches_autograd_of_the_fold(background):
+    # catches: a wrong hand-written backward of composite_over (the layers' order in the prefix sum, the
+    # background's share, the weights' own gradient, the broadcast alphas' reduction)
+    torch.manual_seed(0)
+    B, M, H, W = 2, 4, 3, 3
+    colours = torch.rand(B, M, 1, H, W, dtype=DT, requires_grad=True)
+    alphas = torch.rand(B, M, 1, H, W, dtype=DT).requires_grad_()
+    presence = torch.rand(B, M, 1, 1, 1, dtype=DT, requires_grad=True)
+    image, weights = composite_over(colours, alphas * presence, dim=1, background=background)
+    g_image, g_weights = torch.randn_like(image), torch.randn_like(weights)
+    grads = torch.autograd.grad((image * g_image).sum() + (weights * g_weights).sum(), (colours, alphas, presence))
+    # the literal fold, differentiated by autograd
+    a = alphas * presence
+    colour = torch.full((B, 1, H, W), background, dtype=DT)
+    for m in range(M):
+        colour = a[:, m] * colours[:, m] + (1 - a[:, m]) * colour
+    ref_weights = torch.stack([a[:, m] * (1 - a[:, m + 1:]).prod(1) for m in range(M)], 1)
+    ref = torch.autograd.grad((colour * g_image).sum() + (ref_weights * g_weights).sum(), (colours, alphas, presence))
+    for got, want in zip(grads, ref):
+        assert torch.allclose(got, want, atol=1e-10)
+
+
+def test_composite_over_gradients_finite_at_opaque_and_clear_layers():
+    # catches: 0/0 or inf in the hand backward where an alpha is exactly 0 or 1 (the clamp boundary)
+    alphas = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.5], dtype=DT).view(1, 5, 1, 1, 1).requires_grad_()
+    colours = torch.rand(1, 5, 1, 1, 1, dtype=DT, requires_grad=True)
+    image, _ = composite_over(colours, alphas, dim=1, background=0.2)
+    image.sum().backward()
+    assert torch.isfinite(alphas.grad).all() and torch.isfinite(colours.grad).all()
+    # the front opaque layer (index 2) decides the pixel: only the layers from it forwards have a say
+    assert colours.grad.flatten()[:2].abs().max() < 1e-5
+
+
+def test_compiled_compositing_matches_eager():
+    # catches: the torch.compile path of composite_over (train.compile / --compile) computing something else
+    from probcaps import render
+
+    torch.manual_seed(0)
+    colours = torch.rand(2, 5, 1, 6, 7, requires_grad=True)
+    alphas = torch.rand(2, 5, 1, 6, 7, requires_grad=True)
+
+    def image_and_grads():
+        image, weights = composite_over(colours, alphas, dim=1, background=0.2)
+        loss = (image * torch.linspace(0, 1, 7)).sum() + weights[:, 2].sum()
+        return (image.detach(), *torch.autograd.grad(loss, (colours, alphas)))
+
+    eager = image_and_grads()
+    try:
+        render.use_compiled_compositing()
+        compiled = image_and_grads()
+    finally:
+        render.use_compiled_compositing(False)
+    for got, want in zip(compiled, eager):
+        assert torch.allclose(got, want, atol=1e-5)
