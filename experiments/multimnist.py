@@ -209,56 +209,34 @@ def plot_reconstructions(model: CapsNet, test: PairSource, pairs, path: Path, n:
 
 def plot_capsule_lengths(model: CapsNet, test: PairSource, pairs, path: Path, n: int = 24) -> None:
     """Heat map of the 10 capsule lengths for ``n`` test composites, true classes outlined."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
     sub = pairs.subset(torch.arange(min(n, len(pairs))))
     x, _, labels = next(test.batches(sub, len(sub)))
     with torch.no_grad():
-        lengths = model(x).lengths.numpy()
-    fig, ax = plt.subplots(figsize=(5.5, 0.25 * len(lengths) + 1.2))
-    im = ax.imshow(lengths, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    for r, pair in enumerate(labels.tolist()):
-        for c in pair:
-            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", lw=1.5))
-    pred = top_k_classes(torch.as_tensor(lengths), 2).numpy()
-    ax.scatter(pred.flatten(), np.repeat(np.arange(len(pred)), 2), s=8, c="white", label="top-2 (predicted)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=7, frameon=False)
-    ax.set_xticks(range(lengths.shape[1]))
-    ax.set_xlabel("digit capsule (class)")
-    ax.set_ylabel("test composite")
-    ax.set_title("capsule lengths ||v_k|| (red boxes: the two true digits)", fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.05)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        lengths = model(x).lengths
+    pred = top_k_classes(lengths, 2).tolist()
+    plotting.plot_heatmap(
+        lengths.numpy(), path, col_labels=[str(k) for k in range(lengths.shape[1])],
+        xlabel="digit capsule (class)", ylabel="test composite",
+        title="capsule lengths ||v_k|| (red boxes: the two true digits)", vmin=0, vmax=1,
+        outlined=[(r, c) for r, pair in enumerate(labels.tolist()) for c in pair],
+        marked=[(r, c) for r, pair in enumerate(pred) for c in pair], marked_label="top-2 (predicted)",
+    )
 
 
 def plot_training(runs: dict[str, Path], path: Path) -> None:
     """Two panels: training loss (from ``log.jsonl``) and test-subset set accuracy (``eval.jsonl``) vs step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    loss, acc = {}, {}
     for label, out in runs.items():
         log = {r["step"]: r["loss"] for r in read_jsonl(out / "log.jsonl")}
         ev = {r["step"]: r["test_set_acc"] for r in read_jsonl(out / "eval.jsonl")}
-        a1.plot(sorted(log), [log[s] for s in sorted(log)], label=label)
-        a2.plot(sorted(ev), [100 * ev[s] for s in sorted(ev)], marker="o", ms=3, label=label)
-    a1.set_yscale("log")
-    a1.set(xlabel="step", ylabel="margin + 0.0005 x reconstruction loss", title="training loss")
-    a2.set(xlabel="step", ylabel="set accuracy (%)", title="test pairs (subset): both digits named")
-    for a in (a1, a2):
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        loss[label] = (sorted(log), [log[s] for s in sorted(log)])
+        acc[label] = (sorted(ev), [100 * ev[s] for s in sorted(ev)])
+    plotting.plot_curve_panels([
+        {"curves": loss, "xlabel": "step", "ylabel": "margin + 0.0005 x reconstruction loss",
+         "title": "training loss", "logy": True},
+        {"curves": acc, "xlabel": "step", "ylabel": "set accuracy (%)",
+         "title": "test pairs (subset): both digits named"},
+    ], path)
 
 
 @one_line_errors("multimnist")

@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from inference.supervised import predict  # noqa: E402
 from inference.train import (  # noqa: E402
     TrainConfig, load_checkpoint, load_module_state, read_jsonl, train_loop, truncate_log,
 )
@@ -136,18 +137,6 @@ def train_batches(train: NorbSet, batch_size: int, seed: int, device):
     return batches
 
 
-@torch.no_grad()
-def predict(model: torch.nn.Module, data: NorbSet, batch_size: int, device) -> torch.Tensor:
-    """Predicted classes ``(N,)`` on centre crops (the model is put in eval mode and restored)."""
-    was_training = model.training
-    model.eval()
-    preds = []
-    for x, _ in iterate_batches(data.images, data.labels, batch_size, shuffle=False, device=device):
-        preds.append(model(crop32(x, train=False)).argmax(1).cpu())
-    model.train(was_training)
-    return torch.cat(preds) if preds else torch.zeros(0, dtype=torch.int64)
-
-
 def accuracy_by(correct: torch.Tensor, key: torch.Tensor) -> dict[str, float]:
     """Mean of ``correct`` per value of ``key`` (e.g. azimuth): ``{"60": 0.91, ...}``."""
     return {str(int(k)): float(correct[key == k].float().mean()) for k in torch.unique(key)}
@@ -192,7 +181,8 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
         record = {"step": state.step, "epoch": state.epoch, "wall_time_s": state.wall_time_s}
         for name in ("familiar", "novel"):
             part = sets[name]
-            correct = predict(model, part, data_cfg.eval_batch, device) == part.labels
+            correct = predict(model, part.images, data_cfg.eval_batch, device,
+                              transform=lambda x: crop32(x, train=False)) == part.labels
             record[f"{name}_acc"] = float(correct.float().mean())
             record[f"{name}_by_azimuth"] = accuracy_by(correct, part.azimuth)
             record[f"{name}_by_elevation"] = accuracy_by(correct, part.elevation)

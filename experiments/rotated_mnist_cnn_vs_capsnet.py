@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from inference.supervised import predict  # noqa: E402
 from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
 from models.capsnet import CapsNet, CapsNetConfig  # noqa: E402
 from models.lenet import LeNet5  # noqa: E402
@@ -122,13 +123,6 @@ def rotated(digits: torch.Tensor, angle: float) -> torch.Tensor:
     return rotate(to_float(digits), float(angle)).clamp_(0.0, 1.0)
 
 
-@torch.no_grad()
-def classify(predict, images: torch.Tensor, batch_size: int = 500, device="cpu") -> torch.Tensor:
-    """Predicted classes of float ``(N, H, W)`` images, in batches."""
-    out = [predict(images[i:i + batch_size].unsqueeze(1).to(device)).cpu() for i in range(0, len(images), batch_size)]
-    return torch.cat(out)
-
-
 def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, resume: bool, device, progress):
     """Train LeNet-5 (cross-entropy) or CapsNet (margin + reconstruction) on shifted digits; returns the model
     and its wall time.  A finished run (``final.pt``) is loaded instead of retrained when resuming."""
@@ -189,31 +183,25 @@ def probe_curve(checkpoint: Path, test_digits: torch.Tensor, test_labels: torch.
 def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
     """Accuracy (%) against rotation angle, one line per model (mean ± std over seeds), the write-up's numbers as
     separate markers, and the 35° point marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = {"LeNet-5": "C0", "CapsNet": "C1"}
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for i, (label, acc) in enumerate(curves.items()):
+    model_colours = {"LeNet-5": plotting.PART_PALETTE[0], "CapsNet": plotting.PART_PALETTE[1]}
+    lines, colours = {}, {}
+    for label, acc in curves.items():
         acc = 100 * np.asarray(acc)
         std = acc.std(0, ddof=1) if len(acc) > 1 else None
-        n = f" ({len(acc)} seeds)" if len(acc) > 1 else ""
-        ax.errorbar(angles, acc.mean(0), yerr=std, marker="o", ms=3, capsize=2, label=label + n,
-                    color=colours.get(label, f"C{i}"))
+        name = label + (f" ({len(acc)} seeds)" if len(acc) > 1 else "")
+        lines[name] = (angles, acc.mean(0), std)
+        if label in model_colours:
+            colours[name] = model_colours[label]
+    references = {}
     for key, label in (("lenet", "LeNet-5"), ("capsnet", "CapsNet")):
         pts = sorted(WRITEUP[key].items())
-        ax.plot([a for a, _ in pts], [100 * v for _, v in pts], linestyle="none", marker="*", ms=11,
-                color=colours[label], markeredgecolor="k", label=f"write-up {label}")
-    ax.axvline(35, color="grey", ls="--", lw=0.8)
-    ax.set(xlabel="rotation of the test digits (degrees)", ylabel="test accuracy (%)", ylim=(0, 101),
-           title="trained on ±2 px shifted MNIST, tested on rotated digits")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        references[f"write-up {label}"] = ([a for a, _ in pts], [100 * v for _, v in pts])
+        colours[f"write-up {label}"] = model_colours[label]
+    plotting.plot_curve_panels([{
+        "curves": lines, "references": references, "colours": colours, "vlines": [35], "ylim": (0, 101),
+        "xlabel": "rotation of the test digits (degrees)", "ylabel": "test accuracy (%)",
+        "title": "trained on ±2 px shifted MNIST, tested on rotated digits",
+    }], path)
 
 
 @one_line_errors("rotated_mnist_cnn_vs_capsnet")
@@ -245,10 +233,9 @@ def main(argv=None) -> int:
                                              train_labels, resume=args.resume, device=args.device,
                                              progress=not args.quiet)
             model.eval()
-            predict = (lambda x, m=model: m(x).argmax(-1)) if kind == "lenet" else \
-                (lambda x, m=model: m(x).lengths.argmax(-1))
+            scores = model if kind == "lenet" else (lambda x, m=model: m(x).lengths)
             t0 = time.perf_counter()
-            run[f"{kind}_acc"] = [float((classify(predict, rotated_tests[a], device=args.device)
+            run[f"{kind}_acc"] = [float((predict(scores, rotated_tests[a], 500, args.device)
                                          == test_labels).float().mean()) for a in angles]
             run.update({f"{kind}_train_wall_time_s": wall, f"{kind}_steps": steps,
                         f"{kind}_eval_time_s": time.perf_counter() - t0})

@@ -419,52 +419,10 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
 # ---------------------------------------------------------------------------------------------- figures
 
 
-def _figure(width_in: float, height_in: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width_in, height_in), dpi=100)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save_png(fig, path: Path) -> Path:
-    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), mode="wb")
-
-
-def plot_scatter(pred: torch.Tensor, true: torch.Tensor, names: list[str], path: Path, title: str) -> Path:
-    """Predicted against true value of every component, with the diagonal and each panel's R²."""
-    r2 = r2_scores(pred, true)
-    K = len(names)
-    cols = min(K, 3)
-    rows = -(-K // cols)
-    fig = _figure(3.2 * cols, 3.0 * rows + 0.4)
-    n = min(pred.shape[0], 2000)
-    for k in range(K):
-        ax = fig.add_subplot(rows, cols, k + 1)
-        t, p = true[:n, k].numpy(), pred[:n, k].numpy()
-        ax.scatter(t, p, s=3, alpha=0.4)
-        lo, hi = float(min(t.min(), p.min())), float(max(t.max(), p.max()))
-        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
-        ax.set_title(f"{names[k]}: R² = {r2[k]:.3f}", fontsize=9)
-        ax.set_xlabel("true", fontsize=8)
-        ax.set_ylabel("predicted", fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save_png(fig, path)
-
-
 def plot_presence(presence: torch.Tensor, path: Path, title: str) -> Path:
     """Heatmap of capsule presences ``(images, capsules)``."""
-    fig = _figure(max(4.0, 0.22 * presence.shape[1] + 1.5), max(3.0, 0.22 * presence.shape[0] + 1.0))
-    ax = fig.add_subplot(1, 1, 1)
-    im = ax.imshow(presence.numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto", interpolation="nearest")
-    ax.set_xlabel("capsule")
-    ax.set_ylabel("held-out image")
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(im, ax=ax, label="presence p")
-    fig.tight_layout()
-    return _save_png(fig, path)
+    return plotting.plot_heatmap(presence, path, xlabel="capsule", ylabel="held-out image", title=title,
+                                 vmin=0, vmax=1, colorbar_label="presence p")
 
 
 def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Path, prefix: str, runs: list[Path]
@@ -472,8 +430,9 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
     """Scatter, reconstructions, presence heatmap, templates, and the training curves of every seed."""
     mode = model.config.mode
     res, pairs, names = arrays["res"], arrays["pairs"], arrays["names"]
-    plot_scatter(res["pred"], res["true"], names, results_dir / f"{prefix}_scatter.png",
-                 f"{mode}: transformation read from the two images' capsules (held-out pairs)")
+    plotting.plot_predicted_vs_true(res["pred"], res["true"], names, results_dir / f"{prefix}_scatter.png",
+                                    f"{mode}: transformation read from the two images' capsules (held-out pairs)",
+                                    scores=[float(v) for v in r2_scores(res["pred"], res["true"])])
     n = min(10, res["recon"].shape[0])
     grey = lambda x: x[:n, 0, ..., None].expand(-1, -1, -1, 3).numpy()  # noqa: E731 - (n, H, W, 3)
     coloured = plotting.colour_parts(res["contrib"][:n, :, 0])

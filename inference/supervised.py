@@ -43,15 +43,23 @@ def train_classifier(net: nn.Module, images: torch.Tensor, labels: torch.Tensor,
 
 
 @torch.no_grad()
-def predict(net: nn.Module, images: torch.Tensor, batch_size: int = 1000, device: str = "cpu") -> torch.Tensor:
-    """Predicted classes ``(N,)`` of uint8 (or float in [0, 1]) ``images (N, H, W)``."""
-    was_training = net.training
-    net.eval()
+def predict(net, images: torch.Tensor, batch_size: int = 1000, device: str = "cpu", transform=None) -> torch.Tensor:
+    """Predicted classes ``(N,)`` of uint8 (or float in [0, 1]) ``images (N, H, W)``, in batches.
+
+    ``net``: a module or any callable mapping ``(B, 1, H, W)`` to class scores ``(B, C)`` (e.g. CapsNet's capsule
+    lengths); a module is put in eval mode and restored.  ``transform``: applied to each batch first (e.g. a crop).
+    """
+    module = net if isinstance(net, nn.Module) else None
+    was_training = module.training if module is not None else False
+    if module is not None:
+        module.eval()
     labels = torch.zeros(len(images), dtype=torch.long)
-    out = [net(x).argmax(-1).cpu() for x, _ in iterate_batches(images, labels, batch_size, shuffle=False,
-                                                                 device=device)]
-    net.train(was_training)
-    return torch.cat(out)
+    out = []
+    for x, _ in iterate_batches(images, labels, batch_size, shuffle=False, device=device):
+        out.append(net(transform(x) if transform is not None else x).argmax(-1).cpu())
+    if module is not None:
+        module.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def accuracy(net: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 1000,

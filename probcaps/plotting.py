@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import is_color_like
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from .io import atomic_write
 
@@ -25,6 +28,9 @@ __all__ = [
     "colour_parts",
     "plot_reconstructions",
     "plot_curves",
+    "plot_curve_panels",
+    "plot_predicted_vs_true",
+    "plot_heatmap",
     "plot_image_grid",
 ]
 
@@ -231,6 +237,123 @@ def plot_reconstructions(
 
 # --------------------------------------------------------------------------- curves
 
+_PANEL_KEYS = ("curves", "xlabel", "ylabel", "title", "logy", "ylim", "references", "vlines", "colours")
+
+
+def _points(spec: Any, name: str, allow_err: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(x, y)`` or (when ``allow_err``) ``(x, y, yerr)`` -> flat x, flat y and yerr (``None`` if absent)."""
+    sizes = (2, 3) if allow_err else (2,)
+    if not isinstance(spec, (tuple, list)) or len(spec) not in sizes:
+        raise ValueError(f"{name} must be (x, y)" + (" or (x, y, yerr)" if allow_err else ""))
+    x = _to_numpy(spec[0], f"{name} x").reshape(-1)
+    y = _to_numpy(spec[1], f"{name} y").reshape(-1)
+    if x.shape != y.shape:
+        raise ValueError(f"{name}: x has {x.size} points but y has {y.size}")
+    if len(spec) < 3 or spec[2] is None:
+        return x, y, None
+    yerr = _to_numpy(spec[2], f"{name} yerr")
+    bad = (
+        (yerr.ndim == 1 and yerr.shape != y.shape)
+        or (yerr.ndim == 2 and yerr.shape != (2, y.size))
+        or yerr.ndim not in (1, 2)
+    )
+    if bad:
+        raise ValueError(f"{name}: yerr must have shape ({y.size},) or (2, {y.size}), got {yerr.shape}")
+    return x, y, yerr
+
+
+def _named_specs(specs: Any, name: str, required: bool) -> Mapping[str, Any]:
+    if specs is None and not required:
+        return {}
+    if not isinstance(specs, Mapping) or (required and len(specs) == 0):
+        kind = "non-empty " if required else ""
+        raise ValueError(f"{name} must be a {kind}dict of name -> (x, y)" + (" or (x, y, yerr)" if required else ""))
+    return specs
+
+
+def _draw_curve_panel(ax, panel: Any, where) -> list:
+    """Draw one panel (see :func:`plot_curve_panels`) on ``ax``; ``where(key)`` names a key in errors."""
+    if not isinstance(panel, Mapping):
+        raise ValueError(f"{where(None)} must be a dict with keys curves, xlabel, ylabel, ...")
+    unknown = sorted(set(panel) - set(_PANEL_KEYS))
+    if unknown:
+        raise ValueError(f"{where(None)} has unknown keys {unknown}; allowed: {list(_PANEL_KEYS)}")
+    for key in ("xlabel", "ylabel"):
+        if key not in panel:
+            raise ValueError(f"{where(key)} is required")
+    curves = _named_specs(panel.get("curves"), where("curves"), required=True)
+    references = _named_specs(panel.get("references"), where("references"), required=False)
+    colours = panel.get("colours") or {}
+    if not isinstance(colours, Mapping):
+        raise ValueError(f"{where('colours')} must be a dict of name -> colour, got {type(colours).__name__}")
+    for name, colour in colours.items():
+        if not is_color_like(colour):
+            raise ValueError(f"{where('colours')}[{name!r}] is not a colour: {colour!r}")
+
+    def colour_of(name: str, i: int):
+        return colours[name] if name in colours else PART_PALETTE[i % 10]
+
+    handles = []
+    for i, (name, spec) in enumerate(curves.items()):
+        x, y, yerr = _points(spec, f"{where('curves')}[{name!r}]", allow_err=True)
+        marker = "o" if x.size <= 30 else None
+        style = dict(label=str(name), color=colour_of(name, i), marker=marker, markersize=3)
+        if yerr is not None:
+            h = ax.errorbar(x, y, yerr=yerr, capsize=3, **style)
+        else:
+            (h,) = ax.plot(x, y, **style)
+        handles.append(h)
+    for j, (name, spec) in enumerate(references.items()):
+        x, y, _ = _points(spec, f"{where('references')}[{name!r}]", allow_err=False)
+        (h,) = ax.plot(x, y, linestyle="none", marker="*", markersize=11, markeredgecolor="k",
+                       color=colour_of(name, len(curves) + j), label=str(name))
+        handles.append(h)
+    if panel.get("vlines") is not None:
+        for v in _to_numpy(panel["vlines"], where("vlines")).reshape(-1):
+            ax.axvline(v, color="grey", linestyle="--", linewidth=0.8)
+    if panel.get("logy", False):
+        ax.set_yscale("log")
+    if panel.get("ylim") is not None:
+        ylim = _to_numpy(panel["ylim"], where("ylim"))
+        if ylim.shape != (2,) or not np.all(np.isfinite(ylim)) or ylim[0] >= ylim[1]:
+            raise ValueError(f"{where('ylim')} must be (low, high) with low < high, got {panel['ylim']!r}")
+        ax.set_ylim(float(ylim[0]), float(ylim[1]))
+    ax.set_xlabel(panel["xlabel"])
+    ax.set_ylabel(panel["ylabel"])
+    if panel.get("title"):
+        ax.set_title(panel["title"])
+    ax.grid(True, alpha=0.3)
+    ax.legend(handles=handles, fontsize=8)  # in the dicts' order, curves then references
+    return handles
+
+
+def _curve_figure(panels: Sequence[Mapping[str, Any]], path: str | os.PathLike, where_of) -> Path:
+    ncols = min(len(panels), 3)
+    nrows = math.ceil(len(panels) / ncols)
+    fig = _new_figure(6.0 * ncols, 4.0 * nrows)
+    for i, panel in enumerate(panels):
+        _draw_curve_panel(fig.add_subplot(nrows, ncols, i + 1), panel, where_of(i))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_curve_panels(panels: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
+    """Side-by-side line plots (up to 3 per row), one per dict in ``panels``.
+
+    Each panel has ``curves`` (``{name: (x, y)}`` or ``{name: (x, y, yerr)}``, as in :func:`plot_curves`),
+    ``xlabel`` and ``ylabel``, and optionally ``title``, ``logy`` (bool), ``ylim`` ``(low, high)``,
+    ``references`` (``{name: (x, y)}`` drawn as star markers with a black edge and no line), ``vlines``
+    (x positions, dashed grey) and ``colours`` (``{name: colour}`` for curves or references; others take
+    :data:`PART_PALETTE` by position, references after the curves).
+    """
+    if isinstance(panels, Mapping) or not isinstance(panels, Sequence) or len(panels) == 0:
+        raise ValueError("panels must be a non-empty list of dicts (one per panel)")
+
+    def where_of(i):
+        return lambda key: f"panels[{i}]" if key is None else f"panels[{i}][{key!r}]"
+
+    return _curve_figure(panels, path, where_of)
+
 
 def plot_curves(
     curves: Mapping[str, Sequence[Any]],
@@ -240,47 +363,140 @@ def plot_curves(
     title: str | None = None,
     logy: bool = False,
 ) -> Path:
-    """Line plot of ``{name: (x, y)}`` or ``{name: (x, y, yerr)}`` (error bars), one line per name."""
-    if not isinstance(curves, Mapping) or len(curves) == 0:
-        raise ValueError("curves must be a non-empty dict of name -> (x, y) or (x, y, yerr)")
-    fig = _new_figure(6.0, 4.0)
+    """Line plot of ``{name: (x, y)}`` or ``{name: (x, y, yerr)}`` (error bars), one line per name.
+
+    One panel of :func:`plot_curve_panels`.
+    """
+    panel = {"curves": curves, "xlabel": xlabel, "ylabel": ylabel, "title": title, "logy": logy}
+    # Errors name this function's own arguments (``curves[...]``) rather than ``panels[0][...]``.
+    return _curve_figure([panel], path, lambda i: (lambda key: "curves" if key is None else key))
+
+
+# --------------------------------------------------------------------------- heat map
+
+
+def _cells(cells: Any, name: str, shape: tuple[int, int]) -> np.ndarray:
+    """``(K, 2)`` integer (row, col) cell indices inside ``shape``."""
+    arr = _to_numpy(cells, name)
+    if arr.size == 0:
+        return np.zeros((0, 2), dtype=int)
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ValueError(f"{name} must be a list of (row, col) pairs, got shape {arr.shape}")
+    if not np.all(arr == np.round(arr)):
+        raise ValueError(f"{name} must hold integer (row, col) indices")
+    idx = arr.astype(int)
+    if idx.min() < 0 or np.any(idx[:, 0] >= shape[0]) or np.any(idx[:, 1] >= shape[1]):
+        raise ValueError(f"{name} has a cell outside the {shape[0]} x {shape[1]} values")
+    return idx
+
+
+def plot_heatmap(
+    values: Any,
+    path: str | os.PathLike,
+    row_labels: Sequence[str] | None = None,
+    col_labels: Sequence[str] | None = None,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    title: str | None = None,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    cmap: str = "viridis",
+    colorbar_label: str | None = None,
+    outlined: Any = None,
+    marked: Any = None,
+    marked_label: str | None = None,
+) -> Path:
+    """Heat map of ``(R, C)`` ``values`` (row 0 at the top) with a colour bar.
+
+    ``row_labels`` / ``col_labels`` (R and C entries) label every row / column. ``outlined`` and ``marked``
+    are ``(K, 2)`` (row, col) cells, outlined in red and dotted in white (``marked_label`` names the dots
+    in a legend).
+    """
+    V = _to_numpy(values, "values")
+    if V.ndim != 2 or V.size == 0:
+        raise ValueError(f"values must be a non-empty 2-D array (rows, cols), got shape {V.shape}")
+    R, C = V.shape
+    if row_labels is not None and len(row_labels) != R:
+        raise ValueError(f"row_labels has {len(row_labels)} entries but values has {R} rows")
+    if col_labels is not None and len(col_labels) != C:
+        raise ValueError(f"col_labels has {len(col_labels)} entries but values has {C} columns")
+    if vmin is not None and vmax is not None and not vmin < vmax:
+        raise ValueError(f"vmin must be below vmax, got vmin={vmin}, vmax={vmax}")
+    if cmap not in colormaps:
+        raise ValueError(f"cmap {cmap!r} is not a matplotlib colour map")
+    boxes = _cells(outlined, "outlined", (R, C)) if outlined is not None else None
+    dots = _cells(marked, "marked", (R, C)) if marked is not None else None
+
+    legend_in = 0.3 if marked_label and dots is not None and len(dots) else 0.0  # strip below for the legend
+    height_in = max(3.0, 0.25 * R + 1.2) + legend_in
+    fig = _new_figure(max(4.5, 0.22 * C + 3.0), height_in)
     ax = fig.add_subplot(1, 1, 1)
-    handles = []
-    for i, (name, spec) in enumerate(curves.items()):
-        if not isinstance(spec, (tuple, list)) or len(spec) not in (2, 3):
-            raise ValueError(f"curves[{name!r}] must be (x, y) or (x, y, yerr)")
-        x = _to_numpy(spec[0], f"curves[{name!r}] x").reshape(-1)
-        y = _to_numpy(spec[1], f"curves[{name!r}] y").reshape(-1)
-        if x.shape != y.shape:
-            raise ValueError(f"curves[{name!r}]: x has {x.size} points but y has {y.size}")
-        colour = PART_PALETTE[i % 10]
-        marker = "o" if x.size <= 30 else None
-        if len(spec) == 3 and spec[2] is not None:
-            yerr = _to_numpy(spec[2], f"curves[{name!r}] yerr")
-            bad = (
-                (yerr.ndim == 1 and yerr.shape != y.shape)
-                or (yerr.ndim == 2 and yerr.shape != (2, y.size))
-                or yerr.ndim > 2
-            )
-            if bad:
-                raise ValueError(f"curves[{name!r}]: yerr must have shape ({y.size},) or (2, {y.size}), got {yerr.shape}")
-            h = ax.errorbar(x, y, yerr=yerr, label=str(name), color=colour, marker=marker, markersize=3, capsize=3)
-        else:
-            (h,) = ax.plot(x, y, label=str(name), color=colour, marker=marker, markersize=3)
-        handles.append(h)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    im = ax.imshow(V, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto", interpolation="nearest")
+    if row_labels is not None:
+        ax.set_yticks(range(R), [str(s) for s in row_labels], fontsize=7)
+    if col_labels is not None:
+        ax.set_xticks(range(C), [str(s) for s in col_labels], fontsize=7)
+    if boxes is not None:
+        for r, c in boxes:
+            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
+    if dots is not None and len(dots):
+        h = ax.scatter(dots[:, 1], dots[:, 0], s=10, c="white", edgecolors="black", linewidths=0.4)
+        if legend_in:
+            fig.legend([h], [marked_label], loc="lower center", fontsize=7, frameon=False)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
     if title:
-        ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(handles=handles, fontsize=8)  # in the dict's order
-    fig.tight_layout()
+        ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, fraction=0.05, label=colorbar_label)
+    fig.tight_layout(rect=(0.0, legend_in / height_in, 1.0, 1.0))
     return _save(fig, path)
 
 
 # --------------------------------------------------------------------------- generic grid
+
+
+def plot_predicted_vs_true(
+    pred: Any,
+    true: Any,
+    names: Sequence[str],
+    path: str | os.PathLike,
+    title: str | None = None,
+    scores: Sequence[float] | None = None,
+    score_name: str = "R²",
+    max_points: int = 2000,
+) -> Path:
+    """One scatter panel per component of ``pred`` against ``true`` (both ``(N, K)``), with the diagonal.
+
+    ``scores``: one number per component shown in its panel title (e.g. R²)."""
+    P = _to_numpy(pred, "pred")
+    T = _to_numpy(true, "true")
+    if P.ndim != 2 or P.shape != T.shape:
+        raise ValueError(f"pred and true must both be (N, K); got {P.shape} and {T.shape}")
+    K = P.shape[1]
+    if len(names) != K:
+        raise ValueError(f"names has {len(names)} entries but pred has {K} components")
+    if scores is not None and len(scores) != K:
+        raise ValueError(f"scores has {len(scores)} entries but pred has {K} components")
+    cols = min(K, 3)
+    rows = -(-K // cols)
+    fig = _new_figure(3.2 * cols, 3.0 * rows + (0.4 if title else 0.0))
+    n = min(P.shape[0], max_points)
+    for k in range(K):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        t, p = T[:n, k], P[:n, k]
+        ax.scatter(t, p, s=3, alpha=0.4)
+        lo, hi = float(min(t.min(), p.min())), float(max(t.max(), p.max()))
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+        label = str(names[k]) if scores is None else f"{names[k]}: {score_name} = {scores[k]:.3f}"
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("true", fontsize=8)
+        ax.set_ylabel("predicted", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def plot_image_grid(

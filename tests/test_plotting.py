@@ -7,7 +7,9 @@ import torch
 from probcaps.plotting import (
     PART_PALETTE,
     colour_parts,
+    plot_curve_panels,
     plot_curves,
+    plot_heatmap,
     plot_image_grid,
     plot_reconstructions,
     plot_templates,
@@ -90,6 +92,63 @@ def test_plot_curves(tmp_path):
     with pytest.raises(ValueError, match="train"):
         plot_curves({"train": (x, x[:5])}, tmp_path / "bad.png", "x", "y")
 
+    with pytest.raises(ValueError, match="yerr"):
+        plot_curves({"train": (x, x, x[:3])}, tmp_path / "bad.png", "x", "y")
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_plot_curve_panels(tmp_path):
+    x = np.arange(13) * 15.0
+    panels = [
+        {"curves": {"loss": (np.arange(200), np.exp(-np.arange(200) / 50.0))}, "xlabel": "step", "ylabel": "loss",
+         "title": "training loss", "logy": True},
+        {"curves": {"LeNet-5": (x, np.linspace(99, 20, 13), np.full(13, 1.5)), "CapsNet": (x, np.linspace(99, 30, 13))},
+         "references": {"write-up LeNet-5": ([0, 35], [98.7, 76.1])}, "colours": {"LeNet-5": "C0", "write-up LeNet-5": "C0"},
+         "vlines": [35], "ylim": (0, 101), "xlabel": "angle", "ylabel": "accuracy (%)"},
+    ]
+    _assert_png(plot_curve_panels(panels, tmp_path / "p.png"), tmp_path)
+    _assert_png(plot_curve_panels(panels * 2, tmp_path / "four.png"), tmp_path)  # wraps onto two rows
+    bad = dict(panels[1])
+    with pytest.raises(ValueError, match="panels"):
+        plot_curve_panels([], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match=r"panels\[1\]\['curves'\]\['CapsNet'\]"):
+        plot_curve_panels([panels[0], {**bad, "curves": {"CapsNet": (x, x[:4])}}], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="references"):
+        plot_curve_panels([{**bad, "references": {"ref": ([0, 35], [1.0])}}], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="ylim"):
+        plot_curve_panels([{**bad, "ylim": (101, 0)}], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="colours"):
+        plot_curve_panels([{**bad, "colours": {"LeNet-5": "not a colour"}}], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="ylabel"):
+        plot_curve_panels([{"curves": panels[0]["curves"], "xlabel": "step"}], tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="unknown keys.*xlabl"):
+        plot_curve_panels([{**panels[0], "xlabl": "typo"}], tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_plot_heatmap(tmp_path):
+    values = torch.rand(6, 10, generator=torch.Generator().manual_seed(0))
+    p = plot_heatmap(values, tmp_path / "h.png", col_labels=[str(k) for k in range(10)], xlabel="class",
+                     ylabel="image", title="lengths", vmin=0, vmax=1, outlined=[(0, 3), (5, 9)],
+                     marked=[(0, 3), (1, 4)], marked_label="predicted")
+    _assert_png(p, tmp_path)
+    _assert_png(plot_heatmap(np.arange(12.0).reshape(3, 4), tmp_path / "plain.png", row_labels=list("abc"),
+                             colorbar_label="presence", cmap="magma"), tmp_path)
+    with pytest.raises(ValueError, match="values"):
+        plot_heatmap(np.zeros(5), tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="row_labels"):
+        plot_heatmap(values, tmp_path / "bad.png", row_labels=["a"])
+    with pytest.raises(ValueError, match="col_labels"):
+        plot_heatmap(values, tmp_path / "bad.png", col_labels=["a"] * 9)
+    with pytest.raises(ValueError, match="vmin"):
+        plot_heatmap(values, tmp_path / "bad.png", vmin=1, vmax=0)
+    with pytest.raises(ValueError, match="outlined"):
+        plot_heatmap(values, tmp_path / "bad.png", outlined=[(6, 0)])
+    with pytest.raises(ValueError, match="marked"):
+        plot_heatmap(values, tmp_path / "bad.png", marked=[1, 2, 3])
+    with pytest.raises(ValueError, match="cmap"):
+        plot_heatmap(values, tmp_path / "bad.png", cmap="no-such-map")
+    assert not (tmp_path / "bad.png").exists()
 
 def test_plot_image_grid(tmp_path):
     imgs = torch.rand(2, 3, 10, 10)
@@ -126,3 +185,19 @@ def test_plotting_does_not_select_a_global_backend(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "c.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_plot_predicted_vs_true(tmp_path):
+    # catches: a scatter figure that is not written, or mismatched names / scores accepted silently
+    from probcaps.plotting import plot_predicted_vs_true
+
+    pred, true = torch.randn(50, 4), torch.randn(50, 4)
+    out = plot_predicted_vs_true(pred, true, list("abcd"), tmp_path / "s.png", "t", scores=[0.1, 0.2, 0.3, 0.4])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="names"):
+        plot_predicted_vs_true(pred, true, list("abc"), tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="scores"):
+        plot_predicted_vs_true(pred, true, list("abcd"), tmp_path / "bad.png", scores=[1.0])
+    with pytest.raises(ValueError, match="pred and true"):
+        plot_predicted_vs_true(pred, true[:, :3], list("abcd"), tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()
