@@ -92,19 +92,25 @@ def _benchmark_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
-def _encoder_pilots_table(results_dir: Path) -> str | None:
-    paths = sorted((results_dir / "encoder_pilots").glob("*.json"))
+def _pilots_table(results_dir: Path) -> str | None:
+    """Short runs of the headline config with one change each (``results/pilots/*.json``)."""
+    paths = sorted((results_dir / "pilots").glob("*.json"))
     if not paths:
         return None
-    lines = ["| encoder | training steps | training wall time (s) | test ELBO per image | probe: presences + poses | "
-             "probe: presences |", "| --- | --- | --- | --- | --- | --- |"]
+    from inference.capsule_svi import load_experiment_config
+
+    headline = load_experiment_config(Path(__file__).resolve().parent.parent / "experiments" / "configs" /
+                                      "mnist_probe.toml")
+    lines = ["| change from the headline config | training steps | training wall time (s) | test ELBO per image | "
+             "probe: presences + poses | probe: presences |", "| --- | --- | --- | --- | --- | --- |"]
     rows = []
     for path in paths:
         data = json.loads(path.read_text())
         m, prov = data["metrics"], data["provenance"]
-        enc = prov["configs"]["encoder"]
-        rows.append((m["probe_presence_pose_test_acc"], f"| conv {enc['channels']}, strides {enc['strides']}, set "
-                     f"transformer {enc['set_hidden']} wide × {enc['set_heads']} heads | {prov['steps']} | "
+        changes = [f"{section}.{key} = {value}" for section in ("model", "encoder")
+                   for key, value in prov["configs"][section].items()
+                   if key != "seed" and value != getattr(headline[section], key, None)]
+        rows.append((m["probe_presence_pose_test_acc"], f"| {'; '.join(changes) or 'none'} | {prov['steps']} | "
                      f"{prov['wall_time_s']:.0f} | {m['test_elbo_per_image']:.0f} | "
                      f"{100 * m['probe_presence_pose_test_acc']:.1f}% | {100 * m['probe_presence_test_acc']:.1f}% |"))
     lines += [row for _, row in sorted(rows, reverse=True)]
@@ -139,7 +145,7 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe": _mnist_probe_table,
     "bench_step": _benchmark_table,
     "ttvi_throughput": _ttvi_throughput_table,
-    "encoder_pilots": _encoder_pilots_table,
+    "pilots": _pilots_table,
 }
 
 
