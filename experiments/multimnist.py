@@ -35,7 +35,7 @@ from inference.train import (  # noqa: E402
 from models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
-from probcaps.data import load_mnist, synthetic_digits  # noqa: E402
+from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
@@ -98,12 +98,8 @@ def load_config(path, overrides=()) -> dict:
 
 def load_digits(data: MultiMNISTData, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 ``(N, 28, 28)`` digits and labels of a split (first ``*_limit`` of them)."""
-    limit = (data.train_limit if split == "train" else data.test_limit) or None
-    if data.dataset == "synthetic":
-        return synthetic_digits(limit or (512 if split == "train" else 256), seed=0 if split == "train" else 1)
-    images, labels = load_mnist(split, data_dir=data_dir)
-    images, labels = torch.as_tensor(images)[:limit], torch.as_tensor(labels).long()[:limit]
-    return images, labels
+    return data_digits(data.dataset, split, limit=data.train_limit if split == "train" else data.test_limit,
+                       data_dir=data_dir, synthetic_sizes=(512, 256))
 
 
 class PairSource:

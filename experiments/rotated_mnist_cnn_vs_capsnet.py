@@ -37,8 +37,8 @@ from models.capsnet import CapsNet, CapsNetConfig  # noqa: E402
 from models.lenet import LeNet5  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
-from probcaps.data import (iterate_batches, load_mnist, place_on_canvas, random_offsets, rotate,  # noqa: E402
-                           synthetic_digits, to_float)
+from probcaps.data import iterate_batches, place_on_canvas, random_offsets, rotate, to_float  # noqa: E402
+from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.loaders import seeded_generator  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
@@ -90,11 +90,8 @@ def load_config(path, overrides=()) -> dict:
 
 
 def load_digits(data: RotatedData, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
-    limit = (data.train_limit if split == "train" else data.test_limit) or None
-    if data.dataset == "synthetic":
-        return synthetic_digits(limit or (256 if split == "train" else 64), seed=0 if split == "train" else 1)
-    images, labels = load_mnist(split, data_dir=data_dir)
-    return torch.as_tensor(images)[:limit], torch.as_tensor(labels).long()[:limit]
+    return data_digits(data.dataset, split, limit=data.train_limit if split == "train" else data.test_limit,
+                       data_dir=data_dir, synthetic_sizes=(256, 64))
 
 
 def shift_digits(digits: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

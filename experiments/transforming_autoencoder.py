@@ -38,7 +38,8 @@ from models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, Transfor
                                              pose_consistency, transform_components)
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
-from probcaps.data import iterate_batches, load_mnist, seeded_generator, synthetic_digits  # noqa: E402
+from probcaps.data import iterate_batches, seeded_generator  # noqa: E402
+from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
@@ -161,12 +162,8 @@ def load_config(path: str | Path | None, mode: str, overrides: list[str] = ()) -
 
 def load_digits(data: PairDataConfig, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 digits ``(N, 28, 28)`` and labels ``(N,)`` of a split (real MNIST, or synthetic strokes)."""
-    limit = (data.train_limit if split == "train" else data.test_limit) or None
-    if data.dataset == "synthetic":
-        n = limit or (2048 if split == "train" else 512)
-        return synthetic_digits(n, seed=1 + (0 if split == "train" else 1))
-    images, labels = load_mnist(split, data_dir=data_dir)
-    return images[:limit], labels[:limit]
+    return data_digits(data.dataset, split, limit=data.train_limit if split == "train" else data.test_limit,
+                       data_dir=data_dir, synthetic_sizes=(2048, 512), synthetic_seed=1)
 
 
 def sample_transforms(n: int, rng: TransformRange, canvas: int, generator: torch.Generator, jitter: bool

@@ -410,3 +410,24 @@ def test_synthetic_digits():
     pred = torch.cdist(xt.flatten(1).float(), means.flatten(1)).argmin(1)
     assert (pred == yt).float().mean() > 0.8
     assert synthetic_digits(3, size=40)[0].shape == (3, 40, 40)
+
+
+def test_load_digits_synthetic_and_mnist(tmp_path):
+    # catches: the experiments' shared digit loader ignoring the limit, the split's seed or the data folder, or
+    # accepting an unknown dataset / split silently
+    from probcaps.data import load_digits, write_fake_mnist
+
+    train, train_labels = load_digits("synthetic", "train", synthetic_sizes=(12, 5))
+    test, _ = load_digits("synthetic", "test", synthetic_sizes=(12, 5))
+    assert train.shape == (12, 28, 28) and train.dtype == torch.uint8 and test.shape == (5, 28, 28)
+    assert train_labels.dtype == torch.int64
+    assert not torch.equal(load_digits("synthetic", "train", limit=5)[0], test)  # train and test seeds differ
+    assert load_digits("synthetic", "test", limit=3)[0].shape[0] == 3
+    # the MNIST branch reads the data folder and verifies the files: the fake ones are not the official files
+    write_fake_mnist(tmp_path, n_train=10, n_test=6)
+    with pytest.raises(DataError, match="t10k-images-idx3-ubyte.gz: md5 mismatch"):
+        load_digits("mnist", "test", limit=4, data_dir=tmp_path)
+    with pytest.raises(ValueError, match="dataset"):
+        load_digits("svhn", "train")
+    with pytest.raises(ValueError, match="split"):
+        load_digits("synthetic", "validation")

@@ -27,6 +27,7 @@ __all__ = [
     "num_batches",
     "iterate_batches",
     "synthetic_digits",
+    "load_digits",
     "write_fake_mnist",
 ]
 
@@ -202,6 +203,25 @@ def synthetic_digits(n: int, size: int = 28, seed: int = 0,
         ink = (half_width + 0.5 - dist).clamp(0, 1) * stroke_mask[start:start + chunk, :, None, None]
         out[start:start + chunk] = (ink.amax(1) * 255).round().to(torch.uint8)
     return out, labels
+
+
+def load_digits(dataset: str, split: str, *, limit: int | None = None, data_dir=None,
+                synthetic_sizes: tuple[int, int] = (2048, 512), synthetic_seed: int = 0):
+    """uint8 digits ``(N, 28, 28)`` and int64 labels ``(N,)`` of a split, the first ``limit`` of them.
+
+    ``dataset``: ``"mnist"`` (read from ``data_dir``), or ``"synthetic"`` (stroke digits: ``synthetic_sizes``
+    (train, test) of them when ``limit`` is not given, seeded ``synthetic_seed`` for train and ``+ 1`` for test).
+    """
+    if split not in MNIST_SPLITS:
+        raise ValueError(f"load_digits: split must be one of {sorted(MNIST_SPLITS)}, got {split!r}")
+    limit = limit or None
+    if dataset == "synthetic":
+        n = limit or synthetic_sizes[0 if split == "train" else 1]
+        return synthetic_digits(n, seed=synthetic_seed + (0 if split == "train" else 1))
+    if dataset != "mnist":
+        raise ValueError(f"load_digits: dataset must be 'mnist' or 'synthetic', got {dataset!r}")
+    images, labels = load_mnist(split, data_dir=data_dir)
+    return torch.as_tensor(images)[:limit], torch.as_tensor(labels).long()[:limit]
 
 
 def write_fake_mnist(root: str | os.PathLike, n_train: int = 64, n_test: int = 32, seed: int = 0) -> Path:
