@@ -116,7 +116,8 @@ def _pilots_table(results_dir: Path) -> str | None:
     lines += [row for _, row in sorted(rows, reverse=True)]
     first = json.loads(paths[0].read_text())["metrics"]
     lines += ["", f"Probe fitted on the first {first['n_train']:,} training images and scored on {first['n_test']:,} "
-              f"test images; one seed each; the runs trained two at a time, one thread each."]
+              f"test images; one seed each (the headline's seed-to-seed spread is in its table above); the runs "
+              f"trained two at a time, one thread each."]
     return "\n".join(lines)
 
 
