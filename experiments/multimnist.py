@@ -41,7 +41,7 @@ from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
 # anchors: the seed write-up's reduced numpy CapsNet and the paper (about 5% error at full scale)
@@ -310,17 +310,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _table_rows(path: Path) -> tuple[list[str], dict] | None:
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    return data["metrics"], data["provenance"]
-
-
 def readme_table(results_dir: Path) -> str | None:
     """Markdown table of the reduced (and, if present, paper-size) runs, from ``results/multimnist*.json``."""
     results_dir = Path(results_dir)
-    rows = [(label, _table_rows(results_dir / f"{name}.json"))
+    rows = [(label, load_result(results_dir, name))
             for label, name in (("reduced", "multimnist"), ("paper-size", "multimnist_paper"))]
     rows = [(label, r) for label, r in rows if r is not None]
     bench = results_dir / "multimnist_bench.json"

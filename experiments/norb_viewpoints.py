@@ -45,7 +45,7 @@ from probcaps.data.synthetic_norb import synthetic_norb  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_viewpoints.toml"
 MODELS = ("caps", "cnn")
@@ -357,11 +357,10 @@ def main(argv=None) -> int:
 
 def readme_table(results_dir: Path, name: str = "norb_viewpoints") -> str | None:
     """The README table, built only from ``results/<name>.json``."""
-    path = Path(results_dir) / f"{name}.json"
-    if not path.is_file():
+    loaded = load_result(results_dir, name)
+    if loaded is None:
         return None
-    data = json.loads(path.read_text())
-    m, prov = data["metrics"], data["provenance"]
+    m, prov = loaded
     runs = m["per_seed"]
     col = lambda key, scale=100.0: fmt_mean_std([r[key] for r in runs], scale=scale)  # noqa: E731
     lines = [f"| {m['split']} split ({m['dataset']}), mean ± std over {len(runs)} seeds | matrix capsules | CNN | "

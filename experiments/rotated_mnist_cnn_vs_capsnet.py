@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from probcaps.data.loaders import seeded_generator  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result  # noqa: E402
 
 NAME = "rotated_mnist_cnn_vs_capsnet"
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
@@ -268,11 +267,10 @@ def main(argv=None) -> int:
 
 def readme_table(results_dir: Path) -> str | None:
     """Accuracy per angle for LeNet-5, CapsNet and the probe, with the write-up's 0° and 35° numbers."""
-    path = Path(results_dir) / f"{NAME}.json"
-    if not path.is_file():
+    loaded = load_result(results_dir, NAME)
+    if loaded is None:
         return None
-    data = json.loads(path.read_text())
-    m, prov = data["metrics"], data["provenance"]
+    m, prov = loaded
     runs = m["per_seed"]
     probe = m.get("probcaps")
     head = "| rotation | LeNet-5 (%) | CapsNet (%) |" + (" probabilistic capsules, probe (%) |" if probe else "") + \

@@ -174,8 +174,8 @@ def use_compiled_compositing(enable: bool = True) -> None:
     """Run :func:`composite_over` through ``torch.compile``.
 
     Compiling fuses the ten or so passes that the forward and the backward make over the layers into a few.
-    Measured on the 2-core CPU at batch 128 with 40 layers of 40x40, this took the compositing from about 76 ms
-    to 44 ms a step (``benchmarks/bench_step.py --compile``). It costs about 20 s of compiling on the first
-    call. It is off by default. Turn it on with ``train.compile = true`` or ``--compile``.
+    The whole training step with and without it is in ``benchmarks/bench_step.py --compile`` (README table).
+    The first call pays for the compile. It is off by default. Turn it on with ``train.compile = true`` or
+    ``--compile``.
     """
     _COMPILED["fn"] = torch.compile(_composite_over, dynamic=False) if enable else None
