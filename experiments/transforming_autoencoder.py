@@ -49,6 +49,12 @@ from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.render import warp  # noqa: E402
 
 NAME = "transforming_autoencoder"
+WEIGHTINGS = ("presence", "uniform")
+
+
+def capsule_weights(p1: torch.Tensor, p2: torch.Tensor, weighting: str) -> torch.Tensor:
+    """``(B, M)`` weights of the capsules of a pair of images: ``p1 · p2`` (present in both) or all ones."""
+    return p1 * p2 if weighting == "presence" else torch.ones_like(p1)
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
 DIGIT_WINDOW = 22  # the write-up scores its MSE on a 22x22 crop: the same window, centred on the target digit
 
@@ -98,6 +104,7 @@ class TAEEvalConfig:
     presence_threshold: float = 0.1  # "active" capsule (the write-up's threshold)
     curve_pairs: int = 500        # held-out pairs scored at every checkpoint (the R² training curve)
     figures: bool = True
+    transform_weighting: str = "presence"  # read T back from capsules weighted by "presence" (p1·p2) or "uniform"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,6 +117,8 @@ class TAELossConfig:
 
     consistency_weight: float = 0.0
     consistency_frame: str = "template"  # "template" or "split" (see pose_consistency)
+    consistency_weighting: str = "presence"  # "presence": capsules weighted by p1·p2 (held fixed); "uniform": every
+                                             # capsule's pose must move with T, present or not
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -150,6 +159,10 @@ def load_config(path: str | Path | None, mode: str, overrides: list[str] = ()) -
         raise ConfigError(f"{label}: {e}") from None
     if cfg["loss"].consistency_weight < 0:
         raise ConfigError(f"{label}: loss.consistency_weight must be >= 0, got {cfg['loss'].consistency_weight}")
+    for key, value in (("loss.consistency_weighting", cfg["loss"].consistency_weighting),
+                       ("eval.transform_weighting", cfg["eval"].transform_weighting)):
+        if value not in WEIGHTINGS:
+            raise ConfigError(f"{label}: {key} must be one of {WEIGHTINGS}, got {value!r}")
     if cfg["loss"].consistency_frame not in CONSISTENCY_FRAMES:
         raise ConfigError(f"{label}: loss.consistency_frame must be one of {CONSISTENCY_FRAMES}, got "
                           f"{cfg['loss'].consistency_frame!r}")
@@ -265,11 +278,12 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
             batch = make_pairs(x, rng, canvas, seeded_generator(NAME, "pairs", tcfg.seed, epoch, b), swap=swap)
             yield batch["input"], batch["transform"], batch["target"]
 
-    consistency_weight, frame = cfg["loss"].consistency_weight, cfg["loss"].consistency_frame
+    lcfg = cfg["loss"]
 
     def loss_fn(batch):
         images, transforms, targets = batch
-        return transforming_loss(model, images, transforms, targets, consistency_weight, frame)
+        return transforming_loss(model, images, transforms, targets, lcfg.consistency_weight, lcfg.consistency_frame,
+                                 lcfg.consistency_weighting)
 
     curve_path = out_dir / "r2_curve.jsonl"
     curve_time = [0.0]
@@ -278,7 +292,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
         t0 = time.perf_counter()
         was_training = model.training
         model.eval()
-        scores = score_pairs(model, curve_set, cfg["eval"].batch_size)
+        scores = score_pairs(model, curve_set, cfg["eval"].batch_size, cfg["eval"].transform_weighting)
         model.train(was_training)
         with open(curve_path, "a") as f:
             f.write(json.dumps({"step": state.step, **{f"r2_{k}": v for k, v in scores["r2"].items()},
@@ -303,17 +317,18 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
 
 
 def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, transforms: torch.Tensor,
-                      targets: torch.Tensor, consistency_weight: float = 0.0, frame: str = "template"
-                      ) -> torch.Tensor:
+                      targets: torch.Tensor, consistency_weight: float = 0.0, frame: str = "template",
+                      weighting: str = "presence") -> torch.Tensor:
     """MSE of the target rendered from the input's capsules moved by ``T`` (the paper's loss), plus, if
     ``consistency_weight > 0``, that weight times the pose consistency of input and target (both images
-    recognised in one batched call), weighted by ``p1 · p2`` held fixed."""
+    recognised in one batched call), its capsules weighted by ``p1 · p2`` held fixed (``weighting="presence"``)
+    or equally (``"uniform"``)."""
     if consistency_weight <= 0:
         return F.mse_loss(model(images, transforms), targets)
     B = images.shape[0]
     presence, poses = model.recognise(torch.cat([images, targets]))
     recon, _ = model.render(presence[:B], model.apply_transform(poses[:B], transforms))
-    weights = (presence[:B] * presence[B:]).detach()
+    weights = capsule_weights(presence[:B], presence[B:], weighting).detach()
     return F.mse_loss(recon, targets) + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms,
                                                                               weights, frame)
 
@@ -338,8 +353,9 @@ def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAu
 
 
 @torch.no_grad()
-def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> dict:
-    """Recognise both images of every pair, read ``T`` back, reconstruct the target: CPU tensors."""
+def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weighting: str = "presence") -> dict:
+    """Recognise both images of every pair, read ``T`` back (capsules weighted by ``weighting``, see
+    :func:`capsule_weights`), reconstruct the target: CPU tensors."""
     mode, canvas = model.config.mode, model.config.canvas_size
     out: dict[str, list] = {k: [] for k in ("pred", "true", "p1", "sq_err", "win_err", "win_zero", "recon",
                                             "contrib")}
@@ -348,7 +364,7 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> d
         x1, T, x2 = (pairs[k][s:s + batch_size] for k in ("input", "transform", "target"))
         p1, P1 = model.recognise(x1)
         p2, P2 = model.recognise(x2)
-        T_hat = estimate_transform(P1, P2, p1 * p2, mode)
+        T_hat = estimate_transform(P1, P2, capsule_weights(p1, p2, weighting), mode)
         recon, contributions = model.render(p1, model.apply_transform(P1, T))
         mask = window_mask(pairs["placement"][s:s + batch_size], canvas).float()
         err = (recon - x2) ** 2
@@ -364,9 +380,9 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> d
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def score_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> dict:
+def score_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weighting: str = "presence") -> dict:
     """R² per component of the raw estimate and the reconstruction MSE (for the training curve)."""
-    res = run_pairs(model, pairs, batch_size)
+    res = run_pairs(model, pairs, batch_size, weighting)
     names = transform_components(pairs["transform"][:1], model.config.mode, model.config.canvas_size)[1]
     r2 = r2_scores(res["pred"], res["true"])
     return {"r2": dict(zip(names, map(float, r2))), "recon_mse": float(res["sq_err"].mean())}
@@ -387,9 +403,9 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
     test_digits, _ = load_digits(cfg["data"], "test", data_dir)
     train_digits, _ = load_digits(cfg["data"], "train", data_dir)
     pairs = heldout_pairs(test_digits, ecfg.pairs, rng, canvas, cfg["data"].seed, "heldout", device)
-    res = run_pairs(model, pairs, ecfg.batch_size)
+    res = run_pairs(model, pairs, ecfg.batch_size, ecfg.transform_weighting)
     fit_pairs = heldout_pairs(train_digits, ecfg.readout_pairs, rng, canvas, cfg["data"].seed, "readout", device)
-    fit = run_pairs(model, fit_pairs, ecfg.batch_size)
+    fit = run_pairs(model, fit_pairs, ecfg.batch_size, ecfg.transform_weighting)
     readout = fit_readout(fit["pred"], fit["true"])
     pred_linear = torch.from_numpy(readout.predict(res["pred"].double().numpy()))
     names = transform_components(pairs["transform"][:1], mode, canvas)[1]

@@ -45,7 +45,7 @@ import torch.nn as nn
 from probcaps.encoders import PartEncoder
 from probcaps.geometry import (compose, constrained_pose, invert, matrix_to_pose6, pose6_to_matrix,
                                translation_matrix)
-from probcaps.render import composite_over, render_templates, warp
+from probcaps.render import composite_over, extract_glimpses, render_templates, warp
 
 __all__ = ["MODES", "COMBINES", "RECOGNITIONS", "TransformingAutoencoderConfig", "TransformingAutoencoder",
            "estimate_transform", "transform_components", "pose_consistency", "CONSISTENCY_FRAMES"]
@@ -76,6 +76,10 @@ class TransformingAutoencoderConfig:
                                      # init_templates_from), so templates start asymmetric and their poses identifiable
     combine: str = "sum"             # "sum": presence-weighted sum (the paper); "over": alpha compositing
     presence_bias_init: float = 0.0  # initial presence logit of every capsule
+    refine_steps: int = 0            # affine mode: inverse-compositional refinements of every pose (see refine)
+    refine_glimpse: int = 16         # a refinement looks at a g x g glimpse of the image in the capsule's frame
+    refine_hidden: int = 64          # per-capsule hidden units of the refinement
+    refine_range: float = 0.2        # one refinement changes scale by at most ±range, shear and translation by range
     min_scale: float = 0.5           # affine mode: pose scales squashed into [min_scale, max_scale]
     max_scale: float = 1.5
     max_shear: float = 0.5
@@ -104,7 +108,12 @@ class TransformingAutoencoderConfig:
         if self.recognition_activation not in ("sigmoid", "relu"):
             raise ValueError(f"model.recognition_activation must be 'sigmoid' or 'relu', got "
                              f"{self.recognition_activation!r}")
-        for key in ("canvas_size", "num_capsules", "recognition_hidden", "template_size"):
+        if self.refine_steps < 0 or (self.refine_steps and self.mode != "affine"):
+            raise ValueError(f"model.refine_steps must be >= 0, and 0 outside the affine mode, got {self.refine_steps}")
+        if not 0 < self.refine_range < 1:
+            raise ValueError(f"model.refine_range must be in (0, 1), got {self.refine_range}")
+        for key in ("canvas_size", "num_capsules", "recognition_hidden", "template_size", "refine_glimpse",
+                    "refine_hidden"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.min_scale < self.max_scale:
@@ -141,6 +150,12 @@ class TransformingAutoencoder(nn.Module):
         D = cfg.canvas_size ** 2
         out_dim = 1 + _POSE_DIMS[cfg.mode]  # presence logit, then the pose numbers
         gen = torch.Generator().manual_seed(cfg.seed)
+        if cfg.refine_steps:
+            g2 = cfg.refine_glimpse ** 2
+            self.refine_weight = nn.Parameter(torch.randn(M, g2, cfg.refine_hidden, generator=gen) / math.sqrt(g2))
+            self.refine_bias = nn.Parameter(torch.zeros(M, cfg.refine_hidden))
+            # zero output layer: every refinement starts as the identity
+            self.refine_out = nn.Parameter(torch.zeros(M, cfg.refine_hidden, 6))
         if cfg.recognition == "conv":
             self._init_conv_recognition()
             self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
@@ -209,7 +224,8 @@ class TransformingAutoencoder(nn.Module):
         cfg = self.config
         B = images.shape[0]
         if cfg.recognition == "conv":
-            return self._recognise_conv(images)
+            presence, pose = self._recognise_conv(images)
+            return presence, self.refine(images, pose)
         x = images.reshape(B, -1)
         if x.shape[1] != self.hidden_weight.shape[0]:
             raise ValueError(f"recognise: expected images of {cfg.canvas_size}x{cfg.canvas_size} pixels, got "
@@ -218,7 +234,26 @@ class TransformingAutoencoder(nn.Module):
         hidden = torch.sigmoid(pre) if cfg.recognition_activation == "sigmoid" else torch.relu(pre)
         out = torch.einsum("bmh,mho->bmo", hidden, self.output_weight) + self.output_bias  # (B, M, 1 + pose)
         presence = torch.sigmoid(out[..., 0])
-        return presence, self.pose_matrix(out[..., 1:])
+        return presence, self.refine(images, self.pose_matrix(out[..., 1:]))
+
+    def refine(self, images: torch.Tensor, poses: torch.Tensor) -> torch.Tensor:
+        """``refine_steps`` inverse-compositional corrections of poses ``(B, M, 3, 3)``: each capsule looks at the
+        image in its own frame (:func:`probcaps.render.extract_glimpses`) and its own units output a small affine
+        correction ``D``, applied in that frame, ``P <- P D``.
+
+        If ``P`` is off by an affine ``E`` (in the template frame) the glimpse is the canonical view warped by
+        ``E``: the correction only has to undo a small, centred deviation, which is much easier to get right than
+        the whole pose (the idea of inverse-compositional spatial transformers).  The same units serve every step.
+        """
+        cfg = self.config
+        r = cfg.refine_range
+        for _ in range(cfg.refine_steps):
+            g = extract_glimpses(images, poses, cfg.template_size, cfg.refine_glimpse).flatten(2)  # (B, M, g²)
+            hidden = torch.sigmoid(torch.einsum("bmi,mih->bmh", g, self.refine_weight) + self.refine_bias)
+            raw = torch.einsum("bmh,mho->bmo", hidden, self.refine_out)
+            correction = constrained_pose(raw, min_scale=1 - r, max_scale=1 + r, max_shear=r, max_translation=r)
+            poses = compose(poses, pose6_to_matrix(correction))
+        return poses
 
     def _recognise_conv(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config

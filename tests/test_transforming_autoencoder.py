@@ -277,6 +277,29 @@ def test_split_frame_consistency_ignores_pose_size_and_agrees_at_unit_scale():
         pose_consistency(P1, P2, T, w, "canvas")
 
 
+def test_refinement_starts_as_the_identity_and_corrects_in_the_capsule_frame():
+    # catches: a refinement that moves poses before it has learned anything, or that applies its correction on
+    # the canvas side (D P) instead of in the capsule's frame (P D)
+    torch.manual_seed(0)
+    cfg = dict(mode="affine", canvas_size=16, num_capsules=3, template_size=6, recognition="conv",
+               conv_channels=[4, 8], conv_strides=[2, 2], refine_glimpse=4, refine_hidden=5)
+    plain = TransformingAutoencoder(TransformingAutoencoderConfig(**cfg))
+    refined = TransformingAutoencoder(TransformingAutoencoderConfig(**cfg, refine_steps=2))
+    refined.load_state_dict(plain.state_dict(), strict=False)
+    x = torch.rand(2, 1, 16, 16)
+    assert torch.allclose(refined.recognise(x)[1], plain.recognise(x)[1])
+    # a correction that only translates by (0.1, 0) in the capsule's frame: P <- P D twice, D = T(0.1 r, 0)
+    with torch.no_grad():
+        refined.refine_out.zero_()
+        refined.refine_bias.fill_(50.0)                      # hidden units saturate at 1 whatever the glimpse
+        refined.refine_out[:, :, 4] = math.atanh(0.5) / 5    # tx = range · tanh(Σ_h 1 · w) = 0.5 · range
+    P0 = plain.recognise(x)[1]
+    D = translation_matrix(torch.tensor(0.5 * 0.2), torch.tensor(0.0))
+    assert torch.allclose(refined.recognise(x)[1], P0 @ D @ D, atol=1e-5)
+    with pytest.raises(ValueError, match="refine_steps"):
+        TransformingAutoencoderConfig(mode="translation", refine_steps=1).validate()
+
+
 def test_transforming_loss_is_the_mse_plus_weighted_consistency():
     exp = _experiment()
     torch.manual_seed(0)
@@ -289,6 +312,15 @@ def test_transforming_loss_is_the_mse_plus_weighted_consistency():
     p2, P2 = model.recognise(x2)
     expected = mse + 2.5 * pose_consistency(P1, P2, T, p1 * p2)
     assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5), expected, atol=1e-6)
+    with torch.no_grad():  # capsules of unequal presence, so that the two weightings differ
+        model.encoder.head.bias.view(3, model.config.keypoints, -1)[..., 6] = torch.tensor([-3.0, 0.0, 3.0])[:, None]
+    mse = torch.nn.functional.mse_loss(model(x1, T), x2)
+    (p1, P1), (p2, P2) = model.recognise(x1), model.recognise(x2)
+    expected = mse + 2.5 * pose_consistency(P1, P2, T, p1 * p2)
+    uniform = mse + 2.5 * pose_consistency(P1, P2, T, torch.ones_like(p1))
+    assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5, weighting="uniform"), uniform, atol=1e-6)
+    assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5), expected, atol=1e-6)
+    assert not torch.allclose(uniform, expected)
 
 
 # ------------------------------------------------------------------------------------------ data and config
