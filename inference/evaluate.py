@@ -57,6 +57,16 @@ def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, dev
     return [str(p) for p in paths]
 
 
+def plot_presence_by_class(presences: torch.Tensor, labels: torch.Tensor, path: Path) -> Path:
+    """Heatmap of the mean object presence ``(N, K)`` per class: class-specific objects show as a scattered
+    pattern, objects that are on whatever the digit as full columns."""
+    classes = torch.unique(labels)
+    means = torch.stack([presences[labels == c].mean(0) for c in classes])
+    return plotting.plot_heatmap(means, path, row_labels=[str(int(c)) for c in classes], xlabel="object capsule",
+                                 ylabel="digit class", title="mean object presence per class (test set)",
+                                 vmin=0, vmax=1, colorbar_label="presence")
+
+
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
                         data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
                         figures: bool | None = None) -> dict:
@@ -83,12 +93,18 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
                                                           n_clusters=10, n_init=ecfg.kmeans_n_init)
     metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
     metrics["test_recon_mse"] = reconstruction_error(system.model, test_images[:2000], test_lat, device=device)
-    metrics["mean_active_parents"] = float((torch.sigmoid(test_lat.parent_logits) > 0.5).float().sum(1).mean())
+    parent_on = torch.sigmoid(test_lat.parent_logits) > 0.5
+    metrics["mean_active_parents"] = float(parent_on.float().sum(1).mean())
+    # objects on in at least 1% of the test images: the model's working vocabulary of objects
+    metrics["parents_in_use"] = int((parent_on.float().mean(0) >= 0.01).sum())
     metrics["mean_active_parts"] = float((torch.sigmoid(test_lat.part_logits) > 0.5).float().sum(1).mean())
     metrics["n_train"], metrics["n_test"] = len(train_images), len(test_images)
     results_dir = Path(results_dir)
     do_figures = ecfg.figures if figures is None else figures
     figure_paths = save_figures(system, test_images, results_dir / name, device=device) if do_figures else []
+    if do_figures:
+        figure_paths.append(str(plot_presence_by_class(torch.sigmoid(test_lat.parent_logits), test_labels,
+                                                       results_dir / f"{name}_presence_by_class.png")))
     state = cfg.get("train_state", {})
     prov = provenance(seed=cfg["train"].seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,

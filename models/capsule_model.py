@@ -31,7 +31,7 @@ from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
 from probcaps.render import composite_over, render_templates
 
-__all__ = ["CapsuleModelConfig", "CapsuleModel", "presence_sparsity"]
+__all__ = ["CapsuleModelConfig", "CapsuleModel", "presence_sparsity", "parent_usage_penalty"]
 
 
 @dataclass
@@ -45,17 +45,27 @@ class CapsuleModelConfig:
     parent_pose_std: float = 1.0   # σ_p
     part_pose_std_init: float = 0.1
     part_pose_std_min: float = 0.02  # σ_min: the floor on the learned σ_km
+    part_pose_std_max: float = 0.0   # σ_max: a ceiling on σ_km (0: none), so that one object cannot explain every
+                                     # digit's parts loosely
     off_pose_std: float = 1.0      # σ_off: pose spread of an absent child
     clutter_pose_std: float = 1.0  # pose spread of a child of the dummy parent
     dummy_affinity: float = 0.05   # ρ_0m
     dummy_presence: float = 0.1    # γ_0m
     expected_parents: float = 2.0  # π_k = expected_parents / K: one or two objects per digit
     learn_parent_prior: bool = False
+    # anneal the parent prior from expected_parents_start objects per image down to expected_parents over the first
+    # prior_anneal_steps training steps (0: no annealing): with many objects on early, every object gets children
+    # to explain and a shape of its own before the prior asks each image to keep only a few
+    expected_parents_start: float = 0.0
+    prior_anneal_steps: int = 0
     init_offset_std: float = 0.5   # spread of the initial Δ_km translations
     template_init: str = "blob"    # "blob": a round brush plus orthogonal noise; "orthogonal": SCAE's init
     # weight of SCAE's posterior sparsity on the object presences (0: off, the paper's model): each image should
     # use few objects, the batch all of them evenly (see ``presence_sparsity``); a batch-level factor
     presence_sparsity_weight: float = 0.0
+    # weight of a usage balance on the object presences (0: off, the paper's model): every object should be present
+    # in a share expected_parents / K of the images of a batch (see ``parent_usage_penalty``); a batch-level factor
+    parent_usage_weight: float = 0.0
     seed: int = 0                  # parameter initialisation
 
     def to_dict(self) -> dict:
@@ -101,6 +111,16 @@ def presence_sparsity(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return within - between
 
 
+def parent_usage_penalty(z: torch.Tensor, target: float) -> torch.Tensor:
+    """``Σ_k (mean_b z_bk − target)²`` for presences ``z (B, K)``: zero when every object is present in a share
+    ``target`` of the images (SCAE's between-example sparsity, squared).
+
+    Without it the model settles on one or two objects that are on in every image: an object that is never on gets
+    no gradient (its children always choose another parent), so it never becomes worth turning on.
+    """
+    return (z.mean(0) - target).square().sum()
+
+
 class CapsuleModel(PyroModule):
     """Pyro generative model of SPEC §1.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``."""
 
@@ -126,13 +146,27 @@ class CapsuleModel(PyroModule):
         offsets = torch.zeros(K, M, 6)
         offsets[..., [2, 5]] = cfg.init_offset_std * torch.randn(K, M, 2, generator=gen)
         self.offsets = nn.Parameter(offsets)                                 # Δ_km (pose 6-vectors)
-        inv_softplus = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))
-        self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), inv_softplus))  # σ_km = σ_min + softplus(·)
+        if cfg.part_pose_std_max:
+            if not cfg.part_pose_std_min < cfg.part_pose_std_init < cfg.part_pose_std_max:
+                raise ValueError("CapsuleModelConfig: need part_pose_std_min < part_pose_std_init < part_pose_std_max, "
+                                 f"got {cfg.part_pose_std_min}, {cfg.part_pose_std_init}, {cfg.part_pose_std_max}")
+            frac = (cfg.part_pose_std_init - cfg.part_pose_std_min) / (cfg.part_pose_std_max - cfg.part_pose_std_min)
+            raw = math.log(frac / (1 - frac))                                  # σ_km = σ_min + (σ_max − σ_min) sigmoid(·)
+        else:
+            raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
+        self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
         prior_logit = torch.logit(torch.tensor(min(cfg.expected_parents / K, 0.99)))
         if cfg.learn_parent_prior:
             self.parent_prior_logits = nn.Parameter(prior_logit.expand(K).clone())
         else:
             self.register_buffer("parent_prior_logits", prior_logit.expand(K).clone())
+        if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and (cfg.learn_parent_prior or
+                                                                       cfg.expected_parents_start <= 0)):
+            raise ValueError("CapsuleModelConfig: prior_anneal_steps needs expected_parents_start > 0 and a fixed "
+                             "prior (learn_parent_prior = false)")
+        if cfg.prior_anneal_steps:
+            # training steps seen by the annealed prior: in the state dict, so a resumed run continues the schedule
+            self.register_buffer("prior_step", torch.zeros((), dtype=torch.long))
 
     # ---------------------------------------------------------------- parameters in their natural units
     def templates(self) -> torch.Tensor:
@@ -140,8 +174,11 @@ class CapsuleModel(PyroModule):
         return torch.sigmoid(torch.cat([self.template_logits, self.alpha_logits], 1))
 
     def part_pose_std(self) -> torch.Tensor:
-        """``(K, M, 6)`` learned σ_km, floored at ``part_pose_std_min``."""
-        return self.config.part_pose_std_min + F.softplus(self.pose_std_raw)
+        """``(K, M, 6)`` learned σ_km, floored at ``part_pose_std_min`` (and capped at ``part_pose_std_max`` if set)."""
+        cfg = self.config
+        if cfg.part_pose_std_max:
+            return cfg.part_pose_std_min + (cfg.part_pose_std_max - cfg.part_pose_std_min) * torch.sigmoid(self.pose_std_raw)
+        return cfg.part_pose_std_min + F.softplus(self.pose_std_raw)
 
     # ---------------------------------------------------------------- the shared computations
     def child_tables(self, z1: torch.Tensor, y1: torch.Tensor):
@@ -183,8 +220,18 @@ class CapsuleModel(PyroModule):
         image, weights = composite_over(colours, alphas * z0[..., None, None, None], dim=1)
         return image, weights * colours
 
+    def usage_target(self) -> float:
+        """The share of images each object should be present in: ``expected_parents / K``."""
+        return min(self.config.expected_parents / self.config.num_parents, 1.0)
+
     def parent_prior_probs(self) -> torch.Tensor:
-        return torch.sigmoid(self.parent_prior_logits)
+        """``(K,)`` prior presence probabilities π_k (annealed, if ``prior_anneal_steps`` is set)."""
+        cfg = self.config
+        if not cfg.prior_anneal_steps:
+            return torch.sigmoid(self.parent_prior_logits)
+        frac = self.prior_step.clamp(max=cfg.prior_anneal_steps).float() / cfg.prior_anneal_steps
+        expected = cfg.expected_parents_start + (cfg.expected_parents - cfg.expected_parents_start) * frac
+        return (expected / cfg.num_parents).clamp(max=0.99).expand(cfg.num_parents).to(self.parent_prior_logits)
 
     # ---------------------------------------------------------------- the Pyro model
     def forward(self, x: torch.Tensor):
@@ -198,6 +245,8 @@ class CapsuleModel(PyroModule):
             y1 = pyro.sample("y1", dist.Normal(x.new_zeros(()), cfg.parent_pose_std).expand([B, K, 6]).to_event(1))
         if cfg.presence_sparsity_weight > 0:
             pyro.factor("presence_sparsity", -cfg.presence_sparsity_weight * B * presence_sparsity(z1))
+        if cfg.parent_usage_weight > 0:
+            pyro.factor("parent_usage", -cfg.parent_usage_weight * B * parent_usage_penalty(z1, self.usage_target()))
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         with data, pyro.plate("children", M, dim=-1):
             s = pyro.sample("s", dist.Categorical(logits=selection_logits), infer={"enumerate": "parallel"})
@@ -205,6 +254,8 @@ class CapsuleModel(PyroModule):
             std = self.child_pose_std(z0, select_parent(pose_var_on, s, event_dims=1))
             y0 = pyro.sample("y0", dist.Normal(select_parent(pose_mean, s, event_dims=1), std).to_event(1))
         image, _ = self.render(z0, y0)
+        if cfg.prior_anneal_steps and self.training:
+            self.prior_step += 1
         with data:
             pyro.sample("x", dist.Normal(image.flatten(1).unsqueeze(1), cfg.pixel_std).to_event(1),
                         obs=x.flatten(1).unsqueeze(1))
@@ -227,8 +278,10 @@ class CapsuleModel(PyroModule):
         std = self.child_pose_std(z0.unsqueeze(-1), pose_var_on)                  # (B, M, K+1, 6)
         lp_y = dist.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
         lp = lp + torch.logsumexp(log_sel + lp_z + lp_y, -1).sum(-1)
-        if cfg.presence_sparsity_weight > 0:  # the batch-level factor, shared equally by the images
+        if cfg.presence_sparsity_weight > 0:  # the batch-level factors, shared equally by the images
             lp = lp - cfg.presence_sparsity_weight * presence_sparsity(z1)
+        if cfg.parent_usage_weight > 0:
+            lp = lp - cfg.parent_usage_weight * parent_usage_penalty(z1, self.usage_target())
         image, _ = self.render(z0, y0)
         return lp + dist.Normal(image, cfg.pixel_std).log_prob(x).flatten(1).sum(-1)
 

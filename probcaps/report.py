@@ -59,6 +59,13 @@ def _mnist_probe_table(results_dir: Path) -> str | None:
         scale = 1.0 if key == "test_elbo_per_image" else 100.0
         digits = 3 if key == "test_recon_mse" else 1
         lines.append(f"| {label} | {fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)} | {anchor} |")
+    K = prov.get("configs", {}).get("model", {}).get("num_parents", "K")
+    if all("mean_active_parents" in r for r in runs):
+        lines.append(f"| Objects on per image (presence > 0.5, of {K}) | "
+                     f"{fmt_mean_std([r['mean_active_parents'] for r in runs], scale=1.0, digits=2)} | — |")
+    if all("parents_in_use" in r for r in runs):
+        lines.append(f"| Objects in use (on in ≥ 1% of test images, of {K}), per seed | "
+                     f"{', '.join(str(r['parents_in_use']) for r in runs)} | — |")
     seeds = ", ".join(str(r["seed"]) for r in runs)
     walls = ", ".join(f"{r['train_wall_time_s'] / 60:.0f}" for r in runs)
     lines.append("")
@@ -102,7 +109,8 @@ def _pilots_table(results_dir: Path) -> str | None:
     headline = load_experiment_config(Path(__file__).resolve().parent.parent / "experiments" / "configs" /
                                       "mnist_probe.toml")
     lines = ["| change from the headline config | training steps | training wall time (s) | test ELBO per image | "
-             "probe: presences + poses | probe: presences |", "| --- | --- | --- | --- | --- | --- |"]
+             "probe: presences + poses | probe: presences | objects in use |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     rows = []
     for path in paths:
         data = json.loads(path.read_text())
@@ -112,12 +120,15 @@ def _pilots_table(results_dir: Path) -> str | None:
                    if key != "seed" and value != getattr(headline[section], key, None)]
         rows.append((m["probe_presence_pose_test_acc"], f"| {'; '.join(changes) or 'none'} | {prov['steps']} | "
                      f"{prov['wall_time_s']:.0f} | {m['test_elbo_per_image']:.0f} | "
-                     f"{100 * m['probe_presence_pose_test_acc']:.1f}% | {100 * m['probe_presence_test_acc']:.1f}% |"))
+                     f"{100 * m['probe_presence_pose_test_acc']:.1f}% | {100 * m['probe_presence_test_acc']:.1f}% | "
+                     f"{m.get('parents_in_use', '—')} |"))
     lines += [row for _, row in sorted(rows, reverse=True)]
     first = json.loads(paths[0].read_text())["metrics"]
     lines += ["", f"Probe fitted on the first {first['n_train']:,} training images and scored on {first['n_test']:,} "
               f"test images; one seed each (the headline's seed-to-seed spread is in its table above); the runs "
-              f"trained two at a time, one thread each."]
+              f"trained two at a time, one thread each. Objects in use: objects on (presence > 0.5) in at least 1% "
+              f"of the test images, out of `model.num_parents` (— where the run was scored before this column "
+              f"existed)."]
     return "\n".join(lines)
 
 
@@ -141,12 +152,50 @@ def _ttvi_throughput_table(results_dir: Path) -> str | None:
     ])
 
 
+def _norb_pilots_table(results_dir: Path) -> str | None:
+    """One-seed tries of the novel-viewpoint experiment with other settings (``results/norb_pilots/*.json``)."""
+    paths = sorted((results_dir / "norb_pilots").glob("*.json"))
+    if not paths:
+        return None
+    lines = ["| capsules A, B, C, D | capsule steps | CNN steps | seed | matched familiar acc. | novel acc.: capsules | "
+             "novel acc.: CNN | novel error reduction | capsule training (min) | command |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for path in paths:
+        data = json.loads(path.read_text())
+        prov, caps = data["provenance"], data["provenance"]["configs"]["caps"]
+        for r in data["metrics"]["per_seed"]:
+            lines.append(f"| {caps['A']}, {caps['B']}, {caps['C']}, {caps['D']} | {r['caps_steps']} | "
+                         f"{r['cnn_steps']} | {r['seed']} | {r['target_familiar_acc']:.3f} | {r['caps_novel_acc']:.3f} | "
+                         f"{r['cnn_novel_acc']:.3f} | {100 * r['novel_error_reduction']:+.1f}% | "
+                         f"{r['caps_train_wall_time_s'] / 60:.0f} | `{prov.get('command', '?')}` |")
+    return "\n".join(lines)
+
+
+def _tae_pilots_table(results_dir: Path) -> str | None:
+    """One-seed tries of the affine transforming auto-encoder (``results/tae_pilots/*.json``)."""
+    paths = sorted((results_dir / "tae_pilots").glob("*.json"))
+    if not paths:
+        return None
+    names = ["m11", "m12", "tx", "m21", "m22", "ty"]
+    lines = ["| try | seed | steps | " + " | ".join(f"R² {n}" for n in names) + " | active capsules | command |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |"]
+    for path in paths:
+        data = json.loads(path.read_text())
+        for r in data["metrics"]["per_seed"]:
+            lines.append(f"| {path.stem} | {r['seed']} | {r['steps']} | "
+                         + " | ".join(f"{r[f'r2_{n}']:.2f}" for n in names)
+                         + f" | {r['active_capsules_mean']:.1f} | `{data['provenance'].get('command', '?')}` |")
+    return "\n".join(lines)
+
+
 #: name -> function building the table's markdown from the results folder (None when its JSON is missing)
 TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe": _mnist_probe_table,
     "bench_step": _benchmark_table,
     "ttvi_throughput": _ttvi_throughput_table,
     "pilots": _pilots_table,
+    "norb_pilots": _norb_pilots_table,
+    "tae_pilots": _tae_pilots_table,
 }
 
 

@@ -467,3 +467,65 @@ def test_presence_sparsity_factor_matches_the_reference_and_changes_the_loss():
     from models.capsule_model import presence_sparsity
 
     assert loss.item() - plain == pytest.approx(5.0 * 3 * presence_sparsity(z1).item(), rel=1e-6)
+
+
+def test_parent_usage_penalty_hand_computed_and_in_the_loss():
+    # catches: the usage measured per image instead of per object over the batch, or the factor's scale differing
+    # between the Pyro model and log_joint
+    from models.capsule_model import parent_usage_penalty
+
+    z = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    assert parent_usage_penalty(z, 0.25).item() == pytest.approx(0.0, abs=1e-12)     # each object in 1/4 of images
+    same = torch.tensor([[1.0, 0.0, 0.0, 0.0]]).expand(4, 4)
+    assert parent_usage_penalty(same, 0.25).item() == pytest.approx(0.75**2 + 3 * 0.25**2)
+    model = _model()
+    z1, y1, z0, y0 = _latents(B=3, seed=7)
+    x = _images(model, z0, y0, seed=8)
+    plain = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x).item()
+    model.config.parent_usage_weight = 4.0
+    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
+    assert math.isclose(loss.item(), -model.log_joint(x, z1, y1, z0, y0).sum().item(), rel_tol=1e-10)
+    expected = 4.0 * 3 * parent_usage_penalty(z1, model.usage_target()).item()
+    assert expected > 0 and loss.item() - plain == pytest.approx(expected, rel=1e-6)
+
+
+def test_annealed_parent_prior_moves_with_training_steps_only_and_resumes():
+    # catches: the schedule counting evaluation calls, ending at the wrong value, or restarting after a resume
+    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, expected_parents=0.5,
+                             expected_parents_start=1.5, prior_anneal_steps=4)
+    model = CapsuleModel(cfg).to(DT)
+    z1, y1, z0, y0 = _latents(B=2, seed=3)
+    x = _images(model, z0, y0, seed=4)
+    guide = FixedGuide(z1, y1, z0, y0)
+    assert torch.allclose(model.parent_prior_probs(), torch.full((K,), 0.75, dtype=DT))
+    model.eval()
+    _enum_loss(model, guide, x)
+    assert int(model.prior_step) == 0                                    # evaluation does not advance it
+    model.train()
+    for _ in range(2):
+        _enum_loss(model, guide, x)
+    assert torch.allclose(model.parent_prior_probs(), torch.full((K,), 0.5, dtype=DT))   # halfway: 2 of 4
+    resumed = CapsuleModel(cfg).to(DT)
+    resumed.load_state_dict(model.state_dict())
+    assert torch.allclose(resumed.parent_prior_probs(), model.parent_prior_probs())
+    for _ in range(5):
+        _enum_loss(resumed, guide, x)
+    assert torch.allclose(resumed.parent_prior_probs(), torch.full((K,), 0.25, dtype=DT))  # stays at the end
+    # the Pyro loss and the torch reference agree at every point of the schedule
+    assert math.isclose(_enum_loss(model.eval(), guide, x).item(), -model.log_joint(x, z1, y1, z0, y0).sum().item(),
+                        rel_tol=1e-10)
+    with pytest.raises(ValueError, match="prior_anneal_steps"):
+        CapsuleModel(CapsuleModelConfig(prior_anneal_steps=10))
+
+
+def test_part_pose_std_ceiling_bounds_sigma_on_both_sides():
+    # catches: the ceiling ignored (σ growing past it) or the initial σ off its configured value
+    model = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S,
+                                            part_pose_std_min=0.03, part_pose_std_init=0.1, part_pose_std_max=0.15))
+    assert torch.allclose(model.part_pose_std(), torch.full((K, M, 6), 0.1), atol=1e-6)
+    with torch.no_grad():
+        model.pose_std_raw.copy_(torch.linspace(-50, 50, K * M * 6).view(K, M, 6))
+    sigma = model.part_pose_std()
+    assert sigma.min().item() == pytest.approx(0.03) and sigma.max().item() == pytest.approx(0.15)
+    with pytest.raises(ValueError, match="part_pose_std_max"):
+        CapsuleModel(CapsuleModelConfig(part_pose_std_init=0.5, part_pose_std_max=0.15))
