@@ -99,10 +99,15 @@ def _benchmark_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+def _results_in(results_dir: Path, folder: str) -> list[tuple[Path, dict]]:
+    """``(path, parsed JSON)`` of every results file in ``results_dir/folder``, sorted by name."""
+    return [(path, json.loads(path.read_text())) for path in sorted((results_dir / folder).glob("*.json"))]
+
+
 def _pilots_table(results_dir: Path) -> str | None:
     """Short runs of the headline config with one change each (``results/pilots/*.json``)."""
-    paths = sorted((results_dir / "pilots").glob("*.json"))
-    if not paths:
+    results = _results_in(results_dir, "pilots")
+    if not results:
         return None
     from inference.capsule_svi import load_experiment_config
 
@@ -112,8 +117,7 @@ def _pilots_table(results_dir: Path) -> str | None:
              "probe: presences + poses | probe: presences | objects in use |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     rows = []
-    for path in paths:
-        data = json.loads(path.read_text())
+    for path, data in results:
         m, prov = data["metrics"], data["provenance"]
         changes = [f"{section}.{key} = {value}" for section in ("model", "encoder")
                    for key, value in prov["configs"][section].items()
@@ -123,7 +127,7 @@ def _pilots_table(results_dir: Path) -> str | None:
                      f"{100 * m['probe_presence_pose_test_acc']:.1f}% | {100 * m['probe_presence_test_acc']:.1f}% | "
                      f"{m.get('parents_in_use', '—')} |"))
     lines += [row for _, row in sorted(rows, reverse=True)]
-    first = json.loads(paths[0].read_text())["metrics"]
+    first = results[0][1]["metrics"]
     lines += ["", f"Probe fitted on the first {first['n_train']:,} training images and scored on {first['n_test']:,} "
               f"test images; one seed each (the headline's seed-to-seed spread is in its table above); the runs "
               f"trained two at a time, one thread each. Objects in use: objects on (presence > 0.5) in at least 1% "
@@ -154,14 +158,13 @@ def _ttvi_throughput_table(results_dir: Path) -> str | None:
 
 def _norb_pilots_table(results_dir: Path) -> str | None:
     """One-seed tries of the novel-viewpoint experiment with other settings (``results/norb_pilots/*.json``)."""
-    paths = sorted((results_dir / "norb_pilots").glob("*.json"))
-    if not paths:
+    results = _results_in(results_dir, "norb_pilots")
+    if not results:
         return None
     lines = ["| capsules A, B, C, D | capsule steps | CNN steps | seed | matched familiar acc. | novel acc.: capsules | "
              "novel acc.: CNN | novel error reduction | capsule training (min) | command |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for path in paths:
-        data = json.loads(path.read_text())
+    for _, data in results:
         prov, caps = data["provenance"], data["provenance"]["configs"]["caps"]
         for r in data["metrics"]["per_seed"]:
             lines.append(f"| {caps['A']}, {caps['B']}, {caps['C']}, {caps['D']} | {r['caps_steps']} | "
@@ -173,14 +176,13 @@ def _norb_pilots_table(results_dir: Path) -> str | None:
 
 def _tae_pilots_table(results_dir: Path) -> str | None:
     """One-seed tries of the affine transforming auto-encoder (``results/tae_pilots/*.json``)."""
-    paths = sorted((results_dir / "tae_pilots").glob("*.json"))
-    if not paths:
+    results = _results_in(results_dir, "tae_pilots")
+    if not results:
         return None
     names = ["m11", "m12", "tx", "m21", "m22", "ty"]
     lines = ["| try | seed | steps | " + " | ".join(f"R² {n}" for n in names) + " | active capsules | command |",
              "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |"]
-    for path in paths:
-        data = json.loads(path.read_text())
+    for path, data in results:
         for r in data["metrics"]["per_seed"]:
             lines.append(f"| {path.stem} | {r['seed']} | {r['steps']} | "
                          + " | ".join(f"{r[f'r2_{n}']:.2f}" for n in names)

@@ -455,38 +455,31 @@ def test_presence_sparsity_hand_computed_values():
     assert presence_sparsity(half).item() == pytest.approx(math.log(2) - math.log(4), abs=1e-6)
 
 
-def test_presence_sparsity_factor_matches_the_reference_and_changes_the_loss():
-    # catches: the batch-level factor missing from the Pyro model, scaled differently from log_joint, or ignored
-    model = _model()
-    z1, y1, z0, y0 = _latents(B=3, seed=7)
-    x = _images(model, z0, y0, seed=8)
-    plain = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x).item()
-    model.config.presence_sparsity_weight = 5.0
-    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
-    assert math.isclose(loss.item(), -model.log_joint(x, z1, y1, z0, y0).sum().item(), rel_tol=1e-10)
-    from models.capsule_model import presence_sparsity
-
-    assert loss.item() - plain == pytest.approx(5.0 * 3 * presence_sparsity(z1).item(), rel=1e-6)
-
-
-def test_parent_usage_penalty_hand_computed_and_in_the_loss():
-    # catches: the usage measured per image instead of per object over the batch, or the factor's scale differing
-    # between the Pyro model and log_joint
+def test_parent_usage_penalty_hand_computed():
+    # catches: the usage measured per image instead of per object over the batch
     from models.capsule_model import parent_usage_penalty
 
     z = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
     assert parent_usage_penalty(z, 0.25).item() == pytest.approx(0.0, abs=1e-12)     # each object in 1/4 of images
     same = torch.tensor([[1.0, 0.0, 0.0, 0.0]]).expand(4, 4)
     assert parent_usage_penalty(same, 0.25).item() == pytest.approx(0.75**2 + 3 * 0.25**2)
+
+
+@pytest.mark.parametrize("key", ["presence_sparsity_weight", "parent_usage_weight"])
+def test_batch_level_factor_matches_the_reference_and_changes_the_loss(key):
+    # catches: a batch-level factor missing from the Pyro model, scaled differently from log_joint, or ignored
+    from models.capsule_model import parent_usage_penalty, presence_sparsity
+
     model = _model()
     z1, y1, z0, y0 = _latents(B=3, seed=7)
     x = _images(model, z0, y0, seed=8)
     plain = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x).item()
-    model.config.parent_usage_weight = 4.0
+    setattr(model.config, key, 5.0)
     loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
     assert math.isclose(loss.item(), -model.log_joint(x, z1, y1, z0, y0).sum().item(), rel_tol=1e-10)
-    expected = 4.0 * 3 * parent_usage_penalty(z1, model.usage_target()).item()
-    assert expected > 0 and loss.item() - plain == pytest.approx(expected, rel=1e-6)
+    value = presence_sparsity(z1) if key == "presence_sparsity_weight" else parent_usage_penalty(z1,
+                                                                                                  model.usage_target())
+    assert value.item() != 0 and loss.item() - plain == pytest.approx(5.0 * 3 * value.item(), rel=1e-6)
 
 
 def test_annealed_parent_prior_moves_with_training_steps_only_and_resumes():
