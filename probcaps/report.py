@@ -6,6 +6,7 @@ the markers is replaced, everything else is left alone.  Numbers are never typed
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -39,8 +40,8 @@ def fmt_mean_std(values: list[float], scale: float = 100.0, digits: int = 1) -> 
     return f"{a.mean():.{digits}f} ± {a.std(ddof=1):.{digits}f}"
 
 
-def _mnist_probe_table(results_dir: Path) -> str | None:
-    path = results_dir / "mnist_probe.json"
+def _mnist_probe_table(results_dir: Path, name: str = "mnist_probe") -> str | None:
+    path = results_dir / f"{name}.json"
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
@@ -130,7 +131,7 @@ def _pilots_table(results_dir: Path) -> str | None:
     first = results[0][1]["metrics"]
     lines += ["", f"Probe fitted on the first {first['n_train']:,} training images and scored on {first['n_test']:,} "
               f"test images; one seed each (the headline's seed-to-seed spread is in its table above); the runs "
-              f"trained two at a time, one thread each. Objects in use: objects on (presence > 0.5) in at least 1% "
+              f"trained two or three at a time, one thread each. Objects in use: objects on (presence > 0.5) in at least 1% "
               f"of the test images, out of `model.num_parents` (— where the run was scored before this column "
               f"existed)."]
     return "\n".join(lines)
@@ -193,6 +194,7 @@ def _tae_pilots_table(results_dir: Path) -> str | None:
 #: name -> function building the table's markdown from the results folder (None when its JSON is missing)
 TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe": _mnist_probe_table,
+    "mnist_probe_annealed": functools.partial(_mnist_probe_table, name="mnist_probe_annealed"),
     "bench_step": _benchmark_table,
     "ttvi_throughput": _ttvi_throughput_table,
     "pilots": _pilots_table,

@@ -30,7 +30,7 @@ TINY_SETS = [
 METRIC_KEYS = {
     "probe_presence_test_acc", "probe_presence_train_acc", "probe_presence_pose_test_acc",
     "probe_presence_pose_train_acc", "kmeans_presence_test_acc", "test_elbo_per_image", "test_recon_mse",
-    "mean_active_parents", "mean_active_parts", "n_train", "n_test",
+    "mean_active_parents", "parents_in_use", "mean_active_parts", "n_train", "n_test",
 }
 
 
@@ -69,12 +69,13 @@ def test_train_resume_evaluate(tiny_toml, tmp_path, capsys):
     assert record["metrics"]["n_train"] == 16 and record["metrics"]["n_test"] == 16
     for key in ("probe_presence_test_acc", "kmeans_presence_test_acc"):
         assert 0.0 <= record["metrics"][key] <= 1.0
+    assert 0 <= record["metrics"]["parents_in_use"] <= 2  # of the tiny config's 2 objects
     prov = record["provenance"]
     for key in ("git_commit", "seed", "steps", "device", "checkpoint", "torch_version", "pyro_version", "configs"):
         assert key in prov, key
     assert prov["steps"] == 5 and prov["checkpoint"] == str(out / "final.pt")
     pngs = sorted(p.name for p in results.glob("*.png"))
-    assert pngs == ["tiny_reconstructions.png", "tiny_templates.png"]
+    assert pngs == ["tiny_presence_by_class.png", "tiny_reconstructions.png", "tiny_templates.png"]
     assert all((results / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "probe_presence_test_acc" in capsys.readouterr().out
 
