@@ -37,10 +37,14 @@ bench: install
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, headline encoder" --compile \
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
+	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, headline encoder, bf16 convolutions" --compile \
+	  --config experiments/configs/mnist_probe.toml --set encoder.bf16=true --json results/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, light encoder" $(LIGHT_ENCODER) \
 	  --json results/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, light encoder" $(LIGHT_ENCODER) --compile \
 	  --json results/bench_step.json --append
+	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, light encoder, bf16 convolutions" $(LIGHT_ENCODER) \
+	  --compile --set encoder.bf16=true --json results/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "headline config" --parts 24 --parents 16 \
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
 

@@ -13,8 +13,8 @@ import torch.nn as nn
 
 from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
-from models.capsule_model import CapsuleModel, CapsuleModelConfig
-from probcaps.distributions import ClampedRelaxedBernoulli
+from models.capsule_model import CapsuleModel, CapsuleModelConfig, parent_usage_penalty
+from probcaps.distributions import ClampedRelaxedBernoulli, bound_logits
 from probcaps.config import DataConfig, EvalConfig, load_sections
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
 from probcaps.data.loaders import seeded_generator
@@ -91,8 +91,14 @@ class CapsuleSystem(nn.Module):
         return self
 
     def loss(self, elbo, x: torch.Tensor) -> torch.Tensor:
-        """Negative ELBO per image (``s`` enumerated out)."""
-        return elbo.differentiable_loss(self.model, self.guide, x) / x.shape[0]
+        """Negative ELBO per image (``s`` enumerated out), plus ``model.guide_usage_weight`` times the usage balance
+        of the guide's object presence probabilities (:func:`models.capsule_model.parent_usage_penalty`) if set."""
+        loss = elbo.differentiable_loss(self.model, self.guide, x) / x.shape[0]
+        weight = self.model.config.guide_usage_weight
+        if weight > 0:
+            probs = torch.sigmoid(bound_logits(self.guide.last_parent_logits))  # the guide's presence probabilities
+            loss = loss + weight * parent_usage_penalty(probs, self.model.usage_target())
+        return loss
 
     def reference_loss(self, x: torch.Tensor) -> torch.Tensor:
         """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).

@@ -43,6 +43,8 @@ class EncoderConfig:
     max_scale: float = 2.0
     max_translation: float = 0.5   # of the offset from where each part's attention looks
     parent_pose_scale: float = 1.0  # multiplies the raw parent-pose head output
+    bf16: bool = False             # the part encoder's convolutions in bfloat16 autocast (CPUs with AVX-512 BF16 or
+                                   # AMX, and GPUs: about 1.8x faster there; emulated, so slower, elsewhere)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,6 +74,7 @@ class CapsuleEncoder(nn.Module):
         self.parts = PartEncoder(
             num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides), feature_dim=cfg.part_features,
             pose_kwargs=dict(min_scale=cfg.min_scale, max_scale=cfg.max_scale, max_translation=cfg.max_translation),
+            bf16=cfg.bf16,
         )
         self.part_embedding = nn.Parameter(0.1 * torch.randn(num_parts, cfg.part_embedding))
         self.set_transformer = SetTransformer(
@@ -128,6 +131,7 @@ class DeltaGuide(PyroModule):
             z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=part_logits))
             y0 = pyro.sample("y0", self.pose_distribution(part_poses, "y0"))
         parent_logits, parent_poses = self.encoder.encode_parents(y0, z0)
+        self.last_parent_logits = parent_logits  # for regularisers on the presence probabilities (CapsuleSystem.loss)
         with data, pyro.plate("parents", parent_logits.shape[-1], dim=-1):
             z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
             y1 = pyro.sample("y1", self.pose_distribution(parent_poses, "y1"))

@@ -66,6 +66,12 @@ class CapsuleModelConfig:
     # weight of a usage balance on the object presences (0: off, the paper's model): every object should be present
     # in a share expected_parents / K of the images of a batch (see ``parent_usage_penalty``); a batch-level factor
     parent_usage_weight: float = 0.0
+    # weight of the same usage balance on the guide's object presence *probabilities* (0: off): a regulariser on the
+    # encoder, added to the training loss outside the ELBO (``CapsuleSystem.loss``).  Relaxed samples meet a balance
+    # on their batch mean by presences random at a constant probability, which carry no information about the image;
+    # probabilities meet it only by being on in some images and off in others (or by a constant share everywhere,
+    # which the ELBO penalises: an object randomly absent explains nothing).  SCAE's between-example sparsity.
+    guide_usage_weight: float = 0.0
     seed: int = 0                  # parameter initialisation
 
     def to_dict(self) -> dict:

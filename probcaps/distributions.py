@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributions.utils import probs_to_logits
 
-__all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP", "MAX_LOGIT", "inverse_softplus"]
+__all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP", "MAX_LOGIT", "bound_logits", "inverse_softplus"]
 
 #: Relaxed samples are kept in ``[RELAXED_CLAMP, 1 - RELAXED_CLAMP]``.  Float32 concrete samples otherwise reach
 #: exactly 0 or 1, where the density's log-Jacobian is infinite and gradients become NaN.
@@ -22,6 +22,11 @@ RELAXED_CLAMP = 1e-4
 #: the clamp, +2,900 nats per image of ELBO that no image earned).  With ``|logit| <= 6`` and ``τ = 0.5`` the
 #: clamp (logit ±9.2) stays in the tail and the density there is the density of the samples.
 MAX_LOGIT = 6.0
+
+
+def bound_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``MAX_LOGIT * tanh(logits / MAX_LOGIT)``: the logits a :class:`ClampedRelaxedBernoulli` really uses."""
+    return MAX_LOGIT * torch.tanh(logits / MAX_LOGIT)
 
 
 class ClampedRelaxedBernoulli(dist.RelaxedBernoulli):
@@ -37,7 +42,7 @@ class ClampedRelaxedBernoulli(dist.RelaxedBernoulli):
             raise ValueError("ClampedRelaxedBernoulli: give exactly one of probs or logits")
         if logits is None:
             logits = probs_to_logits(probs, is_binary=True)
-        logits = MAX_LOGIT * torch.tanh(logits / MAX_LOGIT)
+        logits = bound_logits(logits)
         super().__init__(temperature, logits=logits, validate_args=validate_args)
 
     def expand(self, batch_shape, _instance=None):

@@ -202,9 +202,11 @@ class PartEncoder(nn.Module):
         activation: type[nn.Module] = nn.ELU,
         pose_kwargs: dict | None = None,
         attention_translation: bool = True,
+        bf16: bool = False,
     ):
         super().__init__()
         self.attention_translation = attention_translation
+        self.bf16 = bf16
         if len(channels) != len(strides):
             raise ValueError(f"PartEncoder: {len(channels)} channels but {len(strides)} strides")
         self.num_parts, self.feature_dim = num_parts, feature_dim
@@ -243,7 +245,10 @@ class PartEncoder(nn.Module):
         b[:, 4:6] = torch.atanh(grid[idx])
 
     def forward(self, x: torch.Tensor) -> PartOutput:
-        h = self.head(self.cnn(x))  # (B, M * (n_param + 1), H', W')
+        # bf16: the convolutions (most of the encoder's time) in bfloat16 autocast, everything after them in float32
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            features = self.cnn(x)
+        h = self.head(features.to(x.dtype))  # (B, M * (n_param + 1), H', W')
         fh, fw = h.shape[-2:]
         h = h.reshape(h.shape[0], self.num_parts, self.n_param + 1, -1)  # (B, M, P + 1, H'W')
         att = torch.softmax(h[:, :, -1], -1)  # (B, M, H'W'): over positions

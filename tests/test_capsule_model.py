@@ -522,3 +522,39 @@ def test_part_pose_std_ceiling_bounds_sigma_on_both_sides():
     assert sigma.min().item() == pytest.approx(0.03) and sigma.max().item() == pytest.approx(0.15)
     with pytest.raises(ValueError, match="part_pose_std_max"):
         CapsuleModel(CapsuleModelConfig(part_pose_std_init=0.5, part_pose_std_max=0.15))
+
+
+def test_guide_usage_balance_adds_the_penalty_on_presence_probabilities():
+    # catches: the balance computed on the relaxed samples (which random presences meet) instead of the guide's
+    # probabilities, a wrong scale, or no gradient reaching the encoder's object-presence head
+    from inference.capsule_svi import CapsuleSystem
+    from inference.train import make_elbo
+    from models.capsule_model import parent_usage_penalty
+    from probcaps.distributions import bound_logits
+
+    pyro.settings.set(module_local_params=True)
+    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
+    enc = EncoderConfig(channels=[8, 8], strides=[2, 2], set_hidden=8, set_heads=2, set_inducing=2, parent_code=8,
+                        head_hidden=8, part_embedding=4, part_features=0)
+    system = CapsuleSystem(cfg, enc)
+    x = torch.rand(4, 1, S, S)
+    elbo = make_elbo()
+    torch.manual_seed(5)
+    plain = system.loss(elbo, x)
+    logits = system.guide.last_parent_logits.detach()
+    system.model.config.guide_usage_weight = 7.0
+    torch.manual_seed(5)
+    loss = system.loss(elbo, x)
+    penalty = parent_usage_penalty(torch.sigmoid(bound_logits(logits)), system.model.usage_target())
+    assert penalty.item() > 0
+    assert loss.item() - plain.item() == pytest.approx(7.0 * penalty.item(), rel=1e-4, abs=1e-4)
+    # the probabilities of a constant share everywhere meet it exactly, random on/off samples are not what is scored
+    share = torch.full((6, K), system.model.usage_target())
+    assert parent_usage_penalty(share, system.model.usage_target()).item() == pytest.approx(0.0, abs=1e-12)
+    # the penalty's own gradient (with minus without it, same latents) reaches the object-presence head
+    head = system.encoder.presence_head[-1].weight
+    (grad_with,) = torch.autograd.grad(loss, head)
+    system.model.config.guide_usage_weight = 0.0
+    torch.manual_seed(5)
+    (grad_without,) = torch.autograd.grad(system.loss(elbo, x), head)
+    assert torch.isfinite(grad_with).all() and (grad_with - grad_without).abs().sum() > 1e-6

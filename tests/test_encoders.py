@@ -242,3 +242,21 @@ def test_attention_translation_places_part_where_it_looks():
     offset = encoders.constrained_pose(out.pose_raw, max_translation=0.5)[..., [2, 5]]
     torch.testing.assert_close(out.pose[:, 0, [2, 5]] - offset[:, 0], expected_centre.expand(2, 2), atol=1e-4,
                                rtol=0)
+
+
+def test_part_encoder_bf16_close_to_float32_and_outputs_float32():
+    # the bf16 trunk (EncoderConfig.bf16) is an approximation of the same function: same weights, outputs in float32
+    # and close to the float32 encoder's; a wrong cast (outputs left in bf16) or a broken trunk fails here
+    torch.manual_seed(0)
+    ref = PartEncoder(6, channels=(16, 16), strides=(2, 2), feature_dim=3)
+    enc = PartEncoder(6, channels=(16, 16), strides=(2, 2), feature_dim=3, bf16=True)
+    enc.load_state_dict(ref.state_dict())
+    x = torch.rand(3, 1, 20, 20)
+    a, b = ref(x), enc(x)
+    for ta, tb in zip(a, b):
+        assert tb.dtype == torch.float32
+        torch.testing.assert_close(tb, ta, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(a.pose, b.pose)  # the autocast really ran in lower precision
+    b.pose.square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in enc.parameters() if p.grad is not None)
+    assert enc.cnn[0].weight.grad.dtype == torch.float32
