@@ -58,8 +58,9 @@ def cnn_baseline(train_images, train_labels, tests: dict, steps: int, seeds: lis
     return runs
 
 
-def readme_table(results_dir: Path) -> str | None:
-    loaded = load_result(results_dir, "affnist")
+def readme_table(results_dir: Path, name: str = "affnist") -> str | None:
+    """The README table of ``results_dir/<name>.json`` (``--name``; e.g. ``affnist_ceiling`` for another checkpoint)."""
+    loaded = load_result(results_dir, name)
     if loaded is None:
         return None
     m, prov = loaded
@@ -83,15 +84,17 @@ def readme_table(results_dir: Path) -> str | None:
                 lines.append(f"| probe on object {label} after test-time VI, {how} (first {t['n_images']} images) "
                              f"| — | {100 * t[f'{reading}_probe_{key}_acc']:.1f} (encoder on the same images: "
                              f"{100 * t[f'encoder_probe_{key}_acc']:.1f}) | — |")
-    lines.append(f"| supervised CNN, {len(cnn)} seed(s) | {cnn_ms('mnist_acc')} | {cnn_ms('ood_acc')} | "
-                 f"SCAE's CNN baseline 71.5 (real affNIST) |")
+    if cnn:
+        lines.append(f"| supervised CNN, {len(cnn)} seed(s) | {cnn_ms('mnist_acc')} | {cnn_ms('ood_acc')} | "
+                     f"SCAE's CNN baseline 71.5 (real affNIST) |")
     seeds = [r["seed"] for r in cnn]
     lines += ["", f"{ood}: the 10,000 MNIST test digits under Tieleman's recipe (rotation ±"
               f"{AFFNIST_RECIPE['rotation_deg']:g}°, shear ±{AFFNIST_RECIPE['shear']}, scales in "
               f"[{AFFNIST_RECIPE['scale_min']}, {AFFNIST_RECIPE['scale_max']}], random translation inside the 40×40 "
               f"canvas; seed {m['recipe_seed']}) — a stand-in generated here, not the real affNIST. Probes fit on "
-              f"{m['n_probe_train']} MNIST training images with the checkpoint `{prov.get('checkpoint')}`; CNN seeds "
-              f"{seeds}, {cnn[0]['steps'] if cnn else 0} steps of batch 128; {provenance_line(prov)}"]
+              f"{m['n_probe_train']} MNIST training images with the checkpoint `{prov.get('checkpoint')}`; "
+              + (f"CNN seeds {seeds}, {cnn[0]['steps']} steps of batch 128; " if cnn else "no CNN baseline in this run; ")
+              + provenance_line(prov)]
     return "\n".join(lines)
 
 

@@ -191,10 +191,18 @@ def _tae_pilots_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+def _experiment_table(module: str, results_dir: Path, **kwargs) -> str | None:
+    """``experiments.<module>.readme_table`` for a results file of another name (the same experiment, another run)."""
+    import importlib
+
+    return importlib.import_module(f"experiments.{module}").readme_table(results_dir, **kwargs)
+
+
 #: name -> function building the table's markdown from the results folder (None when its JSON is missing)
 TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe": _mnist_probe_table,
     "mnist_probe_ceiling": functools.partial(_mnist_probe_table, name="mnist_probe_ceiling"),
+    "affnist_ceiling": lambda results_dir: _experiment_table("affnist", results_dir, name="affnist_ceiling"),
     "bench_step": _benchmark_table,
     "ttvi_throughput": _ttvi_throughput_table,
     "pilots": _pilots_table,

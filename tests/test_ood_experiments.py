@@ -223,10 +223,16 @@ def test_affnist_entry_point_reads_a_real_format_file(tiny_checkpoint, fake_mnis
     images, labels = _digits(12)
     mat = write_affnist_mat(tmp_path / "test.mat", images, labels)
     rc = affnist.main(["--checkpoint", str(tiny_checkpoint), "--affnist-mat", str(mat), "--cnn-seeds",
-                       "--results-dir", str(tmp_path), "--quiet"])
+                       "--results-dir", str(tmp_path), "--name", "affnist_ceiling", "--quiet"])
     assert rc == 0
-    m = json.loads((tmp_path / "affnist.json").read_text())["metrics"]
+    m = json.loads((tmp_path / "affnist_ceiling.json").read_text())["metrics"]
     assert m["ood_name"] == "affNIST" and m["n_ood"] == 12 and m["cnn"] == []
+    # the README table of a run under another name, through the report's builder; no CNN row without a CNN
+    from probcaps.report import table_builder
+
+    table = table_builder("affnist_ceiling")(tmp_path)
+    assert table is not None and "no CNN baseline in this run" in table and "supervised CNN" not in table
+    assert affnist.readme_table(tmp_path) is None  # affnist.json itself was not written
 
 
 def test_affnist_bad_mat_is_one_line_error(tiny_checkpoint, tmp_path, capsys):
