@@ -76,6 +76,13 @@ def readme_table(results_dir: Path, name: str = "affnist") -> str | None:
     for key, label in FEATURES.items():
         lines.append(f"| linear probe on object {label}, encoder | {100 * m[f'mnist_probe_{key}_acc']:.1f} | "
                      f"{100 * m[f'ood_probe_{key}_acc']:.1f} | {anchors[key]} |")
+    others = [load_result(results_dir, p.stem) for p in sorted(Path(results_dir).glob(f"{name}_seed*.json"))]
+    if others:  # the same run on the other seeds' checkpoints (--name <name>_seed<S>)
+        everyone = [m] + [o[0] for o in others]
+        for key, label in FEATURES.items():
+            lines.append(f"| linear probe on object {label}, encoder, {len(everyone)} checkpoints (seeds' models; "
+                         f"mean ± std) | {fmt_mean_std([e[f'mnist_probe_{key}_acc'] for e in everyone])} | "
+                         f"{fmt_mean_std([e[f'ood_probe_{key}_acc'] for e in everyone])} | {anchors[key]} |")
     if m.get("ttvi"):
         t = m["ttvi"]
         for reading, how in (("reencoded", "objects re-encoded from the optimised parts"),

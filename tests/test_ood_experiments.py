@@ -233,6 +233,10 @@ def test_affnist_entry_point_reads_a_real_format_file(tiny_checkpoint, fake_mnis
     table = table_builder("affnist_ceiling")(tmp_path)
     assert table is not None and "no CNN baseline in this run" in table and "supervised CNN" not in table
     assert affnist.readme_table(tmp_path) is None  # affnist.json itself was not written
+    # the other seeds' checkpoints scored under <name>_seed<S> add mean ± std rows over every checkpoint
+    (tmp_path / "affnist_ceiling_seed1.json").write_text((tmp_path / "affnist_ceiling.json").read_text())
+    table = affnist.readme_table(tmp_path, name="affnist_ceiling")
+    assert "2 checkpoints" in table and "± 0.0" in table
 
 
 def test_affnist_bad_mat_is_one_line_error(tiny_checkpoint, tmp_path, capsys):
