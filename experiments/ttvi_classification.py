@@ -36,8 +36,9 @@ LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form object
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}
 
 
-def readme_table(results_dir: Path) -> str | None:
-    loaded = load_result(results_dir, "ttvi_classification")
+def readme_table(results_dir: Path, name: str = "ttvi_classification") -> str | None:
+    """The README table of ``results_dir/<name>.json`` (``--name``, e.g. for another checkpoint)."""
+    loaded = load_result(results_dir, name)
     if loaded is None:
         return None
     m, prov = loaded

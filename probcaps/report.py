@@ -203,6 +203,8 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe": _mnist_probe_table,
     "mnist_probe_ceiling": functools.partial(_mnist_probe_table, name="mnist_probe_ceiling"),
     "affnist_ceiling": lambda results_dir: _experiment_table("affnist", results_dir, name="affnist_ceiling"),
+    "ttvi_classification_ceiling": lambda results_dir: _experiment_table("ttvi_classification", results_dir,
+                                                                         name="ttvi_classification_ceiling"),
     "bench_step": _benchmark_table,
     "ttvi_throughput": _ttvi_throughput_table,
     "pilots": _pilots_table,

@@ -187,6 +187,11 @@ def test_ttvi_classification_entry_point(tiny_checkpoint, tmp_path):
     for name in ("encoder", "ttvi_objects", "ttvi_reencoded"):
         assert 0 <= m[f"{name}_presence_pose_acc"] <= 1
     assert "re-encoded" in ttvi_classification.readme_table(tmp_path)
+    # under another --name, the report finds its table through the experiment's builder
+    from probcaps.report import table_builder
+
+    (tmp_path / "ttvi_classification_ceiling.json").write_text((tmp_path / "ttvi_classification.json").read_text())
+    assert table_builder("ttvi_classification_ceiling")(tmp_path) == ttvi_classification.readme_table(tmp_path)
 
 
 def test_reencoding_unchanged_parts_gives_the_encoders_objects(tiny_checkpoint):
