@@ -115,8 +115,8 @@ def _pilots_table(results_dir: Path) -> str | None:
     headline = load_experiment_config(Path(__file__).resolve().parent.parent / "experiments" / "configs" /
                                       "mnist_probe.toml")
     lines = ["| change from the headline config | training steps | training wall time (s) | test ELBO per image | "
-             "probe: presences + poses | probe: presences | k-means on presences | objects in use |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "probe: presences + poses | probe: presences | k-means on presences | objects in use | probe images: fit / scored |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rows = []
     for path, data in results:
         m, prov = data["metrics"], data["provenance"]
@@ -126,11 +126,11 @@ def _pilots_table(results_dir: Path) -> str | None:
         rows.append((m["probe_presence_pose_test_acc"], f"| {'; '.join(changes) or 'none'} | {prov['steps']} | "
                      f"{prov['wall_time_s']:.0f} | {m['test_elbo_per_image']:.0f} | "
                      f"{100 * m['probe_presence_pose_test_acc']:.1f}% | {100 * m['probe_presence_test_acc']:.1f}% | "
-                     f"{100 * m['kmeans_presence_test_acc']:.1f}% | {m.get('parents_in_use', '—')} |"))
+                     f"{100 * m['kmeans_presence_test_acc']:.1f}% | {m.get('parents_in_use', '—')} | "
+                     f"{m['n_train']:,} / {m['n_test']:,} |"))
     lines += [row for _, row in sorted(rows, reverse=True)]
-    first = results[0][1]["metrics"]
-    lines += ["", f"Probe fitted on the first {first['n_train']:,} training images and scored on {first['n_test']:,} "
-              f"test images; one seed each (the headline's seed-to-seed spread is in its table above); the runs "
+    lines += ["", "Probe fitted on the first training images and scored on the first test images (the last column: "
+              "how many); one seed each, seed 0 (the headline's seed-to-seed spread is in its table above); the runs "
               f"trained two or three at a time, one thread each. Objects in use: objects on (presence > 0.5) in at least 1% "
               f"of the test images, out of `model.num_parents` (— where the run was scored before this column "
               f"existed)."]
@@ -202,6 +202,7 @@ def _experiment_table(module: str, results_dir: Path, **kwargs) -> str | None:
 TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe": _mnist_probe_table,
     "mnist_probe_ceiling": functools.partial(_mnist_probe_table, name="mnist_probe_ceiling"),
+    "mnist_probe_prior4": functools.partial(_mnist_probe_table, name="mnist_probe_prior4"),
     "affnist_ceiling": lambda results_dir: _experiment_table("affnist", results_dir, name="affnist_ceiling"),
     "ttvi_classification_ceiling": lambda results_dir: _experiment_table("ttvi_classification", results_dir,
                                                                          name="ttvi_classification_ceiling"),
