@@ -70,6 +70,9 @@ class TransformingAutoencoderConfig:
                                      # takes K canonical template points to them; 1: attention gives the translation
                                      # and the linear part is regressed (constrained_pose)
     keypoint_radius: float = 0.3     # the canonical points lie on a circle of this radius (normalised units)
+    keypoint_offset_gain: float = 1.0  # "conv", >= 3 keypoints: a keypoint is its attention centre plus this times
+                                     # its regressed offset; below 1 the triangle has to come from where the
+                                     # keypoints look (equivariant) rather than from regression (see _recognise_conv)
     recognition_activation: str = "sigmoid"  # "sigmoid" (the paper's) or "relu"
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
     template_init: str = "blob"      # "blob": a soft round brush plus noise; "data": training images (see
@@ -103,6 +106,8 @@ class TransformingAutoencoderConfig:
             raise ValueError(f"model.keypoints must be 1 or >= 3 (an affine map needs 3 points), got {self.keypoints}")
         if not 0 < self.keypoint_radius < self.max_translation:
             raise ValueError(f"model.keypoint_radius must be in (0, max_translation), got {self.keypoint_radius}")
+        if not 0 <= self.keypoint_offset_gain <= 1:
+            raise ValueError(f"model.keypoint_offset_gain must be in [0, 1], got {self.keypoint_offset_gain}")
         if self.template_init not in ("blob", "data"):
             raise ValueError(f"model.template_init must be 'blob' or 'data', got {self.template_init!r}")
         if self.recognition_activation not in ("sigmoid", "relu"):
@@ -264,6 +269,10 @@ class TransformingAutoencoder(nn.Module):
             pose = pose6_to_matrix(out.pose).view(B, M, 3, 3)
         else:
             points = out.pose.view(B, M, K, 6)[..., [2, 5]]                  # (B, M, K, 2): the translations
+            if cfg.keypoint_offset_gain != 1.0:
+                # the translation is attention centre + max_translation·tanh(raw offset); rescale the offset
+                offset = cfg.max_translation * torch.tanh(out.pose_raw.view(B, M, K, 6)[..., 4:6])
+                points = points - (1.0 - cfg.keypoint_offset_gain) * offset
             pose = self.pose_from_points(points)
         if cfg.mode == "translation":  # keep only where the capsule is
             pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])

@@ -90,6 +90,30 @@ def test_conv_recognition_heads_are_per_capsule_and_translation_mode_keeps_only_
     assert torch.allclose(P[..., :2, :2], torch.eye(2).expand(2, 3, 2, 2))
 
 
+@pytest.mark.parametrize("gain", [0.0, 0.5])
+def test_keypoint_offset_gain_scales_the_regressed_offset_around_the_attention_centre(gain):
+    # catches: the gain applied to the whole keypoint (centre included) or to the wrong pose entries
+    torch.manual_seed(0)
+    x = torch.rand(2, 1, 16, 16)
+    full = _conv_model("affine", M=2)
+    scaled = _conv_model("affine", M=2)
+    scaled.config.keypoint_offset_gain = gain
+    scaled.load_state_dict(full.state_dict())
+    out = full.encoder(x)
+    B, M, K = 2, 2, full.config.keypoints
+    points = out.pose.view(B, M, K, 6)[..., [2, 5]]
+    offset = full.config.max_translation * torch.tanh(out.pose_raw.view(B, M, K, 6)[..., 4:6])
+    expected = full.pose_from_points(points - offset + gain * offset)
+    _, P = scaled.recognise(x)
+    assert torch.allclose(P, expected, atol=1e-6)
+    _, P_full = full.recognise(x)
+    assert not torch.allclose(P, P_full, atol=1e-3)  # the offsets are not negligible at initialisation
+    if gain == 0.0:  # then the offsets' head rows do not matter at all
+        with torch.no_grad():
+            scaled.encoder.head.bias.view(M, K, -1)[..., 4:6].add_(0.7)
+        assert torch.allclose(scaled.recognise(x)[1], P, atol=1e-5)
+
+
 def test_translation_pose_is_the_bounded_xy_and_affine_pose_starts_at_identity():
     model = _model("translation")
     P = model.pose_matrix(torch.tensor([[0.25, -0.5]]))  # max_translation · tanh(raw), max_translation = 1
