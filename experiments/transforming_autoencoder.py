@@ -560,7 +560,9 @@ def readme_table(results_dir: Path) -> str | None:
                  ("reconstruction MSE per pixel, whole 40×40 canvas", "recon_mse", 4, "—", "—"),
                  ("active capsules per image (p > 0.1), mean", "active_capsules_mean", 1, "—",
                   f"{WRITEUP['active_median']} (median)"),
-                 ("training wall time (s), shared 2-core CPU, 1 thread", "train_wall_time_s", 0, "≤ 300",
+                 # the 5-minute budget is stated for the translation mode only
+                 ("training wall time (s), shared 2-core CPU, 1 thread", "train_wall_time_s", 0,
+                  "≤ 300" if mode == "translation" else "—",
                   f"~{WRITEUP['wall_s']} (M-series Mac)")]
         for label, key, digits, target, anchor in rows:
             lines.append(f"| {mode} | {label} | {fmt_mean_std(col(key), 1.0, digits)} | {target} | {anchor} |")
