@@ -412,6 +412,13 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
     r2_raw = r2_scores(res["pred"], res["true"])
     r2_lin = r2_scores(pred_linear, res["true"])
     active = (res["p1"] > ecfg.presence_threshold).sum(1).double()
+    keypoints = {}
+    if model.config.recognition == "conv" and model.config.keypoints >= 3:
+        px = canvas / 2.0  # normalised units -> pixels
+        spreads = [model.keypoint_spread(pairs["input"][s:s + ecfg.batch_size])
+                   for s in range(0, ecfg.pairs, ecfg.batch_size)]
+        keypoints = {"keypoint_spread_px": float(torch.cat([k for k, _ in spreads]).mean()) * px,
+                     "attention_centre_spread_px": float(torch.cat([c for _, c in spreads]).mean()) * px}
     metrics = {
         "components": names,
         **{f"r2_{k}": float(v) for k, v in zip(names, r2_raw)},
@@ -424,6 +431,7 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
         "active_capsules_mean": float(active.mean()),
         "active_capsules_median": float(active.median()),
         "heldout_pairs": int(ecfg.pairs),
+        **keypoints,
     }
     arrays = {"pairs": pairs, "res": res, "pred_linear": pred_linear, "names": names}
     return metrics, arrays

@@ -70,9 +70,9 @@ class TransformingAutoencoderConfig:
                                      # takes K canonical template points to them; 1: attention gives the translation
                                      # and the linear part is regressed (constrained_pose)
     keypoint_radius: float = 0.3     # the canonical points lie on a circle of this radius (normalised units)
-    keypoint_offset_gain: float = 1.0  # "conv", >= 3 keypoints: a keypoint is its attention centre plus this times
-                                     # its regressed offset; below 1 the triangle has to come from where the
-                                     # keypoints look (equivariant) rather than from regression (see _recognise_conv)
+    keypoint_offset_gain: float = 1.0  # "conv", >= 3 keypoints: a keypoint is its attention centre plus an offset
+                                     # bounded by this times max_translation; below 1 the triangle has to come from
+                                     # where the keypoints look (equivariant), not from the regressed offsets
     recognition_activation: str = "sigmoid"  # "sigmoid" (the paper's) or "relu"
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
     template_init: str = "blob"      # "blob": a soft round brush plus noise; "data": training images (see
@@ -181,15 +181,19 @@ class TransformingAutoencoder(nn.Module):
         (:class:`probcaps.encoders.PartEncoder` with ``M·K`` "parts"): keypoint ``k`` of capsule ``m`` has its own
         attention map over the feature grid, and sits where it looks plus a bounded learned offset.
 
-        The offsets start at the canonical points ``u_k``, so a capsule's first pose maps the template onto the
-        canvas at its native size wherever its keypoints look (they all look at nearly the same place at first).
+        The offsets start at ``keypoint_offset_gain`` times the canonical points ``u_k``, so (at gain 1) a
+        capsule's first pose maps the template onto the canvas at its native size wherever its keypoints look (they
+        all look at nearly the same place at first).
         """
         cfg = self.config
         M, K = cfg.num_capsules, cfg.keypoints
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
+            pose_kwargs = self._pose_kwargs()
+            if K > 1:  # only the keypoints' translations are used: the gain bounds their regressed offsets
+                pose_kwargs["max_translation"] *= cfg.keypoint_offset_gain
             self.encoder = PartEncoder(M * K, channels=tuple(cfg.conv_channels), strides=tuple(cfg.conv_strides),
-                                       feature_dim=0, pose_kwargs=self._pose_kwargs())
+                                       feature_dim=0, pose_kwargs=pose_kwargs)
         bias = self.encoder.head.bias.view(M, K, -1)  # per keypoint: 6 pose, presence logit, attention logit
         with torch.no_grad():
             bias[..., 6] = cfg.presence_bias_init
@@ -269,14 +273,30 @@ class TransformingAutoencoder(nn.Module):
             pose = pose6_to_matrix(out.pose).view(B, M, 3, 3)
         else:
             points = out.pose.view(B, M, K, 6)[..., [2, 5]]                  # (B, M, K, 2): the translations
-            if cfg.keypoint_offset_gain != 1.0:
-                # the translation is attention centre + max_translation·tanh(raw offset); rescale the offset
-                offset = cfg.max_translation * torch.tanh(out.pose_raw.view(B, M, K, 6)[..., 4:6])
-                points = points - (1.0 - cfg.keypoint_offset_gain) * offset
             pose = self.pose_from_points(points)
         if cfg.mode == "translation":  # keep only where the capsule is
             pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])
         return presence, pose
+
+    @torch.no_grad()
+    def keypoint_spread(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """How far apart the keypoints of each image's most present capsule are, and how far apart the places
+        they look at (attention centres) are: each the mean distance from their mean, ``(B,)`` and ``(B,)`` in
+        normalised units ("conv" recognition with >= 3 keypoints).  Centres much closer together than the keypoints
+        mean the pose's linear part comes from the regressed offsets, not from where the keypoints look."""
+        cfg = self.config
+        if cfg.recognition != "conv" or cfg.keypoints < 3:
+            raise ValueError("keypoint_spread needs recognition = 'conv' and keypoints >= 3")
+        B, M, K = images.shape[0], cfg.num_capsules, cfg.keypoints
+        out = self.encoder(images)
+        top = out.presence_logit.view(B, M, K).mean(-1).argmax(1)                       # (B,)
+        rows = torch.arange(B, device=images.device)
+
+        def spread(p: torch.Tensor) -> torch.Tensor:  # (B, M, K, 2) -> (B,)
+            p = p[rows, top]
+            return (p - p.mean(1, keepdim=True)).norm(dim=-1).mean(1)
+
+        return spread(out.pose.view(B, M, K, 6)[..., [2, 5]]), spread(out.centre.view(B, M, K, 2))
 
     def pose_from_points(self, points: torch.Tensor) -> torch.Tensor:
         """``(..., K, 2)`` keypoints on the canvas -> the least-squares affine pose ``(..., 3, 3)`` taking the

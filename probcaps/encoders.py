@@ -177,6 +177,7 @@ class PartOutput(NamedTuple):
     pose: torch.Tensor  # (B, M, 6): pose 6-vector, constrained_pose(pose_raw)
     pose_raw: torch.Tensor  # (B, M, 6): (sx, sy, theta, shear, tx, ty) before squashing
     features: torch.Tensor  # (B, M, feature_dim)
+    centre: torch.Tensor | None = None  # (B, M, 2): where each part's attention looks (attention_translation only)
 
 
 class PartEncoder(nn.Module):
@@ -255,6 +256,7 @@ class PartEncoder(nn.Module):
         params = torch.einsum("bmpn,bmn->bmp", h[:, :, :-1], att)  # (B, M, P)
         pose_raw = params[..., :6]
         pose = constrained_pose(pose_raw, **self.pose_kwargs)
+        centre = None
         if self.attention_translation:
             # the part sits where its attention looks (plus the squashed offset): placing a part is then a matter
             # of where to look, learned far faster than regressing coordinates from pooled features
@@ -265,4 +267,5 @@ class PartEncoder(nn.Module):
             pose=pose,
             pose_raw=pose_raw,
             features=params[..., 7:],
+            centre=centre,
         )

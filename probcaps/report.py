@@ -181,13 +181,20 @@ def _tae_pilots_table(results_dir: Path) -> str | None:
     if not results:
         return None
     names = ["m11", "m12", "tx", "m21", "m22", "ty"]
-    lines = ["| try | seed | steps | " + " | ".join(f"R² {n}" for n in names) + " | active capsules | command |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |"]
+    lines = ["| try | seed | steps | " + " | ".join(f"R² {n}" for n in names)
+             + " | active capsules | keypoint spread (px): keypoints / attention centres | command |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |"]
     for path, data in results:
         for r in data["metrics"]["per_seed"]:
+            spread = (f"{r['keypoint_spread_px']:.1f} / {r['attention_centre_spread_px']:.1f}"
+                      if "keypoint_spread_px" in r else "—")
             lines.append(f"| {path.stem} | {r['seed']} | {r['steps']} | "
                          + " | ".join(f"{r[f'r2_{n}']:.2f}" for n in names)
-                         + f" | {r['active_capsules_mean']:.1f} | `{data['provenance'].get('command', '?')}` |")
+                         + f" | {r['active_capsules_mean']:.1f} | {spread} | "
+                         f"`{data['provenance'].get('command', '?')}` |")
+    lines += ["", "Keypoint spread: for each held-out input image's most present capsule, the mean distance of its "
+              "3 keypoints from their mean, and the same for the places its keypoints look at (attention centres); "
+              "averaged over the images (— where the try was scored before this was measured)."]
     return "\n".join(lines)
 
 

@@ -60,11 +60,11 @@ def test_batched_recognition_equals_each_capsule_on_its_own():
             assert torch.allclose(poses[:, m], model.pose_matrix(out[:, 1:]), atol=1e-6)
 
 
-def _conv_model(mode="affine", canvas=16, M=3, t=5) -> TransformingAutoencoder:
+def _conv_model(mode="affine", canvas=16, M=3, t=5, **kwargs) -> TransformingAutoencoder:
     return TransformingAutoencoder(TransformingAutoencoderConfig(mode=mode, canvas_size=canvas, num_capsules=M,
                                                                  template_size=t, recognition="conv",
                                                                  conv_channels=[4, 8], conv_strides=[2, 2],
-                                                                 presence_bias_init=-1.5))
+                                                                 presence_bias_init=-1.5, **kwargs))
 
 
 def test_conv_recognition_heads_are_per_capsule_and_translation_mode_keeps_only_xy():
@@ -96,8 +96,7 @@ def test_keypoint_offset_gain_scales_the_regressed_offset_around_the_attention_c
     torch.manual_seed(0)
     x = torch.rand(2, 1, 16, 16)
     full = _conv_model("affine", M=2)
-    scaled = _conv_model("affine", M=2)
-    scaled.config.keypoint_offset_gain = gain
+    scaled = _conv_model("affine", M=2, keypoint_offset_gain=gain)
     scaled.load_state_dict(full.state_dict())
     out = full.encoder(x)
     B, M, K = 2, 2, full.config.keypoints
@@ -112,6 +111,26 @@ def test_keypoint_offset_gain_scales_the_regressed_offset_around_the_attention_c
         with torch.no_grad():
             scaled.encoder.head.bias.view(M, K, -1)[..., 4:6].add_(0.7)
         assert torch.allclose(scaled.recognise(x)[1], P, atol=1e-5)
+
+
+def test_keypoint_spread_is_that_of_the_most_present_capsule_and_of_its_attention_centres():
+    # catches: the spread taken over the wrong capsule, or over offsets instead of where the keypoints look
+    torch.manual_seed(0)
+    x = torch.rand(4, 1, 16, 16)
+    model = _conv_model("affine", M=3)
+    with torch.no_grad():  # capsule 2 the most present in every image
+        model.encoder.head.bias.view(3, model.config.keypoints, -1)[2, :, 6] += 5.0
+    points_spread, centre_spread = model.keypoint_spread(x)
+    _, P = model.recognise(x)
+    points = P[:, 2] @ torch.cat([model.canonical_points.T, torch.ones(1, 3)])  # the keypoints P u_k, (B, 3, 3)
+    pts = points[:, :2].transpose(1, 2)                                          # (B, K, 2)
+    by_hand = (pts - pts.mean(1, keepdim=True)).norm(dim=-1).mean(1)
+    assert torch.allclose(points_spread, by_hand, atol=1e-5)
+    assert (centre_spread < points_spread).all()  # at initialisation the triangle is the offsets'
+    at_centres = _conv_model("affine", M=3, keypoint_offset_gain=0.0)
+    at_centres.load_state_dict(model.state_dict())
+    p0, c0 = at_centres.keypoint_spread(x)
+    assert torch.allclose(p0, c0, atol=1e-6) and torch.allclose(c0, centre_spread, atol=1e-6)
 
 
 def test_translation_pose_is_the_bounded_xy_and_affine_pose_starts_at_identity():
