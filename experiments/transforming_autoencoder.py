@@ -30,7 +30,6 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
 from models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, TransformingAutoencoder,  # noqa: E402
@@ -319,18 +318,19 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
 def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, transforms: torch.Tensor,
                       targets: torch.Tensor, consistency_weight: float = 0.0, frame: str = "template",
                       weighting: str = "presence") -> torch.Tensor:
-    """MSE of the target rendered from the input's capsules moved by ``T`` (the paper's loss), plus, if
+    """The reconstruction loss of the target from the input's capsules moved by ``T`` (the paper's MSE, or the
+    mixture's, see :meth:`TransformingAutoencoder.reconstruction_loss`), plus, if
     ``consistency_weight > 0``, that weight times the pose consistency of input and target (both images
     recognised in one batched call), its capsules weighted by ``p1 · p2`` held fixed (``weighting="presence"``)
     or equally (``"uniform"``)."""
     if consistency_weight <= 0:
-        return F.mse_loss(model(images, transforms), targets)
+        presence, poses = model.recognise(images)
+        return model.reconstruction_loss(presence, model.apply_transform(poses, transforms), targets)
     B = images.shape[0]
     presence, poses = model.recognise(torch.cat([images, targets]))
-    recon, _ = model.render(presence[:B], model.apply_transform(poses[:B], transforms))
+    recon_loss = model.reconstruction_loss(presence[:B], model.apply_transform(poses[:B], transforms), targets)
     weights = capsule_weights(presence[:B], presence[B:], weighting).detach()
-    return F.mse_loss(recon, targets) + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms,
-                                                                              weights, frame)
+    return recon_loss + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms, weights, frame)
 
 
 def _truncate_jsonl(path: Path, step: int) -> None:

@@ -5,7 +5,9 @@ Every capsule ``m`` has its own recognition units, which look at the image and o
 input (given to the network) is applied to every pose, ``P'_m = T ∘ P_m``, and the capsule's generative side
 renders its learned template at ``P'_m`` with the package's one affine warp (:func:`probcaps.render.render_templates`).
 The output is the presence-weighted sum of the rendered capsules (the paper's rule, ``combine = "sum"``, the
-default) or, optionally, their "over" composite (:func:`probcaps.render.composite_over`, ``combine = "over"``).
+default), their "over" composite (:func:`probcaps.render.composite_over`, ``combine = "over"``), or a mixture
+(``combine = "mixture"``, not in the paper): presences are a softmax over capsules and each capsule must explain
+the whole image on its own (:meth:`TransformingAutoencoder.reconstruction_loss`).
 
 Two modes:
 
@@ -41,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from probcaps.encoders import PartEncoder
 from probcaps.geometry import (compose, constrained_pose, invert, matrix_to_pose6, pose6_to_matrix,
@@ -51,7 +54,7 @@ __all__ = ["MODES", "COMBINES", "RECOGNITIONS", "TransformingAutoencoderConfig",
            "estimate_transform", "transform_components", "pose_consistency", "CONSISTENCY_FRAMES"]
 
 MODES = ("translation", "affine")
-COMBINES = ("sum", "over")
+COMBINES = ("sum", "over", "mixture")
 RECOGNITIONS = ("mlp", "conv")
 _POSE_DIMS = {"translation": 2, "affine": 6}
 
@@ -77,7 +80,9 @@ class TransformingAutoencoderConfig:
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
     template_init: str = "blob"      # "blob": a soft round brush plus noise; "data": training images (see
                                      # init_templates_from), so templates start asymmetric and their poses identifiable
-    combine: str = "sum"             # "sum": presence-weighted sum (the paper); "over": alpha compositing
+    combine: str = "sum"             # "sum": presence-weighted sum (the paper); "over": alpha compositing;
+                                     # "mixture": presences sum to 1 over capsules and one capsule explains the image
+    mixture_pixel_std: float = 0.1   # "mixture": pixel noise of each capsule's likelihood (sharpness of the choice)
     presence_bias_init: float = 0.0  # initial presence logit of every capsule
     refine_steps: int = 0            # affine mode: inverse-compositional refinements of every pose (see refine)
     refine_glimpse: int = 16         # a refinement looks at a g x g glimpse of the image in the capsule's frame
@@ -97,6 +102,8 @@ class TransformingAutoencoderConfig:
             raise ValueError(f"model.mode must be one of {MODES}, got {self.mode!r}")
         if self.combine not in COMBINES:
             raise ValueError(f"model.combine must be one of {COMBINES}, got {self.combine!r}")
+        if not self.mixture_pixel_std > 0:
+            raise ValueError(f"model.mixture_pixel_std must be > 0, got {self.mixture_pixel_std}")
         if self.recognition not in RECOGNITIONS:
             raise ValueError(f"model.recognition must be one of {RECOGNITIONS}, got {self.recognition!r}")
         if len(self.conv_channels) != len(self.conv_strides) or not self.conv_channels:
@@ -242,8 +249,12 @@ class TransformingAutoencoder(nn.Module):
         pre = torch.addmm(self.hidden_bias, x, self.hidden_weight).view(B, cfg.num_capsules, cfg.recognition_hidden)
         hidden = torch.sigmoid(pre) if cfg.recognition_activation == "sigmoid" else torch.relu(pre)
         out = torch.einsum("bmh,mho->bmo", hidden, self.output_weight) + self.output_bias  # (B, M, 1 + pose)
-        presence = torch.sigmoid(out[..., 0])
-        return presence, self.refine(images, self.pose_matrix(out[..., 1:]))
+        return self.presence(out[..., 0]), self.refine(images, self.pose_matrix(out[..., 1:]))
+
+    def presence(self, logits: torch.Tensor) -> torch.Tensor:
+        """Presence logits ``(B, M)`` -> presences: independent sigmoids, or for ``combine = "mixture"`` a softmax
+        over the capsules (the mixture weights, which sum to 1)."""
+        return logits.softmax(-1) if self.config.combine == "mixture" else torch.sigmoid(logits)
 
     def refine(self, images: torch.Tensor, poses: torch.Tensor) -> torch.Tensor:
         """``refine_steps`` inverse-compositional corrections of poses ``(B, M, 3, 3)``: each capsule looks at the
@@ -268,7 +279,7 @@ class TransformingAutoencoder(nn.Module):
         cfg = self.config
         B, M, K = images.shape[0], cfg.num_capsules, cfg.keypoints
         out = self.encoder(images)
-        presence = torch.sigmoid(out.presence_logit.view(B, M, K).mean(-1))  # (B, M): the keypoints' mean logit
+        presence = self.presence(out.presence_logit.view(B, M, K).mean(-1))  # (B, M): the keypoints' mean logit
         if K == 1:
             pose = pose6_to_matrix(out.pose).view(B, M, 3, 3)
         else:
@@ -340,12 +351,31 @@ class TransformingAutoencoder(nn.Module):
         """
         layers = render_templates(self.templates(), poses, self.config.canvas_size)  # (B, M, 1, H, W)
         p = presence[..., None, None, None]
-        if self.config.combine == "sum":
+        if self.config.combine != "over":  # "mixture": the mixture's mean image
             contributions = p * layers
             return contributions.sum(1), contributions
         # "over": white ink whose coverage (alpha) is the presence-weighted template, capsule 0 at the back
         image, weights = composite_over(torch.ones_like(layers), p * layers, dim=1)
         return image, weights
+
+    def reconstruction_loss(self, presence: torch.Tensor, poses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of the capsules ``presence (B, M)`` at ``poses (B, M, 3, 3)`` for ``targets (B, 1, H, W)``.
+
+        ``"sum"`` / ``"over"``: the mean squared error of the combined image (the paper's loss).  ``"mixture"``: the
+        negative log-likelihood of a mixture in which capsule ``m`` (weight ``π_m``, the presence) renders the whole
+        image with Gaussian pixel noise ``σ`` (``mixture_pixel_std``), scaled by ``2σ²/D`` (``D`` pixels) so that
+        it reads as a squared error: ``-(2σ²/D) log Σ_m π_m exp(-SSE_m / 2σ²)``, which tends to the error of the
+        best capsule.  Each capsule's template then has to look like a whole digit and its pose has to align it,
+        which pins all six numbers of the pose; a sum of overlapping templates can blur into an ellipse, whose
+        orientation and shape trade off (rotation inside the ellipse changes nothing).
+        """
+        if self.config.combine != "mixture":
+            return F.mse_loss(self.render(presence, poses)[0], targets)
+        layers = render_templates(self.templates(), poses, self.config.canvas_size)      # (B, M, 1, H, W)
+        sse = (layers - targets.unsqueeze(1)).square().flatten(2).sum(-1)                # (B, M)
+        two_var = 2 * self.config.mixture_pixel_std ** 2
+        log_lik = torch.logsumexp(presence.clamp_min(1e-30).log() - sse / two_var, -1)   # (B,)
+        return -(two_var / layers[0, 0].numel()) * log_lik.mean()
 
     def forward(self, images: torch.Tensor, transforms: torch.Tensor) -> torch.Tensor:
         """Reconstruction ``(B, 1, H, W)`` of ``images`` transformed by the known ``transforms`` ``(B, 3, 3)``."""

@@ -193,7 +193,7 @@ def _tae_pilots_table(results_dir: Path) -> str | None:
                          + f" | {r['active_capsules_mean']:.1f} | {spread} | "
                          f"`{data['provenance'].get('command', '?')}` |")
     lines += ["", "Keypoint spread: for each held-out input image's most present capsule, the mean distance of its "
-              "3 keypoints from their mean, and the same for the places its keypoints look at (attention centres); "
+              "keypoints from their mean, and the same for the places its keypoints look at (attention centres); "
               "averaged over the images (— where the try was scored before this was measured)."]
     return "\n".join(lines)
 

@@ -228,6 +228,31 @@ def test_combine_rules_by_hand():
         assert torch.allclose(image[0, 0, 8, 8], torch.tensor(expected), atol=1e-5)
 
 
+
+def test_mixture_loss_by_hand():
+    # two flat templates 0.4 and 0.3 filling a 4x4 canvas, target 0.35 + 0.05·checkerboard, weights 0.25 / 0.75:
+    # loss = -(2σ²/D) log Σ π_m exp(-SSE_m / 2σ²) with SSE_m summed over the D = 16 pixels
+    model = TransformingAutoencoder(TransformingAutoencoderConfig(
+        mode="translation", canvas_size=4, num_capsules=2, recognition_hidden=2, template_size=4,
+        combine="mixture", mixture_pixel_std=0.2))
+    _set_templates(model, torch.ones(2, 1, 4, 4) * torch.tensor([0.4, 0.3]).view(2, 1, 1, 1))
+    checker = (torch.arange(4).view(4, 1) + torch.arange(4).view(1, 4)) % 2
+    target = (0.35 + 0.05 * checker).view(1, 1, 4, 4).float()
+    pi = torch.tensor([[0.25, 0.75]])
+    loss = model.reconstruction_loss(pi, torch.eye(3).expand(1, 2, 3, 3), target)
+    # half the pixels are 0.35, half 0.40: template 0.4 misses by 0.05 / 0, template 0.3 by 0.05 / 0.1
+    sse = torch.tensor([8 * 0.05 ** 2, 8 * 0.05 ** 2 + 8 * 0.1 ** 2])
+    two_var = 2 * 0.2 ** 2
+    expected = -(two_var / 16) * torch.log((pi[0] * torch.exp(-sse / two_var)).sum())
+    assert torch.allclose(loss, expected, atol=1e-6)
+    # a capsule with all the weight: the loss is its squared error per pixel
+    one_hot = model.reconstruction_loss(torch.tensor([[1.0, 0.0]]), torch.eye(3).expand(1, 2, 3, 3), target)
+    assert torch.allclose(one_hot, sse[0] / 16, atol=1e-6)
+    # the presences of a mixture are a softmax over the capsules
+    assert torch.allclose(model.presence(torch.tensor([[0.0, math.log(3.0)]])), pi)
+    with pytest.raises(ValueError, match="mixture_pixel_std"):
+        TransformingAutoencoderConfig(combine="mixture", mixture_pixel_std=0.0).validate()
+
 # ------------------------------------------------------------------------------------------ reading T back
 
 
@@ -364,6 +389,15 @@ def test_transforming_loss_is_the_mse_plus_weighted_consistency():
     assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5, weighting="uniform"), uniform, atol=1e-6)
     assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5), expected, atol=1e-6)
     assert not torch.allclose(uniform, expected)
+    # "mixture": the reconstruction term is the mixture's, presences a softmax
+    model.config.combine = "mixture"
+    (p1, P1), (p2, P2) = model.recognise(x1), model.recognise(x2)
+    assert torch.allclose(p1.sum(1), torch.ones(2))
+    recon = model.reconstruction_loss(p1, model.apply_transform(P1, T), x2)
+    assert not torch.allclose(recon, torch.nn.functional.mse_loss(model(x1, T), x2))
+    expected = recon + 2.5 * pose_consistency(P1, P2, T, p1 * p2)
+    assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5), expected, atol=1e-6)
+    assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 0.0), recon, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------ data and config
