@@ -228,7 +228,6 @@ def test_combine_rules_by_hand():
         assert torch.allclose(image[0, 0, 8, 8], torch.tensor(expected), atol=1e-5)
 
 
-
 def test_mixture_loss_by_hand():
     # two flat templates 0.4 and 0.3 filling a 4x4 canvas, target 0.35 + 0.05·checkerboard, weights 0.25 / 0.75:
     # loss = -(2σ²/D) log Σ π_m exp(-SSE_m / 2σ²) with SSE_m summed over the D = 16 pixels
@@ -252,6 +251,7 @@ def test_mixture_loss_by_hand():
     assert torch.allclose(model.presence(torch.tensor([[0.0, math.log(3.0)]])), pi)
     with pytest.raises(ValueError, match="mixture_pixel_std"):
         TransformingAutoencoderConfig(combine="mixture", mixture_pixel_std=0.0).validate()
+
 
 # ------------------------------------------------------------------------------------------ reading T back
 
