@@ -104,6 +104,8 @@ class TAEEvalConfig:
     curve_pairs: int = 500        # held-out pairs scored at every checkpoint (the R² training curve)
     figures: bool = True
     transform_weighting: str = "presence"  # read T back from capsules weighted by "presence" (p1·p2) or "uniform"
+    test_time_warps: int = 0      # > 0: recognition averaged over this many known warps of each image (the identity
+                                  # and draws from the jitter range; TransformingAutoencoder.recognise_averaged)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -118,6 +120,7 @@ class TAELossConfig:
     consistency_frame: str = "template"  # "template" or "split" (see pose_consistency)
     consistency_weighting: str = "presence"  # "presence": capsules weighted by p1·p2 (held fixed); "uniform": every
                                              # capsule's pose must move with T, present or not
+    consistency_cap: float = 0.0  # > 0: each capsule's mismatch c counts as cap·c/(cap + c) (see pose_consistency)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,6 +165,10 @@ def load_config(path: str | Path | None, mode: str, overrides: list[str] = ()) -
                        ("eval.transform_weighting", cfg["eval"].transform_weighting)):
         if value not in WEIGHTINGS:
             raise ConfigError(f"{label}: {key} must be one of {WEIGHTINGS}, got {value!r}")
+    if cfg["eval"].test_time_warps < 0:
+        raise ConfigError(f"{label}: eval.test_time_warps must be >= 0, got {cfg['eval'].test_time_warps}")
+    if not cfg["loss"].consistency_cap >= 0:
+        raise ConfigError(f"{label}: loss.consistency_cap must be >= 0, got {cfg['loss'].consistency_cap}")
     if cfg["loss"].consistency_frame not in CONSISTENCY_FRAMES:
         raise ConfigError(f"{label}: loss.consistency_frame must be one of {CONSISTENCY_FRAMES}, got "
                           f"{cfg['loss'].consistency_frame!r}")
@@ -282,7 +289,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
     def loss_fn(batch):
         images, transforms, targets = batch
         return transforming_loss(model, images, transforms, targets, lcfg.consistency_weight, lcfg.consistency_frame,
-                                 lcfg.consistency_weighting)
+                                 lcfg.consistency_weighting, lcfg.consistency_cap)
 
     curve_path = out_dir / "r2_curve.jsonl"
     curve_time = [0.0]
@@ -317,7 +324,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
 
 def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, transforms: torch.Tensor,
                       targets: torch.Tensor, consistency_weight: float = 0.0, frame: str = "template",
-                      weighting: str = "presence") -> torch.Tensor:
+                      weighting: str = "presence", cap: float = 0.0) -> torch.Tensor:
     """The reconstruction loss of the target from the input's capsules moved by ``T`` (the paper's MSE, or the
     mixture's, see :meth:`TransformingAutoencoder.reconstruction_loss`), plus, if
     ``consistency_weight > 0``, that weight times the pose consistency of input and target (both images
@@ -330,7 +337,7 @@ def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, tran
     presence, poses = model.recognise(torch.cat([images, targets]))
     recon_loss = model.reconstruction_loss(presence[:B], model.apply_transform(poses[:B], transforms), targets)
     weights = capsule_weights(presence[:B], presence[B:], weighting).detach()
-    return recon_loss + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms, weights, frame)
+    return recon_loss + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms, weights, frame, cap)
 
 
 def _truncate_jsonl(path: Path, step: int) -> None:
@@ -353,17 +360,19 @@ def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAu
 
 
 @torch.no_grad()
-def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weighting: str = "presence") -> dict:
-    """Recognise both images of every pair, read ``T`` back (capsules weighted by ``weighting``, see
-    :func:`capsule_weights`), reconstruct the target: CPU tensors."""
+def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weighting: str = "presence",
+              warps: torch.Tensor | None = None) -> dict:
+    """Recognise both images of every pair (averaged over ``warps (K, 3, 3)`` if given), read ``T`` back
+    (capsules weighted by ``weighting``, see :func:`capsule_weights`), reconstruct the target: CPU tensors."""
     mode, canvas = model.config.mode, model.config.canvas_size
     out: dict[str, list] = {k: [] for k in ("pred", "true", "p1", "sq_err", "win_err", "win_zero", "recon",
                                             "contrib")}
     n = pairs["input"].shape[0]
     for s in range(0, n, batch_size):
         x1, T, x2 = (pairs[k][s:s + batch_size] for k in ("input", "transform", "target"))
-        p1, P1 = model.recognise(x1)
-        p2, P2 = model.recognise(x2)
+        recognise = model.recognise if warps is None else (lambda x: model.recognise_averaged(x, warps))
+        p1, P1 = recognise(x1)
+        p2, P2 = recognise(x2)
         T_hat = estimate_transform(P1, P2, capsule_weights(p1, p2, weighting), mode)
         recon, contributions = model.render(p1, model.apply_transform(P1, T))
         mask = window_mask(pairs["placement"][s:s + batch_size], canvas).float()
@@ -388,6 +397,13 @@ def score_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, we
     return {"r2": dict(zip(names, map(float, r2))), "recon_mse": float(res["sq_err"].mean())}
 
 
+def test_time_warp_maps(n: int, rng: TransformRange, canvas: int, seed) -> torch.Tensor:
+    """``(n, 3, 3)`` known warps for :meth:`TransformingAutoencoder.recognise_averaged`: the identity, then draws
+    from the input-jitter range (deterministic in ``seed``)."""
+    draws = sample_transforms(max(n - 1, 0), rng, canvas, seeded_generator(NAME, "test_time_warps", seed), jitter=True)
+    return torch.cat([torch.eye(3).unsqueeze(0), draws])[:n]
+
+
 def fit_readout(pred: torch.Tensor, true: torch.Tensor):
     """Least-squares linear map (with intercept) from the raw estimate's components to the true ones."""
     from sklearn.linear_model import LinearRegression
@@ -403,9 +419,11 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
     test_digits, _ = load_digits(cfg["data"], "test", data_dir)
     train_digits, _ = load_digits(cfg["data"], "train", data_dir)
     pairs = heldout_pairs(test_digits, ecfg.pairs, rng, canvas, cfg["data"].seed, "heldout", device)
-    res = run_pairs(model, pairs, ecfg.batch_size, ecfg.transform_weighting)
+    warps = test_time_warp_maps(ecfg.test_time_warps, rng, canvas, cfg["data"].seed).to(device) \
+        if ecfg.test_time_warps > 0 else None
+    res = run_pairs(model, pairs, ecfg.batch_size, ecfg.transform_weighting, warps)
     fit_pairs = heldout_pairs(train_digits, ecfg.readout_pairs, rng, canvas, cfg["data"].seed, "readout", device)
-    fit = run_pairs(model, fit_pairs, ecfg.batch_size, ecfg.transform_weighting)
+    fit = run_pairs(model, fit_pairs, ecfg.batch_size, ecfg.transform_weighting, warps)
     readout = fit_readout(fit["pred"], fit["true"])
     pred_linear = torch.from_numpy(readout.predict(res["pred"].double().numpy()))
     names = transform_components(pairs["transform"][:1], mode, canvas)[1]
@@ -431,6 +449,7 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
         "active_capsules_mean": float(active.mean()),
         "active_capsules_median": float(active.median()),
         "heldout_pairs": int(ecfg.pairs),
+        "test_time_warps": int(ecfg.test_time_warps),
         **keypoints,
     }
     arrays = {"pairs": pairs, "res": res, "pred_linear": pred_linear, "names": names}
@@ -574,6 +593,15 @@ def readme_table(results_dir: Path) -> str | None:
                   f"~{WRITEUP['wall_s']} (M-series Mac)")]
         for label, key, digits, target, anchor in rows:
             lines.append(f"| {mode} | {label} | {fmt_mean_std(col(key), 1.0, digits)} | {target} | {anchor} |")
+        # the same models re-scored with eval.test_time_warps > 0 (--resume --name <NAME>_tta), if that was run
+        tta_note = []
+        if (tta_path := results_dir / f"{NAME}_tta_{mode}.json").is_file():
+            tta = json.loads(tta_path.read_text())["metrics"]["per_seed"]
+            for c in tta[0]["components"]:
+                lines.append(f"| {mode} | R²({c}), recognition averaged over {tta[0]['test_time_warps']} known warps "
+                             f"of each image | {fmt_mean_std([r[f'r2_{c}'] for r in tta], 1.0, 3)} | {r2_target} | — |")
+            tta_note.append(f"{mode}, averaged over warps: seeds {', '.join(str(r['seed']) for r in tta)}; command: "
+                          f"`{json.loads(tta_path.read_text())['provenance'].get('command', '?')}`.")
         ranges = (f"jitter ±{rng.get('jitter_translation_px')} px, shift ±{rng.get('translation_px')} px"
                   if mode == "translation" else
                   f"T: rotation ±{rng.get('rotation_deg')}°, scales 1 ± {rng.get('scale')}, shear ±{rng.get('shear')}, "
@@ -584,14 +612,16 @@ def readme_table(results_dir: Path) -> str | None:
         recognition = model_cfg.get("recognition", "mlp")
         setup = (f"recognition: {recognition}"
                  + (f" ({model_cfg.get('keypoints')} keypoint(s) per capsule)" if recognition == "conv" else "")
-                 + f", {model_cfg.get('num_capsules')} capsules, pose-consistency weight "
-                 f"{loss_cfg.get('consistency_weight', 0.0)}"
-                 + (f" ({loss_cfg.get('consistency_frame', 'template')} frame)"
+                 + f", {model_cfg.get('num_capsules')} capsules, combine {model_cfg.get('combine', 'sum')!r}, "
+                 f"pose-consistency weight {loss_cfg.get('consistency_weight', 0.0)}"
+                 + (f" ({loss_cfg.get('consistency_frame', 'template')} frame"
+                    + (f", capped at {loss_cfg['consistency_cap']}" if loss_cfg.get("consistency_cap") else "") + ")"
                     if loss_cfg.get('consistency_weight') else ""))
         footer.append(f"{mode}: {ranges}; {setup}; seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps "
                       f"of batch {prov.get('batch_size', '?')}; {runs[0].get('threads')} torch thread(s); device: "
                       f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
                       f"{prov.get('git_commit', '?')}.")
+        footer += tta_note
     return "\n".join(lines + [""] + footer)
 
 

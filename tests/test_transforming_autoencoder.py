@@ -323,6 +323,52 @@ def test_pose_consistency_by_hand():
         assert pose_consistency(P, P, shift[:1], torch.ones(1, 1)).item() == pytest.approx(2 * (0.1 / s_) ** 2, rel=1e-4)
 
 
+def test_recognition_averaged_over_warps_by_hand():
+    # catches: mapping a warped image's poses back by A instead of A⁻¹, or averaging without the presences.
+    # An encoder that ignores the image (every image: presence p, pose P0) seen through warps I and a shift
+    # A = (0.2, 0): its poses mapped back are P0 and A⁻¹ P0 (x shifted by -0.2); presences 1 and 3 weight them
+    # 1/4 and 3/4, so the averaged pose is P0 shifted by -0.15 and the averaged presence is 2.
+    model = TransformingAutoencoder(TransformingAutoencoderConfig(mode="affine", canvas_size=16, num_capsules=2,
+                                                                  recognition_hidden=4, template_size=5))
+    P0 = translation_matrix(torch.tensor([0.1, -0.3]), torch.tensor([0.0, 0.2]))         # (2 capsules, 3, 3)
+    calls = []
+
+    def fake_recognise(images):
+        calls.append(images.shape[0])
+        n = images.shape[0]
+        presence = torch.cat([torch.ones(n // 2, 2), 3 * torch.ones(n // 2, 2)])  # warp-major: I first, then A
+        return presence, P0.expand(n, 2, 3, 3)
+
+    model.recognise = fake_recognise
+    warps = torch.stack([torch.eye(3), translation_matrix(torch.tensor(0.2), torch.tensor(0.0))])
+    presence, poses = model.recognise_averaged(torch.rand(3, 1, 16, 16), warps)
+    assert calls == [6]  # every warp of every image in one batched call
+    assert torch.allclose(presence, torch.full((3, 2), 2.0))
+    expected = compose(translation_matrix(torch.tensor(-0.15), torch.tensor(0.0)), P0).expand(3, 2, 3, 3)
+    assert torch.allclose(poses, expected, atol=1e-6)
+
+
+def test_capped_consistency_by_hand_and_bounded_at_a_collapsing_pose():
+    # P1 = I, P2 = diag(2, 2, 1), T = I: plain mismatch 2.5 (above); with cap 1 it counts 1 · 2.5 / 3.5
+    I1 = torch.eye(3).expand(1, 1, 3, 3)
+    P2 = torch.diag(torch.tensor([2.0, 2.0, 1.0])).expand(1, 1, 3, 3)
+    T = torch.eye(3).expand(1, 3, 3)
+    assert pose_consistency(I1, P2, T, torch.ones(1, 1), cap=1.0).item() == pytest.approx(2.5 / 3.5)
+    # small mismatches are nearly unchanged: 0.02 -> 0.02 / 1.02 at cap 1
+    shift = translation_matrix(torch.tensor([0.1]), torch.tensor([0.0]))
+    assert pose_consistency(I1, I1, shift, torch.ones(1, 1), cap=1.0).item() == pytest.approx(0.02 / 1.02, rel=1e-4)
+    # a capsule whose pose collapses (det -> 0): the plain term's gradient explodes, the capped one's vanishes
+    grads = {}
+    for cap in (0.0, 1.0):
+        eps = torch.tensor(1e-3, requires_grad=True)
+        Pc = torch.diag(torch.stack([eps, torch.tensor(1.0), torch.tensor(1.0)])).expand(1, 1, 3, 3)
+        pose_consistency(I1, Pc, T, torch.ones(1, 1), cap=cap).backward()
+        grads[cap] = eps.grad.abs().item()
+    assert grads[0.0] > 1e8 and grads[1.0] < 1e-2
+    with pytest.raises(ValueError, match="cap"):
+        pose_consistency(I1, P2, T, torch.ones(1, 1), cap=-1.0)
+
+
 def test_split_frame_consistency_ignores_pose_size_and_agrees_at_unit_scale():
     # a 0.1 shift that the poses ignore: 2 · 0.01 in the split frame whatever the pose size (template frame: 2 (0.1/s)²)
     shift = translation_matrix(torch.tensor([0.1]), torch.tensor([0.0]))
@@ -475,6 +521,10 @@ def test_config_modes_overrides_and_errors(tmp_path):
         exp.load_config(path, "affine", ["model.recognition=cnn"])
     with pytest.raises(ConfigError, match="consistency_weight"):
         exp.load_config(path, "affine", ["loss.consistency_weight=-1"])
+    with pytest.raises(ConfigError, match="consistency_cap"):
+        exp.load_config(path, "affine", ["loss.consistency_cap=-1"])
+    with pytest.raises(ConfigError, match="test_time_warps"):
+        exp.load_config(path, "affine", ["eval.test_time_warps=-2"])
 
 
 # ------------------------------------------------------------------------------------------ entry point
@@ -486,9 +536,10 @@ TINY = ["--set", "data.dataset=synthetic", "--set", "data.train_limit=32", "--se
         "--set", "train.warmup_steps=1", "--set", "train.log_every=1", "--set", "train.checkpoint_every=2",
         "--set", "eval.pairs=24", "--set", "eval.readout_pairs=24", "--set", "eval.batch_size=10",
         "--set", "eval.curve_pairs=8",
-        # affine: the conv recognition and the pose-consistency term (the shipped affine set-up), a tiny trunk
+        # affine: the shipped set-up (conv recognition, mixture, capped pose consistency), a tiny trunk
         "--set", 'affine.overrides=["model.recognition=conv", "model.conv_channels=[4, 4]", '
-                 '"model.conv_strides=[2, 2]", "loss.consistency_weight=1.0"]', "--set", "translation.translation_px=2.0",
+                 '"model.conv_strides=[2, 2]", "loss.consistency_weight=1.0", "loss.consistency_cap=1.0", '
+                 '"model.combine=mixture"]', "--set", "translation.translation_px=2.0",
         "--set", "translation.jitter_translation_px=1.0", "--set", "affine.translation_px=1.0",
         "--set", "affine.jitter_translation_px=1.0"]
 
@@ -509,8 +560,15 @@ def test_entry_point_runs_both_modes_on_tiny_data_and_resumes(tmp_path):
         for fig in ("scatter", "reconstructions", "presence", "templates", "training", "r2_curve"):
             assert (results / f"transforming_autoencoder_{mode}_{fig}.png").is_file(), fig
         assert (runs / mode / "seed1" / "final.pt").is_file()
+        assert m["per_seed"][0]["test_time_warps"] == 0
     table = exp.readme_table(results)
     assert "R²(dx)" in table and "R²(m12)" in table and "0.78" in table
+    # the affine models re-scored with recognition averaged over 3 warps: their own rows in the table
+    assert exp.main([*args[:-len(TINY)], "--modes", "affine", "--resume", "--name", "transforming_autoencoder_tta",
+                     *TINY, "--set", "eval.figures=false", "--set", "eval.test_time_warps=3"]) == 0
+    tta = json.loads((results / "transforming_autoencoder_tta_affine.json").read_text())["metrics"]["per_seed"]
+    assert tta[0]["test_time_warps"] == 3 and tta[0]["steps"] == 4
+    assert "R²(m11), recognition averaged over 3 known warps" in exp.readme_table(results)
     # --resume on finished runs re-evaluates without training: identical metrics
     before = json.loads((results / "transforming_autoencoder_translation.json").read_text())["metrics"]
     assert exp.main([*args[:-len(TINY)], "--modes", "translation", "--resume", *TINY,
