@@ -346,6 +346,12 @@ def _truncate_jsonl(path: Path, step: int) -> None:
         atomic_write(path, lambda f: f.write("".join(ln + "\n" for ln in keep)), mode="w")
 
 
+def final_step(out_dir: Path) -> int:
+    """The step of a run's final model, 0 if it has none (``--resume`` with more ``train.steps`` trains on)."""
+    final = out_dir / "final.pt"
+    return int(load_checkpoint(final, map_location="cpu")["state"]["step"]) if final.is_file() else 0
+
+
 def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAutoencoder, dict]:
     """The final model of a finished run and its timing record."""
     final = out_dir / "final.pt"
@@ -526,7 +532,7 @@ def run_mode(mode: str, args) -> Path:
         cfg = load_config(args.config, mode, [*args.set, f"train.seed={seed}"])
         out = Path(args.out) / mode / f"seed{seed}"
         run_dirs.append(out)
-        if args.resume and (out / "final.pt").is_file():
+        if args.resume and final_step(out) >= cfg["train"].steps:
             model, timing = load_trained(cfg, out, args.device)
         else:
             resume = args.resume and (out / "checkpoint.pt").is_file()

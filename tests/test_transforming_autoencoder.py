@@ -575,6 +575,13 @@ def test_entry_point_runs_both_modes_on_tiny_data_and_resumes(tmp_path):
                      "--set", "eval.figures=false"]) == 0
     after = json.loads((results / "transforming_autoencoder_translation.json").read_text())["metrics"]
     assert after["per_seed"][1]["r2_dx"] == pytest.approx(before["per_seed"][1]["r2_dx"])
+    # --resume with more steps than a finished run has trains on from its last checkpoint
+    more = tmp_path / "more"
+    assert exp.main(["--seeds", "1", "--out", str(runs), "--results-dir", str(more), "--quiet", "--modes",
+                     "translation", "--resume", *TINY, "--set", "eval.figures=false", "--set", "train.steps=6"]) == 0
+    assert json.loads((more / "transforming_autoencoder_translation.json").read_text())["metrics"]["per_seed"][0][
+        "steps"] == 6
+    assert exp.final_step(runs / "translation" / "seed1") == 6
 
 
 def test_entry_point_bad_config_is_one_line(tmp_path, capsys):
