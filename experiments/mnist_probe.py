@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from inference.capsule_svi import load_experiment_config, train_capsules  # noqa: E402
 from inference.evaluate import evaluate_checkpoint  # noqa: E402
-from inference.train import load_checkpoint  # noqa: E402
+from inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.io import atomic_torch_save  # noqa: E402
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         cfg = load_experiment_config(args.config, overrides)
         out = Path(args.out) / f"seed{seed}"
         final = out / "final.pt"
-        if not (args.resume and final.is_file()):
+        if not (args.resume and run_finished(out, cfg["train"].steps)):
             resume = args.resume and (out / "checkpoint.pt").is_file()
             train_capsules(cfg, out, resume=resume, device=args.device, data_dir=args.data_dir,
                            progress=not args.quiet)

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from inference.train import (  # noqa: E402
-    TrainConfig, load_checkpoint, load_module_state, read_jsonl, train_loop, truncate_log,
+    TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
 )
 from models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes  # noqa: E402
 from probcaps import plotting  # noqa: E402
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         out = out_root / f"seed{seed}"
         outs[f"seed {seed}"] = out
-        if args.resume and (out / "final.pt").is_file():
+        if args.resume and run_finished(out, cfg["train"].steps):
             torch.manual_seed(seed)
             model = CapsNet(cfg["model"]).to(args.device)
             ckpt = load_checkpoint(out / "final.pt", map_location=args.device)

@@ -33,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from inference.supervised import predict  # noqa: E402
 from inference.train import (  # noqa: E402
-    TrainConfig, load_checkpoint, load_module_state, read_jsonl, train_loop, truncate_log,
+    TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
 )
 from models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin  # noqa: E402
 from models.norb_cnn import NorbCNN, NorbCNNConfig  # noqa: E402
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         for kind in args.models:
             out = Path(args.out) / f"seed{seed}" / kind
-            if args.resume and (out / "final.pt").is_file():
+            if args.resume and run_finished(out, cfg[f"{kind}_train"].steps):
                 continue
             train_one(kind, cfg, sets, out, seed, args.device, args.resume, not args.quiet)
     if args.train_only:

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from experiments.mnist_probe import export_checkpoint, plot_training_curves  # noqa: E402
 from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules  # noqa: E402
 from inference.evaluate import test_elbo  # noqa: E402
-from inference.train import TrainConfig, load_checkpoint  # noqa: E402
+from inference.train import TrainConfig, load_checkpoint, run_finished  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                                   "lr_multipliers": {"guide.pose_scale_raw": args.scale_lr_multiplier}})
     out = Path(args.out)
     final = out / "final.pt"
-    if not (args.resume and final.is_file()):
+    if not (args.resume and run_finished(out, cfg["train"].steps)):
         train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
                        data_dir=args.data_dir, progress=not args.quiet, system=system)
     _, system = load_trained(final, device=args.device)

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from inference.supervised import predict  # noqa: E402
-from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
+from inference.train import TrainConfig, load_checkpoint, load_module_state, run_finished, train_loop  # noqa: E402
 from models.capsnet import CapsNet, CapsNetConfig  # noqa: E402
 from models.lenet import LeNet5  # noqa: E402
 from probcaps import plotting  # noqa: E402
@@ -125,7 +125,7 @@ def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, r
     torch.manual_seed(seed)
     model = (LeNet5() if kind == "lenet" else CapsNet(cfg["capsnet"])).to(device)
     tcfg = dataclasses.replace(cfg[f"{kind}_train"], seed=seed)
-    if resume and (out / "final.pt").is_file():
+    if resume and run_finished(out, tcfg.steps):
         ckpt = load_checkpoint(out / "final.pt", map_location=device)
         load_module_state(model, ckpt["module"], out / "final.pt")
         return model, ckpt["state"]["wall_time_s"], ckpt["state"]["step"]

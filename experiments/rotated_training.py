@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from inference.capsule_svi import (  # noqa: E402
     encode_dataset, load_experiment_config, load_images, load_trained, probe_features, train_capsules,
 )
-from inference.train import load_checkpoint  # noqa: E402
+from inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
@@ -156,11 +156,11 @@ def main(argv=None) -> int:
             cfg = load_experiment_config(args.config, overrides + (["train.jit=true"] if args.jit else []))
             out = Path(args.out) / f"theta{theta:g}_seed{seed}"
             final, metrics_path = out / "final.pt", out / "metrics.json"
-            if args.resume and metrics_path.is_file() and final.is_file() \
-                    and metrics_path.stat().st_mtime > final.stat().st_mtime:
+            finished = args.resume and run_finished(out, cfg["train"].steps)
+            if finished and metrics_path.is_file() and metrics_path.stat().st_mtime > final.stat().st_mtime:
                 runs.append(json.loads(metrics_path.read_text()))
                 continue
-            if not (args.resume and final.is_file()):
+            if not finished:
                 if not args.quiet:
                     print(f"theta_max {theta:g}, seed {seed}: training")
                 train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(),

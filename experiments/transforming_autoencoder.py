@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.train import TrainConfig, load_checkpoint, load_module_state, train_loop  # noqa: E402
+from inference.train import TrainConfig, load_checkpoint, load_module_state, run_finished, train_loop  # noqa: E402
 from models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, TransformingAutoencoder,  # noqa: E402
                                              TransformingAutoencoderConfig, estimate_transform,
                                              pose_consistency, transform_components)
@@ -346,12 +346,6 @@ def _truncate_jsonl(path: Path, step: int) -> None:
         atomic_write(path, lambda f: f.write("".join(ln + "\n" for ln in keep)), mode="w")
 
 
-def final_step(out_dir: Path) -> int:
-    """The step of a run's final model, 0 if it has none (``--resume`` with more ``train.steps`` trains on)."""
-    final = out_dir / "final.pt"
-    return int(load_checkpoint(final, map_location="cpu")["state"]["step"]) if final.is_file() else 0
-
-
 def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAutoencoder, dict]:
     """The final model of a finished run and its timing record."""
     final = out_dir / "final.pt"
@@ -374,9 +368,9 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weig
     out: dict[str, list] = {k: [] for k in ("pred", "true", "p1", "sq_err", "win_err", "win_zero", "recon",
                                             "contrib")}
     n = pairs["input"].shape[0]
+    recognise = model.recognise if warps is None else (lambda x: model.recognise_averaged(x, warps))
     for s in range(0, n, batch_size):
         x1, T, x2 = (pairs[k][s:s + batch_size] for k in ("input", "transform", "target"))
-        recognise = model.recognise if warps is None else (lambda x: model.recognise_averaged(x, warps))
         p1, P1 = recognise(x1)
         p2, P2 = recognise(x2)
         T_hat = estimate_transform(P1, P2, capsule_weights(p1, p2, weighting), mode)
@@ -532,7 +526,7 @@ def run_mode(mode: str, args) -> Path:
         cfg = load_config(args.config, mode, [*args.set, f"train.seed={seed}"])
         out = Path(args.out) / mode / f"seed{seed}"
         run_dirs.append(out)
-        if args.resume and final_step(out) >= cfg["train"].steps:
+        if args.resume and run_finished(out, cfg["train"].steps):
             model, timing = load_trained(cfg, out, args.device)
         else:
             resume = args.resume and (out / "checkpoint.pt").is_file()
@@ -602,12 +596,13 @@ def readme_table(results_dir: Path) -> str | None:
         # the same models re-scored with eval.test_time_warps > 0 (--resume --name <NAME>_tta), if that was run
         tta_note = []
         if (tta_path := results_dir / f"{NAME}_tta_{mode}.json").is_file():
-            tta = json.loads(tta_path.read_text())["metrics"]["per_seed"]
+            tta_data = json.loads(tta_path.read_text())
+            tta = tta_data["metrics"]["per_seed"]
             for c in tta[0]["components"]:
                 lines.append(f"| {mode} | R²({c}), recognition averaged over {tta[0]['test_time_warps']} known warps "
                              f"of each image | {fmt_mean_std([r[f'r2_{c}'] for r in tta], 1.0, 3)} | {r2_target} | — |")
             tta_note.append(f"{mode}, averaged over warps: seeds {', '.join(str(r['seed']) for r in tta)}; command: "
-                          f"`{json.loads(tta_path.read_text())['provenance'].get('command', '?')}`.")
+                          f"`{tta_data['provenance'].get('command', '?')}`.")
         ranges = (f"jitter ±{rng.get('jitter_translation_px')} px, shift ±{rng.get('translation_px')} px"
                   if mode == "translation" else
                   f"T: rotation ±{rng.get('rotation_deg')}°, scales 1 ± {rng.get('scale')}, shear ±{rng.get('shear')}, "

@@ -135,6 +135,16 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     return ckpt
 
 
+def run_finished(out_dir: str | Path, steps: int) -> bool:
+    """Whether ``out_dir`` holds a final model (``final.pt``) trained for at least ``steps`` steps.
+
+    ``--resume`` entry points reuse such a run as it is; a run with fewer steps (``train.steps`` raised since)
+    trains on from its last checkpoint instead of being silently re-evaluated at its old length.
+    """
+    final = Path(out_dir) / "final.pt"
+    return final.is_file() and int(load_checkpoint(final)["state"]["step"]) >= steps
+
+
 def load_module_state(module: nn.Module, state: dict, path: str | Path) -> None:
     """``load_state_dict`` that names the checkpoint and the first mismatching tensor instead of a torch dump."""
     own = module.state_dict()

@@ -491,9 +491,9 @@ def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch
         weights: ``(B, M)`` non-negative, e.g. ``p1 * p2`` (detach them to keep presences out of it).
         frame: ``"template"`` or ``"split"``.
         cap: if ``> 0``, each capsule's mismatch ``c`` counts as ``cap · c / (cap + c)`` (about ``c`` while small,
-            at most ``cap``).  A keypoint triangle that collapses makes ``E⁻¹`` and the plain term explode (one
-            seed's loss jumped from 0.17 to 4,656, gradient norm 1e9); capped, such a capsule's gradient falls to
-            zero instead of swamping every other capsule's.
+            at most ``cap``).  A keypoint triangle that collapses makes ``E⁻¹`` and the plain term explode (it
+            wrecked one seed's training); capped, such a capsule's gradient falls to zero instead of swamping
+            every other capsule's.
     """
     if frame not in CONSISTENCY_FRAMES:
         raise ValueError(f"pose_consistency: frame must be one of {CONSISTENCY_FRAMES}, got {frame!r}")

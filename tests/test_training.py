@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from inference.capsule_svi import CapsuleSystem, load_experiment_config, load_images, load_trained, train_capsules
 from inference.guides import EncoderConfig
-from inference.train import TrainConfig, load_checkpoint, train_loop
+from inference.train import TrainConfig, load_checkpoint, run_finished, train_loop
 from models.capsule_model import CapsuleModelConfig
 from probcaps.data import placed_mnist
 from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
@@ -107,6 +107,18 @@ def _toy(tmp_path, loss_fn, steps=5, checkpoint_every=1):
             yield torch.full((2, 3), float(i + epoch))
 
     return module, lambda: train_loop(module, lambda x: loss_fn(module, x), batches, cfg, tmp_path, progress=False)
+
+
+def test_run_finished_needs_a_final_model_of_at_least_the_asked_steps(tmp_path):
+    # catches: --resume reusing a finished run when train.steps was raised (it then silently re-evaluated the
+    # shorter run), or treating a run with only a periodic checkpoint as finished
+    assert not run_finished(tmp_path, 1)  # nothing there
+    _, run = _toy(tmp_path, lambda module, x: module(x).pow(2).mean(), steps=5, checkpoint_every=2)
+    run()
+    assert run_finished(tmp_path, 5) and run_finished(tmp_path, 3)
+    assert not run_finished(tmp_path, 6)
+    (tmp_path / "final.pt").unlink()
+    assert (tmp_path / "checkpoint.pt").is_file() and not run_finished(tmp_path, 1)
 
 
 def test_nan_loss_stops_training_without_writing_the_broken_model(tmp_path):

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import probcaps.render  # noqa: E402
+from inference.train import run_finished  # noqa: E402
 from models import transforming_autoencoder as tae_module  # noqa: E402
 from models.transforming_autoencoder import (TransformingAutoencoder, TransformingAutoencoderConfig,  # noqa: E402
                                              estimate_transform, pose_consistency, transform_components)
@@ -346,6 +347,22 @@ def test_recognition_averaged_over_warps_by_hand():
     assert torch.allclose(presence, torch.full((3, 2), 2.0))
     expected = compose(translation_matrix(torch.tensor(-0.15), torch.tensor(0.0)), P0).expand(3, 2, 3, 3)
     assert torch.allclose(poses, expected, atol=1e-6)
+    # catches: the image warped one way and its poses mapped back the other.  An exactly equivariant encoder (pose:
+    # a shift to the image's centre of mass) seen through whole-pixel shifts gives back its unwarped pose.
+    centres = (torch.arange(16) * 2 + 1) / 16 - 1                                          # pixel centres
+
+    def centroid_recognise(images):
+        mass = images[:, 0].sum((1, 2))
+        cx = (images[:, 0].sum(1) * centres).sum(1) / mass
+        cy = (images[:, 0].sum(2) * centres).sum(1) / mass
+        return torch.ones(len(images), 1), translation_matrix(cx, cy).unsqueeze(1)
+
+    model.recognise = centroid_recognise
+    image = torch.zeros(1, 1, 16, 16)
+    image[0, 0, 5:8, 6:10] = torch.rand(3, 4) + 0.5                                       # well inside the canvas
+    shifts = torch.stack([torch.eye(3), translation_matrix(torch.tensor(0.25), torch.tensor(-0.125)),
+                          translation_matrix(torch.tensor(-0.125), torch.tensor(0.25))])  # 2 and 1 pixel steps
+    assert torch.allclose(model.recognise_averaged(image, shifts)[1], centroid_recognise(image)[1], atol=1e-5)
 
 
 def test_capped_consistency_by_hand_and_bounded_at_a_collapsing_pose():
@@ -581,7 +598,7 @@ def test_entry_point_runs_both_modes_on_tiny_data_and_resumes(tmp_path):
                      "translation", "--resume", *TINY, "--set", "eval.figures=false", "--set", "train.steps=6"]) == 0
     assert json.loads((more / "transforming_autoencoder_translation.json").read_text())["metrics"]["per_seed"][0][
         "steps"] == 6
-    assert exp.final_step(runs / "translation" / "seed1") == 6
+    assert run_finished(runs / "translation" / "seed1", 6) and not run_finished(runs / "translation" / "seed1", 7)
 
 
 def test_entry_point_bad_config_is_one_line(tmp_path, capsys):
