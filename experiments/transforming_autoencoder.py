@@ -273,7 +273,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
     torch.manual_seed(tcfg.seed)
     digits, labels = load_digits(cfg["data"], "train", data_dir)
     model = build_model(cfg, device, digits)
-    test_digits, _ = load_digits(cfg["data"], "test", data_dir)
+    test_digits, test_labels = load_digits(cfg["data"], "test", data_dir)
     curve_set = heldout_pairs(test_digits, cfg["eval"].curve_pairs, rng, canvas, cfg["data"].seed, "curve", device)
 
     def batches(epoch: int, start: int):
@@ -411,12 +411,33 @@ def fit_readout(pred: torch.Tensor, true: torch.Tensor):
     return LinearRegression().fit(pred.double().numpy(), true.double().numpy())
 
 
+def error_breakdown(pred: torch.Tensor, true: torch.Tensor, labels: torch.Tensor, names: list[str],
+                    worst_fraction: float = 0.02) -> dict:
+    """Where the estimate's error sits: R² per digit class and the share of the squared error in the worst pairs.
+
+    Args:
+        pred, true: ``(N, K)`` estimated and true components; labels: ``(N,)`` digit classes.
+    Returns:
+        ``{"r2_by_digit": {class: {name: 1 − MSE_class / Var_all}}, "worst_error_share": {name: share}}``: each
+        class's error is divided by the variance over *all* pairs (so classes compare), and the share is that of
+        the ``worst_fraction`` largest squared errors of the component in its sum.
+    """
+    sq = (pred.double() - true.double()) ** 2                                           # (N, K)
+    var = true.double().var(0, unbiased=False).clamp_min(1e-12)
+    by_digit = {str(int(c)): dict(zip(names, (1 - sq[labels == c].mean(0) / var).tolist()))
+                for c in labels.unique()}
+    k = max(1, int(round(worst_fraction * sq.shape[0])))
+    share = sq.topk(k, 0).values.sum(0) / sq.sum(0).clamp_min(1e-300)
+    return {"r2_by_digit": by_digit, "worst_error_share": dict(zip(names, share.tolist())),
+            "worst_fraction": worst_fraction}
+
+
 def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="cpu") -> tuple[dict, dict]:
     """Disentanglement and reconstruction on held-out pairs; returns ``(metrics, arrays for the figures)``."""
     ecfg: TAEEvalConfig = cfg["eval"]
     canvas, rng, mode = model.config.canvas_size, cfg["range"], model.config.mode
     model.eval()
-    test_digits, _ = load_digits(cfg["data"], "test", data_dir)
+    test_digits, test_labels = load_digits(cfg["data"], "test", data_dir)
     train_digits, _ = load_digits(cfg["data"], "train", data_dir)
     pairs = heldout_pairs(test_digits, ecfg.pairs, rng, canvas, cfg["data"].seed, "heldout", device)
     warps = test_time_warp_maps(ecfg.test_time_warps, rng, canvas, cfg["data"].seed).to(device) \
@@ -451,6 +472,9 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
         "heldout_pairs": int(ecfg.pairs),
         "test_time_warps": int(ecfg.test_time_warps),
         **keypoints,
+        # heldout_pairs takes the first test digits, cycled
+        "error_breakdown": error_breakdown(res["pred"], res["true"],
+                                           test_labels[torch.arange(ecfg.pairs) % test_labels.shape[0]], names),
     }
     arrays = {"pairs": pairs, "res": res, "pred_linear": pred_linear, "names": names}
     return metrics, arrays
@@ -508,7 +532,7 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
 def summarise(runs: list[dict]) -> dict:
     summary: dict = {"per_seed": runs}
     for key, value in runs[0].items():
-        if key in ("seed", "steps", "threads", "heldout_pairs") or isinstance(value, (bool, str, list)) or value is None:
+        if key in ("seed", "steps", "threads", "heldout_pairs") or isinstance(value, (bool, str, list, dict)) or value is None:
             continue
         values = np.array([r[key] for r in runs], dtype=float)
         summary[f"{key}_mean"] = float(values.mean())
@@ -623,7 +647,24 @@ def readme_table(results_dir: Path) -> str | None:
                       f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
                       f"{prov.get('git_commit', '?')}.")
         footer += tta_note
+        footer += _error_note(mode, runs)
     return "\n".join(lines + [""] + footer)
+
+
+def _error_note(mode: str, runs: list[dict]) -> list[str]:
+    """A sentence on where the weakest component's error sits (from ``error_breakdown``), if it was recorded."""
+    if not all("error_breakdown" in r for r in runs):
+        return []
+    comps = runs[0]["components"]
+    weakest = min(comps, key=lambda c: np.mean([r[f"r2_{c}"] for r in runs]))
+    share = np.mean([r["error_breakdown"]["worst_error_share"][weakest] for r in runs])
+    digits = runs[0]["error_breakdown"]["r2_by_digit"].keys()
+    by_digit = {d: np.mean([r["error_breakdown"]["r2_by_digit"][d][weakest] for r in runs]) for d in digits}
+    worst = sorted(by_digit, key=by_digit.get)[:3]
+    fraction = runs[0]["error_breakdown"]["worst_fraction"]
+    return [f"{mode}, where the error of R²({weakest}) sits (mean over seeds): the worst {fraction:.0%} of held-out "
+            f"pairs hold {share:.0%} of its squared error; weakest digit classes "
+            + ", ".join(f"{d} (R² {by_digit[d]:.2f})" for d in worst) + "."]
 
 
 # ---------------------------------------------------------------------------------------------- command line

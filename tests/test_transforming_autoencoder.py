@@ -578,8 +578,11 @@ def test_entry_point_runs_both_modes_on_tiny_data_and_resumes(tmp_path):
             assert (results / f"transforming_autoencoder_{mode}_{fig}.png").is_file(), fig
         assert (runs / mode / "seed1" / "final.pt").is_file()
         assert m["per_seed"][0]["test_time_warps"] == 0
+        breakdown = m["per_seed"][0]["error_breakdown"]
+        assert set(breakdown["worst_error_share"]) == set(comps) and breakdown["r2_by_digit"]
     table = exp.readme_table(results)
     assert "R²(dx)" in table and "R²(m12)" in table and "0.78" in table
+    assert "the worst 2% of held-out pairs hold" in table
     # the affine models re-scored with recognition averaged over 3 warps: their own rows in the table
     assert exp.main([*args[:-len(TINY)], "--modes", "affine", "--resume", "--name", "transforming_autoencoder_tta",
                      *TINY, "--set", "eval.figures=false", "--set", "eval.test_time_warps=3"]) == 0
@@ -607,3 +610,18 @@ def test_entry_point_bad_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope.toml" in err[0]
     assert exp.readme_table(tmp_path) is None
+
+
+def test_error_breakdown_by_hand():
+    from experiments import transforming_autoencoder as exp
+
+    true = torch.tensor([[0.0, 1.0], [2.0, 1.0], [4.0, 3.0], [6.0, 3.0]])  # variances 5 and 1
+    pred = true.clone()
+    pred[2, 0] += 1.0   # class 1: squared error 1 on the first component
+    pred[0, 1] += 0.5   # class 0: 0.25 and 1.0 on the second
+    pred[1, 1] -= 1.0
+    out = exp.error_breakdown(pred, true, torch.tensor([0, 0, 1, 1]), ["a", "b"], worst_fraction=0.25)
+    assert out["r2_by_digit"]["0"] == pytest.approx({"a": 1.0, "b": 1 - (0.25 + 1.0) / 2 / 1.0})
+    assert out["r2_by_digit"]["1"] == pytest.approx({"a": 1 - 0.5 / 5.0, "b": 1.0})
+    # the worst quarter (one pair) holds all of a's error and 1.0 of b's 1.25
+    assert out["worst_error_share"] == pytest.approx({"a": 1.0, "b": 0.8})
