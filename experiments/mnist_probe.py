@@ -35,6 +35,14 @@ from probcaps.provenance import device_description, provenance, write_results  #
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist_probe.toml"
 
 
+def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
+    """Where ``--checkpoint-out`` exports the first seed's model: ``checkpoints/<name>.pt`` unless given, so a run
+    under another ``--name`` never overwrites the committed checkpoint of the default name; ``""``: no export."""
+    if arg is None:
+        return ROOT / "checkpoints" / f"{name}.pt"
+    return Path(arg) if arg else None
+
+
 def export_checkpoint(src: Path, dst: Path) -> Path:
     """The model and its config without optimiser state: what a user needs to evaluate (a few MB)."""
     ckpt = load_checkpoint(src)
@@ -62,7 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default="runs/mnist_probe", help="run folders (one per seed)")
-    p.add_argument("--checkpoint-out", default=str(ROOT / "checkpoints" / "mnist_probe.pt"))
+    p.add_argument("--checkpoint-out", default=None,
+                   help="export the first seed's model here (default: checkpoints/<name>.pt; '' for none)")
     p.add_argument("--name", default="mnist_probe")
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -118,8 +127,8 @@ def main(argv=None) -> int:
     write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
     plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},
                          Path(args.results_dir) / f"{args.name}_training.png")
-    if args.checkpoint_out:
-        export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", Path(args.checkpoint_out))
+    if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
+        export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", checkpoint_out)
     print(f"wrote {Path(args.results_dir) / (args.name + '.json')}")
     return 0
 

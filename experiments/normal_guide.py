@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from experiments.mnist_probe import export_checkpoint, plot_training_curves  # noqa: E402
+from experiments.mnist_probe import checkpoint_out_path, export_checkpoint, plot_training_curves  # noqa: E402
 from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules  # noqa: E402
 from inference.evaluate import test_elbo  # noqa: E402
 from inference.train import TrainConfig, load_checkpoint, run_finished  # noqa: E402
@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--elbo-samples", type=int, default=3)
     p.add_argument("--probe-train-limit", type=int, default=10000)
     p.add_argument("--out", default="runs/normal_guide")
-    p.add_argument("--checkpoint-out", default=str(ROOT / "checkpoints" / "normal_guide.pt"))
+    p.add_argument("--checkpoint-out", default=None,
+                   help="export the trained model here (default: checkpoints/<name>.pt; '' for none)")
     p.add_argument("--name", default="normal_guide")
     p.add_argument("--resume", action="store_true")
     add_common_args(p, results_dir=ROOT / "results")
@@ -126,8 +127,8 @@ def main(argv=None) -> int:
     results = Path(args.results_dir)
     write_results(results / f"{args.name}.json", metrics, prov)
     plot_training_curves({"Normal poses": out / "log.jsonl"}, results / f"{args.name}_training.png")
-    if args.checkpoint_out:
-        export_checkpoint(final, Path(args.checkpoint_out))
+    if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
+        export_checkpoint(final, checkpoint_out)
     print(f"test ELBO per image: delta {metrics['delta']['test_elbo_per_image']:.1f}, Normal "
           f"{metrics['normal']['test_elbo_per_image']:.1f}; probe presence+pose delta "
           f"{metrics['delta']['probe_presence_pose_test_acc']:.4f}, Normal "

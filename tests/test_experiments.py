@@ -39,6 +39,17 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
     assert metrics["probe_presence_pose_test_acc"] == pytest.approx(per_seed[0]["probe_presence_pose_test_acc"])
 
 
+def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
+    # catches: a pilot under another --name silently overwriting the committed checkpoints/mnist_probe.pt
+    from experiments import mnist_probe
+
+    monkeypatch.setattr(mnist_probe, "ROOT", tmp_path)
+    assert mnist_probe.checkpoint_out_path(None, "mnist_probe") == tmp_path / "checkpoints" / "mnist_probe.pt"
+    assert mnist_probe.checkpoint_out_path(None, "pilot") == tmp_path / "checkpoints" / "pilot.pt"
+    assert mnist_probe.checkpoint_out_path("elsewhere/x.pt", "pilot") == Path("elsewhere/x.pt")
+    assert mnist_probe.checkpoint_out_path("", "pilot") is None
+
+
 def test_mnist_probe_bad_config_is_one_line(tmp_path, capsys):
     from experiments import mnist_probe
 
