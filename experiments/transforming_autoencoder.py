@@ -228,10 +228,10 @@ def make_pairs(digits: torch.Tensor, rng: TransformRange, canvas: int, generator
 def heldout_pairs(digits: torch.Tensor, n: int, rng: TransformRange, canvas: int, seed, tag: str, device="cpu"
                   ) -> dict:
     """``n`` pairs from the first digits of ``digits`` (uint8 ``(N, 28, 28)``, cycled if ``n > N``), deterministic
-    in ``(seed, tag)``."""
+    in ``(seed, tag)``; ``"index"`` holds each pair's digit index."""
     idx = torch.arange(n) % digits.shape[0]
     x = digits[idx].to(device=device, dtype=torch.float32).div_(255.0).unsqueeze(1)
-    return make_pairs(x, rng, canvas, seeded_generator(NAME, tag, seed), swap=False)
+    return {**make_pairs(x, rng, canvas, seeded_generator(NAME, tag, seed), swap=False), "index": idx}
 
 
 def window_mask(placement: torch.Tensor, canvas: int, size: int = DIGIT_WINDOW) -> torch.Tensor:
@@ -273,7 +273,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
     torch.manual_seed(tcfg.seed)
     digits, labels = load_digits(cfg["data"], "train", data_dir)
     model = build_model(cfg, device, digits)
-    test_digits, test_labels = load_digits(cfg["data"], "test", data_dir)
+    test_digits, _ = load_digits(cfg["data"], "test", data_dir)
     curve_set = heldout_pairs(test_digits, cfg["eval"].curve_pairs, rng, canvas, cfg["data"].seed, "curve", device)
 
     def batches(epoch: int, start: int):
@@ -472,9 +472,7 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
         "heldout_pairs": int(ecfg.pairs),
         "test_time_warps": int(ecfg.test_time_warps),
         **keypoints,
-        # heldout_pairs takes the first test digits, cycled
-        "error_breakdown": error_breakdown(res["pred"], res["true"],
-                                           test_labels[torch.arange(ecfg.pairs) % test_labels.shape[0]], names),
+        "error_breakdown": error_breakdown(res["pred"], res["true"], test_labels[pairs["index"]], names),
     }
     arrays = {"pairs": pairs, "res": res, "pred_linear": pred_linear, "names": names}
     return metrics, arrays

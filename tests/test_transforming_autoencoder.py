@@ -625,3 +625,15 @@ def test_error_breakdown_by_hand():
     assert out["r2_by_digit"]["1"] == pytest.approx({"a": 1 - 0.5 / 5.0, "b": 1.0})
     # the worst quarter (one pair) holds all of a's error and 1.0 of b's 1.25
     assert out["worst_error_share"] == pytest.approx({"a": 1.0, "b": 0.8})
+
+
+def test_heldout_pairs_record_which_digit_each_pair_came_from():
+    from experiments import transforming_autoencoder as exp
+
+    digits = torch.arange(3, dtype=torch.uint8).view(3, 1, 1).expand(3, 28, 28) * 100  # digit i is all 100·i
+    rng = exp.TransformRange(jitter_translation_px=0.0, translation_px=0.0, rotation_deg=0.0)
+    pairs = exp.heldout_pairs(digits, 5, rng, 28, 0, "heldout")
+    assert pairs["index"].tolist() == [0, 1, 2, 0, 1]  # cycled
+    # identity warps: the input is the digit itself, so its centre pixel names the digit
+    centre = (pairs["input"][:, 0, 14, 14] * 255).round().long().tolist()
+    assert centre == [100 * i for i in pairs["index"].tolist()]
