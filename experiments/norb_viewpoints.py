@@ -5,6 +5,8 @@ viewpoints (Hinton, Sabour & Frosst 2018, section 5.1).
     python experiments/norb_viewpoints.py --seeds 0 --resume             # continue interrupted runs
     python experiments/norb_viewpoints.py --seeds 0 --set data.split="elevation"   # the elevation split
     python experiments/norb_viewpoints.py --seeds 0 --set data.dataset="smallnorb" # the real files, if present
+    python experiments/norb_viewpoints.py --config experiments/configs/norb_viewpoints_asymmetric.toml \
+        --seeds 0 1 2 --out runs/norb_asym                               # toys with a distinct front and back
 
 Protocol (the paper's matched comparison): both models train on the training instances at the familiar
 viewpoints only (azimuths {300, .., 40} or the 3 lowest elevations); every ``train.checkpoint_every`` steps each is
@@ -41,7 +43,7 @@ from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator  # noqa: E402
 from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split  # noqa: E402
-from probcaps.data.synthetic_norb import synthetic_norb  # noqa: E402
+from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -56,6 +58,7 @@ class NorbDataConfig:
     dataset: str = "synthetic"     # "synthetic" (rendered, cached under the data root) or "smallnorb" (real files)
     split: str = "azimuth"         # "azimuth" or "elevation"
     seed: int = 0                  # the synthetic set's instances
+    variant: str = "toys"          # synthetic only: the part tables ("toys" or "asymmetric", see synthetic_norb)
     train_limit: int = 0           # use only N training images (0: all), for smoke runs
     instances_per_split: int = 5   # synthetic only: fewer instances (tests, smoke runs)
     elevations: int = 9            # synthetic only: render only the N lowest elevations (tests, smoke runs)
@@ -87,6 +90,8 @@ def load_config(path, overrides=()) -> dict:
     cfg["name"] = cfg["name"] or "norb_viewpoints"
     if cfg["data"].dataset not in ("synthetic", "smallnorb"):
         raise ConfigError(f"{path}: data.dataset must be 'synthetic' or 'smallnorb', got {cfg['data'].dataset!r}")
+    if cfg["data"].variant not in VARIANTS:
+        raise ConfigError(f"{path}: data.variant must be one of {sorted(VARIANTS)}, got {cfg['data'].variant!r}")
     if cfg["data"].split not in ("azimuth", "elevation"):
         raise ConfigError(f"{path}: data.split must be 'azimuth' or 'elevation', got {cfg['data'].split!r}")
     return cfg
@@ -99,7 +104,7 @@ def _synthetic_kwargs(data: NorbDataConfig) -> dict:
     if data.dataset != "synthetic":
         return {}
     return {"seed": data.seed, "instances_per_split": data.instances_per_split, "elevations": data.elevations,
-            "lightings": data.lightings}
+            "lightings": data.lightings, "variant": data.variant}
 
 
 def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
@@ -355,15 +360,25 @@ def main(argv=None) -> int:
     return 0
 
 
-def readme_table(results_dir: Path, name: str = "norb_viewpoints") -> str | None:
-    """The README table, built only from ``results/<name>.json``."""
+def dataset_label(data_config: dict) -> str:
+    """``"synthetic, asymmetric toys"``: the dataset, and for the synthetic set its variant (older results files
+    have none: the "toys")."""
+    if data_config.get("dataset", "synthetic") != "synthetic":
+        return data_config["dataset"]
+    return f"synthetic, {data_config.get('variant', 'toys')}"
+
+
+def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmark: bool = True) -> str | None:
+    """The README table, built only from ``results/<name>.json`` (and the benchmark's JSON when
+    ``with_benchmark``)."""
     loaded = load_result(results_dir, name)
     if loaded is None:
         return None
     m, prov = loaded
     runs = m["per_seed"]
     col = lambda key, scale=100.0: fmt_mean_std([r[key] for r in runs], scale=scale)  # noqa: E731
-    lines = [f"| {m['split']} split ({m['dataset']}), mean ± std over {len(runs)} seeds | matrix capsules | CNN | "
+    label = dataset_label(prov.get("configs", {}).get("data", {"dataset": m["dataset"]}))
+    lines = [f"| {m['split']} split ({label}), mean ± std over {len(runs)} seeds | matrix capsules | CNN | "
              f"paper (smallNORB) | seed write-up (synthetic) |",
              "| --- | --- | --- | --- | --- |",
              f"| familiar-view accuracy at the matched checkpoint (%) | {col('caps_familiar_acc')} | "
@@ -372,6 +387,8 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints") -> str | None
              f"{col('cnn_novel_acc')} | about 30% less error for capsules | 72.6 vs 69.6 |",
              f"| novel-view error reduction, capsules vs CNN (%) | {col('novel_error_reduction')} | — | about 30 | "
              f"about 10 |",
+             f"| familiar-view accuracy at the end of training (%) | {col('caps_final_familiar_acc')} | "
+             f"{col('cnn_final_familiar_acc')} | — | — |",
              f"| novel-view accuracy at the end of training (%) | {col('caps_final_novel_acc')} | "
              f"{col('cnn_final_novel_acc')} | — | — |",
              f"| parameters | {m['caps_parameters']:,} | {m['cnn_parameters']:,} | 310K / 4.2M | — |"]
@@ -386,7 +403,7 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints") -> str | None
                   f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
                   f"{prov.get('git_commit', '?')}."]
     bench = Path(results_dir) / "bench_matrix_capsules.json"
-    if bench.is_file():  # the speed of the paper's network, from benchmarks/bench_matrix_capsules.py
+    if with_benchmark and bench.is_file():  # the speed of the paper's network, from benchmarks/bench_matrix_capsules.py
         b = json.loads(bench.read_text())
         net = b["network"]
         lines += ["", "| speed (`benchmarks/bench_matrix_capsules.py`) | training images/s | inference images/s | "

@@ -162,13 +162,16 @@ def _norb_pilots_table(results_dir: Path) -> str | None:
     results = _results_in(results_dir, "norb_pilots")
     if not results:
         return None
-    lines = ["| capsules A, B, C, D | capsule steps | CNN steps | seed | matched familiar acc. | novel acc.: capsules | "
-             "novel acc.: CNN | novel error reduction | capsule training (min) | command |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    from experiments.norb_viewpoints import dataset_label
+
+    lines = ["| data | capsules A, B, C, D | capsule steps | CNN steps | seed | matched familiar acc. | "
+             "novel acc.: capsules | novel acc.: CNN | novel error reduction | capsule training (min) | command |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for _, data in results:
         prov, caps = data["provenance"], data["provenance"]["configs"]["caps"]
         for r in data["metrics"]["per_seed"]:
-            lines.append(f"| {caps['A']}, {caps['B']}, {caps['C']}, {caps['D']} | {r['caps_steps']} | "
+            lines.append(f"| {dataset_label(prov['configs']['data'])} | {caps['A']}, {caps['B']}, {caps['C']}, "
+                         f"{caps['D']} | {r['caps_steps']} | "
                          f"{r['cnn_steps']} | {r['seed']} | {r['target_familiar_acc']:.3f} | {r['caps_novel_acc']:.3f} | "
                          f"{r['cnn_novel_acc']:.3f} | {100 * r['novel_error_reduction']:+.1f}% | "
                          f"{r['caps_train_wall_time_s'] / 60:.0f} | `{prov.get('command', '?')}` |")
@@ -217,6 +220,8 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "ttvi_throughput": _ttvi_throughput_table,
     "pilots": _pilots_table,
     "norb_pilots": _norb_pilots_table,
+    "norb_viewpoints_asymmetric": lambda results_dir: _experiment_table(
+        "norb_viewpoints", results_dir, name="norb_viewpoints_asymmetric", with_benchmark=False),
     "tae_pilots": _tae_pilots_table,
 }
 

@@ -70,6 +70,23 @@ def test_norb_viewpoints_bad_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope.toml" in err[0]
     assert norb_viewpoints.main(["--set", "data.split=lighting", "--quiet"]) == 2
+    assert norb_viewpoints.main(["--set", 'data.variant="cubes"', "--quiet"]) == 2
+    assert "data.variant" in capsys.readouterr().err
+
+
+def test_norb_viewpoints_asymmetric_config_runs(tmp_path):
+    # catches: the asymmetric-toys config not reaching the renderer, or its table not saying which toys it used
+    from experiments import norb_viewpoints
+
+    results = tmp_path / "results"
+    args = ["--config", str(ROOT / "experiments" / "configs" / "norb_viewpoints_asymmetric.toml"), "--seeds", "0",
+            "--out", str(tmp_path / "runs"), "--results-dir", str(results), "--data-dir", str(tmp_path), "--quiet",
+            "--no-figures", *TINY]
+    assert norb_viewpoints.main(args) == 0
+    summary = json.loads((results / "norb_viewpoints_asymmetric.json").read_text())
+    assert summary["provenance"]["configs"]["data"]["variant"] == "asymmetric"
+    table = norb_viewpoints.readme_table(results, name="norb_viewpoints_asymmetric", with_benchmark=False)
+    assert "synthetic, asymmetric" in table.splitlines()[0] and "speed" not in table
 
 
 def test_bench_matrix_capsules_runs(tmp_path):

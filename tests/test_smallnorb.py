@@ -11,7 +11,8 @@ import torch
 
 from probcaps.data.smallnorb import (ELEVATIONS, SMALLNORB_SPLITS, TRAIN_AZIMUTHS, NorbSet, crop32, downsample,
                                      load_smallnorb, read_norb_matrix, viewpoint_split, write_norb_matrix)
-from probcaps.data.synthetic_norb import AZIMUTHS, ELEVATIONS_DEG, render_views, synthetic_norb
+from probcaps.data.synthetic_norb import (AZIMUTHS, ELEVATIONS_DEG, _cache_key, class_parts, render_views,
+                                          synthetic_norb)
 from probcaps.errors import DataError
 
 
@@ -143,3 +144,30 @@ def test_render_a_sphere_hand_computed():
     inside = (c[None, :] ** 2 + c[:, None] ** 2) * 1.15 ** 2 < 1
     assert torch.equal(img > 0, inside)
     assert img[23:25, 23:25].mean().item() == pytest.approx(0.8, abs=0.03) and img.max() <= 1
+
+
+def _front_and_back(variant: str) -> torch.Tensor:
+    """Mean |view from azimuth 0 - view from azimuth 180| per class of the variant's prototype toys (no instance
+    noise), at elevation 30 under the frontal light: ``(5,)``."""
+    centres, radii, mask = class_parts(variant)
+    views = [render_views(centres, radii, mask, torch.ones(5), torch.full((5,), float(az)), torch.full((5,), 30.0),
+                          torch.full((5,), 2), size=48) for az in (0, 180)]
+    return (views[0] - views[1]).abs().mean((1, 2))
+
+
+def test_asymmetric_toys_look_different_from_behind():
+    # A toy symmetric under (x, y) -> (-x, -y) looks the same from azimuth 0 and 180 (the light is fixed to the
+    # camera), so the back views would be familiar views; the "asymmetric" variant's front and back differ for
+    # every class by more than the nearly symmetric "toys" do.
+    toys, asym = _front_and_back("toys"), _front_and_back("asymmetric")
+    assert (asym > toys).all(), (toys, asym)
+    assert asym.mean() > 2 * toys.mean(), (toys, asym)
+
+
+def test_synthetic_norb_variant_is_checked_and_keys_the_cache(tmp_path):
+    with pytest.raises(ValueError, match="variant"):
+        synthetic_norb("train", data_dir=tmp_path, variant="cubes")
+    small = dict(data_dir=tmp_path, instances_per_split=1, elevations=1, lightings=1, cache=False)
+    a, b = synthetic_norb("train", **small), synthetic_norb("train", variant="asymmetric", **small)
+    assert torch.equal(a.labels, b.labels) and not torch.equal(a.images, b.images)
+    assert _cache_key(0, 48) != _cache_key(0, 48, "asymmetric")

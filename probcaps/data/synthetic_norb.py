@@ -5,7 +5,9 @@ The real smallNORB cannot be fetched on these machines, so this renders a set wi
 
 - classes (as smallNORB): animal (body, head, four legs, tail), human (torso, head, two arms, two legs),
   airplane (fuselage, wings, fin, tailplane), truck (cab, cargo box, four wheels), car (body, cabin, four wheels);
-  each object is a union of 4 to 7 axis-aligned ellipsoids in an object frame with x forward, y left, z up;
+  each object is a union of 4 to 7 axis-aligned ellipsoids in an object frame with x forward, y left, z up
+  (variant ``"toys"``); variant ``"asymmetric"`` has 6 to 8 parts and a distinct front, back and sides per class
+  (:data:`VARIANTS`);
 - 10 instances per class (instances 0-4 form the training split, 5-9 the test split, as smallNORB's disjoint
   toys): every part's radii scaled by a factor in [0.75, 1.25] per axis, its centre moved by N(0, 0.04^2) per axis,
   the whole object scaled by a factor in [0.85, 1.1], an albedo in [0.6, 1.0];
@@ -38,7 +40,7 @@ from .loaders import seeded_generator
 from .mnist import resolve_data_root
 from .smallnorb import NORB_CLASSES, NorbSet
 
-__all__ = ["SYNTHETIC_NORB_VERSION", "class_parts", "render_views", "synthetic_norb", "AZIMUTHS", "ELEVATIONS_DEG",
+__all__ = ["SYNTHETIC_NORB_VERSION", "VARIANTS", "class_parts", "render_views", "synthetic_norb", "AZIMUTHS", "ELEVATIONS_DEG",
            "LIGHTS"]
 
 SYNTHETIC_NORB_VERSION = 1
@@ -47,7 +49,6 @@ ELEVATIONS_DEG = tuple(range(30, 75, 5))
 #: (light direction in camera coordinates (right, up, towards the camera), ambient)
 LIGHTS = (((-0.6, 0.6, 0.55), 0.15), ((0.6, 0.5, 0.6), 0.25), ((0.0, 0.8, 0.6), 0.2))
 _EXTENT = 1.15
-_MAX_PARTS = 7
 
 # (centre xyz, radii xyz) of each part, per class, in the object frame (x forward, y left, z up)
 _PARTS = {
@@ -69,29 +70,68 @@ _PARTS = {
 }
 
 
-def class_parts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Part tables of the 5 classes: centres ``(5, P, 3)``, radii ``(5, P, 3)``, mask ``(5, P)`` (``P = 7``)."""
-    centres = torch.zeros(5, _MAX_PARTS, 3)
-    radii = torch.ones(5, _MAX_PARTS, 3)
-    mask = torch.zeros(5, _MAX_PARTS, dtype=torch.bool)
+# "asymmetric": the same five classes with a distinct front and back and distinct sides, as real toys have (a
+# head on a neck and a thin tail; arms held forward and feet; wings forward with engines and a tall fin at the
+# back; a tall cab in front of a low loaded bed; a cabin at the back with a spoiler).  The "toys" are nearly
+# symmetric front to back, so a view from behind looks like a familiar view and novel azimuths are barely novel.
+_PARTS_ASYMMETRIC = {
+    "animal": [((0.0, 0.0, 0.0), (0.5, 0.2, 0.2)), ((0.45, 0.0, 0.32), (0.1, 0.09, 0.3)),
+               ((0.62, 0.0, 0.62), (0.22, 0.09, 0.1)),
+               ((0.33, 0.12, -0.4), (0.07, 0.07, 0.3)), ((0.33, -0.12, -0.4), (0.07, 0.07, 0.3)),
+               ((-0.33, 0.12, -0.4), (0.07, 0.07, 0.3)), ((-0.33, -0.12, -0.4), (0.07, 0.07, 0.3)),
+               ((-0.62, 0.0, 0.1), (0.16, 0.03, 0.03))],
+    "human": [((0.0, 0.0, 0.12), (0.12, 0.22, 0.33)), ((0.0, 0.0, 0.6), (0.13, 0.12, 0.15)),
+              ((0.0, 0.1, -0.52), (0.08, 0.08, 0.36)), ((0.0, -0.1, -0.52), (0.08, 0.08, 0.36)),
+              ((0.28, 0.28, 0.3), (0.3, 0.07, 0.07)), ((0.28, -0.28, 0.3), (0.3, 0.07, 0.07)),
+              ((0.1, 0.1, -0.88), (0.16, 0.06, 0.04)), ((0.1, -0.1, -0.88), (0.16, 0.06, 0.04))],
+    "airplane": [((0.0, 0.0, 0.0), (0.95, 0.11, 0.11)), ((0.3, 0.0, 0.0), (0.2, 0.9, 0.03)),
+                 ((-0.8, 0.0, 0.05), (0.1, 0.32, 0.02)), ((-0.78, 0.0, 0.3), (0.15, 0.02, 0.3)),
+                 ((0.35, 0.45, -0.12), (0.2, 0.07, 0.07)), ((0.35, -0.45, -0.12), (0.2, 0.07, 0.07))],
+    "truck": [((0.6, 0.0, 0.15), (0.22, 0.34, 0.45)), ((-0.25, 0.0, -0.1), (0.62, 0.36, 0.12)),
+              ((-0.45, 0.0, 0.12), (0.3, 0.3, 0.18)),
+              ((0.6, 0.36, -0.33), (0.16, 0.07, 0.16)), ((0.6, -0.36, -0.33), (0.16, 0.07, 0.16)),
+              ((-0.5, 0.36, -0.33), (0.16, 0.07, 0.16)), ((-0.5, -0.36, -0.33), (0.16, 0.07, 0.16))],
+    "car": [((0.0, 0.0, -0.08), (0.85, 0.38, 0.18)), ((-0.25, 0.0, 0.16), (0.4, 0.32, 0.17)),
+            ((-0.8, 0.0, 0.2), (0.05, 0.36, 0.03)),
+            ((0.52, 0.37, -0.24), (0.17, 0.06, 0.17)), ((0.52, -0.37, -0.24), (0.17, 0.06, 0.17)),
+            ((-0.52, 0.37, -0.24), (0.17, 0.06, 0.17)), ((-0.52, -0.37, -0.24), (0.17, 0.06, 0.17))],
+}
+VARIANTS = {"toys": _PARTS, "asymmetric": _PARTS_ASYMMETRIC}
+
+
+def _parts(variant: str) -> dict:
+    if variant not in VARIANTS:
+        raise ValueError(f"synthetic_norb: variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    return VARIANTS[variant]
+
+
+def class_parts(variant: str = "toys") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Part tables of the 5 classes: centres ``(5, P, 3)``, radii ``(5, P, 3)``, mask ``(5, P)`` (``P``: the most
+    parts of any class, 7 for ``"toys"``)."""
+    table = _parts(variant)
+    P = max(len(parts) for parts in table.values())
+    centres = torch.zeros(5, P, 3)
+    radii = torch.ones(5, P, 3)
+    mask = torch.zeros(5, P, dtype=torch.bool)
     for c, name in enumerate(NORB_CLASSES):  # a 5-row table built once
-        parts = _PARTS[name]
+        parts = table[name]
         centres[c, :len(parts)] = torch.tensor([p[0] for p in parts])
         radii[c, :len(parts)] = torch.tensor([p[1] for p in parts])
         mask[c, :len(parts)] = True
     return centres, radii, mask
 
 
-def _instances(seed: int, per_class: int = 10):
+def _instances(seed: int, per_class: int = 10, variant: str = "toys"):
     """Per (class, instance): part centres, radii ``(5, I, P, 3)``, mask ``(5, I, P)``, albedo ``(5, I)``."""
     g = seeded_generator("synthetic_norb_instances", seed)
-    centres, radii, mask = class_parts()
-    shape = (5, per_class, _MAX_PARTS, 3)
+    centres, radii, mask = class_parts(variant)
+    P = mask.shape[1]
+    shape = (5, per_class, P, 3)
     scale = 0.85 + 0.25 * torch.rand(5, per_class, 1, 1, generator=g)
     radii = radii[:, None] * (0.75 + 0.5 * torch.rand(shape, generator=g)) * scale
     centres = (centres[:, None] + 0.04 * torch.randn(shape, generator=g)) * scale
     albedo = 0.6 + 0.4 * torch.rand(5, per_class, generator=g)
-    return centres, radii, mask[:, None].expand(5, per_class, _MAX_PARTS), albedo
+    return centres, radii, mask[:, None].expand(5, per_class, P), albedo
 
 
 def _camera(azimuth_deg: torch.Tensor, elevation_deg: torch.Tensor):
@@ -154,20 +194,21 @@ def render_views(centres: torch.Tensor, radii: torch.Tensor, mask: torch.Tensor,
     return image
 
 
-def _cache_key(seed: int, size: int) -> str:
-    spec = {"version": SYNTHETIC_NORB_VERSION, "seed": seed, "size": size, "parts": _PARTS, "lights": LIGHTS,
+def _cache_key(seed: int, size: int, variant: str = "toys") -> str:
+    spec = {"version": SYNTHETIC_NORB_VERSION, "seed": seed, "size": size, "parts": _parts(variant), "lights": LIGHTS,
             "extent": _EXTENT}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def synthetic_norb(split: str, data_dir: str | os.PathLike | None = None, seed: int = 0, size: int = 48,
                    cache: bool = True, chunk: int = 96, instances_per_split: int = 5, elevations: int = 9,
-                   lightings: int = 3) -> NorbSet:
+                   lightings: int = 3, variant: str = "toys") -> NorbSet:
     """The synthetic set's ``"train"`` (instances 0-4) or ``"test"`` (instances 5-9) split: 5 classes x 5
     instances x 18 azimuths x 9 elevations x 3 lightings = 12,150 images of ``size x size`` (uint8).
 
     ``instances_per_split``, ``elevations`` and ``lightings`` (the first N of each) make smaller sets for tests and
-    smoke runs.
+    smoke runs.  ``variant`` picks the part tables: ``"toys"`` (nearly symmetric front to back) or ``"asymmetric"``
+    (a distinct front, back and sides).
     The full set is cached as ``~/.cache/probcaps/synthetic_norb/<key>_<split>.pt``; every set is also kept in memory
     for the rest of the process (``cache=False`` renders afresh and stores nothing).
     """
@@ -176,12 +217,13 @@ def synthetic_norb(split: str, data_dir: str | os.PathLike | None = None, seed: 
     if not (1 <= instances_per_split <= 5 and 1 <= elevations <= len(ELEVATIONS_DEG) and 1 <= lightings <= 3):
         raise ValueError(f"synthetic_norb: instances_per_split must be in 1..5, elevations in 1..9 and lightings in "
                          f"1..3, got {instances_per_split}, {elevations}, {lightings}")
+    _parts(variant)  # a clear error for an unknown variant
     full = instances_per_split == 5 and elevations == len(ELEVATIONS_DEG) and lightings == len(LIGHTS)
-    memo_key = (split, seed, size, instances_per_split, elevations, lightings)
+    memo_key = (split, seed, size, instances_per_split, elevations, lightings, variant)
     if cache and memo_key in _MEMO:
         return _MEMO[memo_key]
     data = _load_or_render(split, data_dir, seed, size, cache and full, chunk, instances_per_split, elevations,
-                           lightings)
+                           lightings, variant)
     if cache:  # the same process asking again (e.g. an experiment's report) gets the same tensors
         _MEMO[memo_key] = data
     return data
@@ -191,15 +233,15 @@ _MEMO: dict[tuple, NorbSet] = {}
 
 
 def _load_or_render(split, data_dir, seed, size, cache, chunk, instances_per_split, elevations,
-                    lightings) -> NorbSet:
-    name = f"{_cache_key(seed, size)}_{split}.pt"
+                    lightings, variant) -> NorbSet:
+    name = f"{_cache_key(seed, size, variant)}_{split}.pt"
     path = next((p / name for p in _cache_dirs(data_dir) if (p / name).is_file()), None)
     if cache and path is not None:
         try:
             return NorbSet(**torch.load(path, weights_only=True))
         except Exception as e:  # noqa: BLE001 - any unreadable cache is re-rendered
             raise DataError(f"{path}: unreadable synthetic_norb cache ({type(e).__name__}); delete it") from None
-    centres, radii, mask, albedo = _instances(seed)
+    centres, radii, mask, albedo = _instances(seed, variant=variant)
     first = 0 if split == "train" else 5
     grid = torch.meshgrid(torch.arange(5), torch.arange(first, first + instances_per_split),
                           torch.tensor(AZIMUTHS), torch.tensor(ELEVATIONS_DEG[:elevations]),
