@@ -40,8 +40,8 @@ from .loaders import seeded_generator
 from .mnist import resolve_data_root
 from .smallnorb import NORB_CLASSES, NorbSet
 
-__all__ = ["SYNTHETIC_NORB_VERSION", "VARIANTS", "class_parts", "render_views", "synthetic_norb", "AZIMUTHS", "ELEVATIONS_DEG",
-           "LIGHTS"]
+__all__ = ["SYNTHETIC_NORB_VERSION", "VARIANTS", "class_parts", "render_views", "synthetic_norb", "AZIMUTHS",
+           "ELEVATIONS_DEG", "LIGHTS"]
 
 SYNTHETIC_NORB_VERSION = 1
 AZIMUTHS = tuple(range(0, 360, 20))
@@ -195,8 +195,8 @@ def render_views(centres: torch.Tensor, radii: torch.Tensor, mask: torch.Tensor,
 
 
 def _cache_key(seed: int, size: int, variant: str = "toys") -> str:
-    spec = {"version": SYNTHETIC_NORB_VERSION, "seed": seed, "size": size, "parts": _parts(variant), "lights": LIGHTS,
-            "extent": _EXTENT}
+    spec = {"version": SYNTHETIC_NORB_VERSION, "seed": seed, "size": size, "parts": _parts(variant),
+            "lights": LIGHTS, "extent": _EXTENT}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
