@@ -220,8 +220,8 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "ttvi_throughput": _ttvi_throughput_table,
     "pilots": _pilots_table,
     "norb_pilots": _norb_pilots_table,
-    "norb_viewpoints_asymmetric": lambda results_dir: _experiment_table(
-        "norb_viewpoints", results_dir, name="norb_viewpoints_asymmetric", with_benchmark=False),
+    **{name: functools.partial(_experiment_table, "norb_viewpoints", name=name, with_benchmark=False)
+       for name in ("norb_viewpoints_asymmetric", "norb_viewpoints_asymmetric_elevation")},
     "tae_pilots": _tae_pilots_table,
 }
 
