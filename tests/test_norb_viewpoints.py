@@ -61,6 +61,16 @@ def test_matched_comparison_arithmetic():
     # target = min(0.95, 0.99) = 0.95: capsules at step 20 (novel 0.85), the CNN at step 20 (0.99 >= 0.95; novel 0.7)
     assert m["target_familiar_acc"] == 0.95 and m["caps_step"] == 20 and m["cnn_step"] == 20
     assert m["novel_error_reduction"] == pytest.approx(1 - 0.15 / 0.3)
+    # interpolated: the capsules between step 10 (0.9, 0.8) and 20 (0.95, 0.85) at 0.95 -> 0.85; the CNN between
+    # step 10 (0.92, 0.6) and 20 (0.99, 0.7) at 0.95: 0.6 + (0.03 / 0.07) * 0.1
+    cnn = 0.6 + 0.03 / 0.07 * 0.1
+    assert m["caps_novel_acc_interpolated"] == pytest.approx(0.85)
+    assert m["cnn_novel_acc_interpolated"] == pytest.approx(cnn)
+    assert m["novel_error_reduction_interpolated"] == pytest.approx(1 - 0.15 / (1 - cnn))
+    from experiments.norb_viewpoints import novel_at_target
+
+    assert novel_at_target(logs["cnn"], 0.2) == 0.2           # reached at the first evaluation: read as it is
+    assert novel_at_target(logs["cnn"], 0.92) == 0.6          # reached exactly
 
 
 def test_norb_viewpoints_bad_config_is_one_line(tmp_path, capsys):
