@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
-from models.capsule_model import CapsuleModel, CapsuleModelConfig, parent_usage_penalty
+from models.capsule_model import CapsuleModel, CapsuleModelConfig, parent_usage_penalty, presence_entropy
 from probcaps.distributions import ClampedRelaxedBernoulli, bound_logits
 from probcaps.config import DataConfig, EvalConfig, load_sections
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
@@ -91,13 +91,19 @@ class CapsuleSystem(nn.Module):
         return self
 
     def loss(self, elbo, x: torch.Tensor) -> torch.Tensor:
-        """Negative ELBO per image (``s`` enumerated out), plus ``model.guide_usage_weight`` times the usage balance
-        of the guide's object presence probabilities (:func:`models.capsule_model.parent_usage_penalty`) if set."""
+        """Negative ELBO per image (``s`` enumerated out), plus the regularisers on the guide's object presence
+        probabilities if set: ``model.guide_usage_weight`` times their usage balance
+        (:func:`models.capsule_model.parent_usage_penalty`) and ``model.guide_certainty_weight`` times their binary
+        entropy summed over objects, averaged over images (:func:`models.capsule_model.presence_entropy`)."""
         loss = elbo.differentiable_loss(self.model, self.guide, x) / x.shape[0]
-        weight = self.model.config.guide_usage_weight
-        if weight > 0:
-            probs = torch.sigmoid(bound_logits(self.guide.last_parent_logits))  # the guide's presence probabilities
-            loss = loss + weight * parent_usage_penalty(probs, self.model.usage_target())
+        cfg = self.model.config
+        if cfg.guide_usage_weight > 0 or cfg.guide_certainty_weight > 0:
+            logits = bound_logits(self.guide.last_parent_logits)  # the guide's presence logits, (B, K)
+            if cfg.guide_usage_weight > 0:
+                loss = loss + cfg.guide_usage_weight * parent_usage_penalty(torch.sigmoid(logits),
+                                                                            self.model.usage_target())
+            if cfg.guide_certainty_weight > 0:
+                loss = loss + cfg.guide_certainty_weight * presence_entropy(logits).sum(-1).mean()
         return loss
 
     def reference_loss(self, x: torch.Tensor) -> torch.Tensor:

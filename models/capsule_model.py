@@ -31,7 +31,7 @@ from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
 from probcaps.render import composite_over, render_templates
 
-__all__ = ["CapsuleModelConfig", "CapsuleModel", "presence_sparsity", "parent_usage_penalty"]
+__all__ = ["CapsuleModelConfig", "CapsuleModel", "presence_sparsity", "parent_usage_penalty", "presence_entropy"]
 
 
 @dataclass
@@ -72,6 +72,10 @@ class CapsuleModelConfig:
     # probabilities meet it only by being on in some images and off in others (or by a constant share everywhere,
     # which the ELBO penalises: an object randomly absent explains nothing).  SCAE's between-example sparsity.
     guide_usage_weight: float = 0.0
+    # weight of the mean binary entropy of the guide's object presence probabilities (0: off): each image should
+    # decide which objects it holds.  With the usage balance above, the two are met only by presences that follow
+    # the image (SCAE's within-example sparsity, on probabilities); alone, neither is (``presence_entropy``).
+    guide_certainty_weight: float = 0.0
     seed: int = 0                  # parameter initialisation
 
     def to_dict(self) -> dict:
@@ -125,6 +129,13 @@ def parent_usage_penalty(z: torch.Tensor, target: float) -> torch.Tensor:
     no gradient (its children always choose another parent), so it never becomes worth turning on.
     """
     return (z.mean(0) - target).square().sum()
+
+
+def presence_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Binary entropy (nats) of presence probabilities ``sigmoid(logits)``, elementwise; computed from the logits
+    (``p softplus(-l) + (1 - p) softplus(l)``), so it is finite with finite gradients for any finite logit."""
+    p = torch.sigmoid(logits)
+    return p * F.softplus(-logits) + (1 - p) * F.softplus(logits)
 
 
 class CapsuleModel(PyroModule):

@@ -558,3 +558,42 @@ def test_guide_usage_balance_adds_the_penalty_on_presence_probabilities():
     torch.manual_seed(5)
     (grad_without,) = torch.autograd.grad(system.loss(elbo, x), head)
     assert torch.isfinite(grad_with).all() and (grad_with - grad_without).abs().sum() > 1e-6
+
+
+def test_presence_entropy_is_the_binary_entropy_and_finite_at_extreme_logits():
+    # catches: a sign error, entropy of the logits instead of the probabilities, NaN from log(0) at saturated logits
+    from models.capsule_model import presence_entropy
+
+    p = torch.tensor([0.5, 0.1, 0.9, 0.25])
+    by_hand = -(p * p.log() + (1 - p) * (1 - p).log())
+    assert torch.allclose(presence_entropy(torch.logit(p)), by_hand, atol=1e-6)
+    logits = torch.tensor([-80.0, -30.0, 30.0, 80.0], requires_grad=True)
+    h = presence_entropy(logits)
+    (g,) = torch.autograd.grad(h.sum(), logits)
+    assert torch.isfinite(h).all() and torch.isfinite(g).all() and h.max().item() < 1e-10
+
+
+def test_guide_certainty_adds_the_entropy_of_presence_probabilities():
+    # catches: the term not added, added per object instead of summed over objects and averaged over images, or
+    # computed on the relaxed samples
+    from inference.capsule_svi import CapsuleSystem
+    from inference.train import make_elbo
+    from models.capsule_model import presence_entropy
+    from probcaps.distributions import bound_logits
+
+    pyro.settings.set(module_local_params=True)
+    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
+    enc = EncoderConfig(channels=[8, 8], strides=[2, 2], set_hidden=8, set_heads=2, set_inducing=2, parent_code=8,
+                        head_hidden=8, part_embedding=4, part_features=0)
+    system = CapsuleSystem(cfg, enc)
+    x = torch.rand(4, 1, S, S)
+    elbo = make_elbo()
+    torch.manual_seed(5)
+    plain = system.loss(elbo, x)
+    logits = system.guide.last_parent_logits.detach()
+    system.model.config.guide_certainty_weight = 3.0
+    torch.manual_seed(5)
+    loss = system.loss(elbo, x)
+    expected = presence_entropy(bound_logits(logits)).sum(-1).mean()
+    assert 0 < expected.item() <= K * math.log(2) + 1e-6
+    assert loss.item() - plain.item() == pytest.approx(3.0 * expected.item(), rel=1e-4, abs=1e-4)
