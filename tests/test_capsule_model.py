@@ -524,13 +524,10 @@ def test_part_pose_std_ceiling_bounds_sigma_on_both_sides():
         CapsuleModel(CapsuleModelConfig(part_pose_std_init=0.5, part_pose_std_max=0.15))
 
 
-def test_guide_usage_balance_adds_the_penalty_on_presence_probabilities():
-    # catches: the balance computed on the relaxed samples (which random presences meet) instead of the guide's
-    # probabilities, a wrong scale, or no gradient reaching the encoder's object-presence head
+def _tiny_system_loss():
+    """A tiny CapsuleSystem, a batch, the ELBO, its loss under seed 5 and the guide's object presence logits."""
     from inference.capsule_svi import CapsuleSystem
     from inference.train import make_elbo
-    from models.capsule_model import parent_usage_penalty
-    from probcaps.distributions import bound_logits
 
     pyro.settings.set(module_local_params=True)
     cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
@@ -541,7 +538,16 @@ def test_guide_usage_balance_adds_the_penalty_on_presence_probabilities():
     elbo = make_elbo()
     torch.manual_seed(5)
     plain = system.loss(elbo, x)
-    logits = system.guide.last_parent_logits.detach()
+    return system, x, elbo, plain, system.guide.last_parent_logits.detach()
+
+
+def test_guide_usage_balance_adds_the_penalty_on_presence_probabilities():
+    # catches: the balance computed on the relaxed samples (which random presences meet) instead of the guide's
+    # probabilities, a wrong scale, or no gradient reaching the encoder's object-presence head
+    from models.capsule_model import parent_usage_penalty
+    from probcaps.distributions import bound_logits
+
+    system, x, elbo, plain, logits = _tiny_system_loss()
     system.model.config.guide_usage_weight = 7.0
     torch.manual_seed(5)
     loss = system.loss(elbo, x)
@@ -576,21 +582,10 @@ def test_presence_entropy_is_the_binary_entropy_and_finite_at_extreme_logits():
 def test_guide_certainty_adds_the_entropy_of_presence_probabilities():
     # catches: the term not added, added per object instead of summed over objects and averaged over images, or
     # computed on the relaxed samples
-    from inference.capsule_svi import CapsuleSystem
-    from inference.train import make_elbo
     from models.capsule_model import presence_entropy
     from probcaps.distributions import bound_logits
 
-    pyro.settings.set(module_local_params=True)
-    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
-    enc = EncoderConfig(channels=[8, 8], strides=[2, 2], set_hidden=8, set_heads=2, set_inducing=2, parent_code=8,
-                        head_hidden=8, part_embedding=4, part_features=0)
-    system = CapsuleSystem(cfg, enc)
-    x = torch.rand(4, 1, S, S)
-    elbo = make_elbo()
-    torch.manual_seed(5)
-    plain = system.loss(elbo, x)
-    logits = system.guide.last_parent_logits.detach()
+    system, x, elbo, plain, logits = _tiny_system_loss()
     system.model.config.guide_certainty_weight = 3.0
     torch.manual_seed(5)
     loss = system.loss(elbo, x)
