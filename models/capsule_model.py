@@ -77,6 +77,10 @@ class CapsuleModelConfig:
     # the image (SCAE's within-example sparsity, on probabilities); alone, neither is (``presence_entropy``).
     # Piloted with the usage balance at three weight pairs: no gain (README, "Known gaps").
     guide_certainty_weight: float = 0.0
+    # upper bound on the affinities ρ_km (0: unbounded, the default).  Unbounded, a large ρ_km lets an object whose
+    # relaxed presence is sampled near 0 still win its parts from the dummy (ρ_0m = dummy_affinity), so presence
+    # has no absolute effect; bounded, ``log ρ_km = log(max_affinity) − softplus(−raw)``.
+    max_affinity: float = 0.0
     seed: int = 0                  # parameter initialisation
 
     def to_dict(self) -> dict:
@@ -191,6 +195,12 @@ class CapsuleModel(PyroModule):
         """``(M, 2, t, t)``: channel 0 the template intensity, channel 1 its alpha, both in (0, 1)."""
         return torch.sigmoid(torch.cat([self.template_logits, self.alpha_logits], 1))
 
+    def log_rho(self) -> torch.Tensor:
+        """``(K, M)`` log affinities log ρ_km, at most ``log(max_affinity)`` if that is set."""
+        if self.config.max_affinity > 0:
+            return math.log(self.config.max_affinity) - F.softplus(-self.log_affinity)
+        return self.log_affinity
+
     def part_pose_std(self) -> torch.Tensor:
         """``(K, M, 6)`` learned σ_km, floored at ``part_pose_std_min`` (and capped at ``part_pose_std_max`` if set)."""
         cfg = self.config
@@ -209,7 +219,7 @@ class CapsuleModel(PyroModule):
         cfg = self.config
         M = cfg.num_parts
         dummy_rho = self.log_affinity.new_full((1, M), math.log(cfg.dummy_affinity))
-        log_rho = torch.cat([dummy_rho, self.log_affinity], 0).T                  # (M, K+1)
+        log_rho = torch.cat([dummy_rho, self.log_rho()], 0).T                     # (M, K+1)
         z1_full = torch.cat([torch.ones_like(z1[..., :1]), z1], -1)                # dummy is always present
         selection_logits = log_rho + torch.log(z1_full).unsqueeze(-2)             # (..., M, K+1)
         dummy_gamma = self.presence_logits.new_full((1, M), cfg.dummy_presence)

@@ -592,3 +592,21 @@ def test_guide_certainty_adds_the_entropy_of_presence_probabilities():
     expected = presence_entropy(bound_logits(logits)).sum(-1).mean()
     assert 0 < expected.item() <= K * math.log(2) + 1e-6
     assert loss.item() - plain.item() == pytest.approx(3.0 * expected.item(), rel=1e-4, abs=1e-4)
+
+
+def test_bounded_affinity_stops_an_absent_object_winning_parts_from_the_dummy():
+    # catches: the bound not applied in child_tables, a bound that can be exceeded, or one that changes the default
+    cfg = dict(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
+    z1 = torch.full((1, K), 1e-4)  # every object's presence at the relaxation's clamp: off
+    y1 = torch.zeros(1, K, 6)
+    for max_affinity, dummy_wins in [(0.0, False), (1.0, True)]:
+        model = CapsuleModel(CapsuleModelConfig(max_affinity=max_affinity, **cfg))
+        with torch.no_grad():
+            model.log_affinity.fill_(20.0)
+        selection_logits = model.child_tables(z1, y1)[0]  # (1, M, K + 1), the dummy first
+        probs = torch.softmax(selection_logits, -1)
+        assert bool((probs[..., 0] > 0.5).all()) is dummy_wins
+    raw = torch.tensor([-50.0, 0.0, 50.0])
+    model.log_affinity.data[0, :3] = raw
+    by_hand = math.log(1.0) - F.softplus(-raw)
+    assert torch.allclose(model.log_rho()[0, :3], by_hand) and model.log_rho().max().item() <= 0.0
