@@ -260,3 +260,25 @@ def test_part_encoder_bf16_close_to_float32_and_outputs_float32():
     b.pose.square().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in enc.parameters() if p.grad is not None)
     assert enc.cnn[0].weight.grad.dtype == torch.float32
+
+
+def test_part_encoder_pools_before_the_head_exactly():
+    # the encoder applies the 1x1 head after pooling (pooling commutes with a linear map); the reference here is the
+    # explicit form: the head conv over the whole feature map, softmax of each part's attention row over positions,
+    # attention-weighted sum of the other rows.  A wrong row for the attention, a missing bias or pooling over the
+    # wrong axis fails here.
+    torch.manual_seed(0)
+    M = 5
+    enc = PartEncoder(M, channels=(8, 8), strides=(2, 1), feature_dim=3, attention_translation=False).double()
+    with torch.no_grad():
+        enc.head.weight.normal_()
+        enc.head.bias.normal_()
+    x = torch.rand(2, 1, 12, 12, dtype=torch.float64)
+    out = enc(x)
+    h = enc.head(enc.cnn(x))  # (B, M * (P + 1), 6, 6)
+    h = h.reshape(2, M, enc.n_param + 1, -1)
+    att = torch.softmax(h[:, :, -1], -1)
+    params = (h[:, :, :-1] * att[:, :, None]).sum(-1)  # (B, M, P)
+    torch.testing.assert_close(out.pose_raw, params[..., :6])
+    torch.testing.assert_close(out.presence_logit, params[..., 6])
+    torch.testing.assert_close(out.features, params[..., 7:])
