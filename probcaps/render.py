@@ -24,42 +24,36 @@ def _pixel_centres(n: int, device, dtype) -> torch.Tensor:
     return _GRID_CACHE[key]
 
 
-class _AffineGrid(torch.autograd.Function):
-    """``grid[n, h, w] = A[n] @ (x_w, y_h, 1)`` with a backward of two reductions over the grid.
+_COLUMN_BASIS_CACHE: dict = {}
 
-    Autograd's backward of the broadcast form makes a product and a sum over the whole ``(N, H, W)`` grid for each
-    of the six coefficients; here the grid's gradient is summed over rows and over columns once each, and the six
-    coefficient gradients are small products with the 1-D pixel centres.
-    """
 
-    @staticmethod
-    def forward(ctx, A, xs, ys):
-        N, H, W = A.shape[0], ys.shape[0], xs.shape[0]
-        a = A.transpose(1, 2)  # (N, 3, 2): the x, y and constant coefficients of (gx, gy)
-        rows = torch.addcmul(a[:, 2].view(N, 1, 1, 2), a[:, 1].view(N, 1, 1, 2), ys.view(1, H, 1, 1))  # (N, H, 1, 2)
-        ctx.save_for_backward(xs, ys)
-        return torch.addcmul(rows, a[:, 0].view(N, 1, 1, 2), xs.view(1, 1, W, 1))  # (N, H, W, 2)
-
-    @staticmethod
-    def backward(ctx, g):
-        xs, ys = ctx.saved_tensors
-        by_column = g.sum(1)  # (N, W, 2): summed over rows
-        by_row = g.sum(2)  # (N, H, 2): summed over columns
-        grad_x = torch.einsum("nwi,w->ni", by_column, xs)
-        grad_y = torch.einsum("nhi,h->ni", by_row, ys)
-        return torch.stack([grad_x, grad_y, by_column.sum(1)], -1), None, None  # (N, 2, 3)
+def _column_basis(W: int, device, dtype) -> torch.Tensor:
+    """``(4, 2W)`` constant with ``[gx_row, gy_row, a_x, a_y] @ basis`` = the grid row ``(W, 2)`` flattened."""
+    key = (W, device, dtype)
+    if key not in _COLUMN_BASIS_CACHE:
+        basis = torch.zeros(4, W, 2, device=device, dtype=dtype)
+        basis[0, :, 0] = 1
+        basis[1, :, 1] = 1
+        basis[2, :, 0] = _pixel_centres(W, device, dtype)
+        basis[3, :, 1] = _pixel_centres(W, device, dtype)
+        _COLUMN_BASIS_CACHE[key] = basis.view(4, 2 * W)
+    return _COLUMN_BASIS_CACHE[key]
 
 
 def sampling_grid(A: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
     """Sampling grid for ``grid_sample`` from ``(N, 2, 3)`` affine maps (canvas -> source coordinates).
 
-    Built by broadcasting two 1-D coordinate vectors: much cheaper than ``F.affine_grid``'s batched matmul
-    against a full base grid, with a hand-written backward (:class:`_AffineGrid`).  Returns ``(N, H, W, 2)``.
+    ``grid[n, h, w] = A[n] @ (x_w, y_h, 1)``.  Each row ``h`` of the grid is its start ``A[:, 1] y_h + A[:, 2]``
+    plus ``x_w`` times ``A[:, 0]``: one ``(N, H, 4) @ (4, 2W)`` product writes the whole grid, and its backward is
+    one product with the grid's gradient.  Far cheaper than ``F.affine_grid``'s per-map products against a full
+    base grid or broadcast arithmetic over a last dimension of 2.  Returns ``(N, H, W, 2)``.
     """
     H, W = out_size
-    xs = _pixel_centres(W, A.device, A.dtype)
-    ys = _pixel_centres(H, A.device, A.dtype)
-    return _AffineGrid.apply(A, xs, ys)
+    N = A.shape[0]
+    a = A.transpose(1, 2)  # (N, 3, 2): the x, y and constant coefficients of (gx, gy)
+    row_starts = torch.addcmul(a[:, 2, None, :], a[:, 1, None, :], _pixel_centres(H, A.device, A.dtype).view(1, H, 1))
+    rows = torch.cat([row_starts, a[:, 0, None, :].expand(N, H, 2)], -1)  # (N, H, 4)
+    return torch.matmul(rows, _column_basis(W, A.device, A.dtype)).view(N, H, W, 2)
 
 
 def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
