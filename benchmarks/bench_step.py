@@ -25,7 +25,7 @@ import pyro  # noqa: E402
 import torch  # noqa: E402
 
 from inference.capsule_svi import CapsuleSystem, load_experiment_config  # noqa: E402
-from inference.train import make_elbo  # noqa: E402
+from inference.train import make_elbo, make_optimiser  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 from probcaps.render import use_compiled_compositing  # noqa: E402
@@ -59,7 +59,7 @@ def main() -> None:
     cfg = load_experiment_config(args.config, [f"model.num_parts={args.parts}", f"model.num_parents={args.parents}",
                                                f"model.template_size={args.template_size}", *args.set])
     system = CapsuleSystem(cfg["model"], cfg["encoder"]).to(args.device)
-    opt = torch.optim.Adam(system.parameters(), lr=1e-4)
+    opt = make_optimiser(system, cfg["train"])  # the training loop's optimiser (param groups, fused Adam)
     elbo = make_elbo(args.jit)
     x = torch.rand(args.batch, 1, cfg["model"].canvas_size, cfg["model"].canvas_size, device=args.device)
 

@@ -35,7 +35,7 @@ from probcaps.errors import CheckpointError, TrainingDiverged
 from probcaps.io import atomic_torch_save, atomic_write
 from probcaps.render import use_compiled_compositing
 
-__all__ = ["TrainConfig", "TrainState", "train_loop", "load_checkpoint", "make_elbo", "read_jsonl", "truncate_log"]
+__all__ = ["TrainConfig", "TrainState", "train_loop", "make_optimiser", "load_checkpoint", "make_elbo", "read_jsonl", "truncate_log"]
 
 
 @dataclass
@@ -121,6 +121,14 @@ def _param_groups(module: nn.Module, cfg: TrainConfig) -> list[dict]:
     return [{"params": ps, "lr": cfg.lr * m} for m, ps in sorted(groups.items())]
 
 
+def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
+    """The training loop's Adam: one group per learning-rate multiplier; fused (one kernel for every tensor) where
+    torch has it for the parameters' device."""
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float64)
+                for p in module.parameters())
+    return torch.optim.Adam(_param_groups(module, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+
+
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     """Read a checkpoint written by :func:`train_loop`; a missing or unreadable file is a one-line error."""
     path = Path(path)
@@ -187,7 +195,7 @@ def train_loop(
     if cfg.compile:
         use_compiled_compositing()
     params = [p for p in module.parameters() if p.requires_grad]
-    optimiser = torch.optim.Adam(_param_groups(module, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimiser = make_optimiser(module, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, _lr_factor(cfg))
     state = TrainState()
     ckpt_path, log_path = out_dir / "checkpoint.pt", out_dir / "log.jsonl"

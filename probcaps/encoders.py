@@ -61,7 +61,8 @@ class MAB(nn.Module):
     ``V' = fc_v(K)``, heads split along the feature axis.  (Logits scaled by ``1/sqrt(head_dim)``; the reference
     code uses ``1/sqrt(dim_v)``.)
 
-    ``forward(Q (B, Nq, dim_q), K (B, Nk, dim_k), key_weights (B, Nk) | None) -> (B, Nq, dim_v)``.
+    ``forward(Q (B, Nq, dim_q), K (B, Nk, dim_k), key_weights (B, Nk) | None) -> (B, Nq, dim_v)``; ``Q`` may have
+    batch size 1 (learned seeds or inducing points, shared by the batch: projected once, then broadcast).
     """
 
     def __init__(self, dim_q: int, dim_k: int, dim_v: int, num_heads: int, ln: bool = True):
@@ -84,11 +85,12 @@ class MAB(nn.Module):
         qh, kh, vh = self._heads(q), self._heads(self.fc_k(K)), self._heads(self.fc_v(K))
         bias = key_bias(key_weights, q.dtype)
         if USE_SDPA:
-            a = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)
+            a = F.scaled_dot_product_attention(qh.expand(kh.shape[0], -1, -1, -1), kh, vh, attn_mask=bias)
         else:
             logits = qh @ kh.transpose(-1, -2) * (1.0 / math.sqrt(qh.shape[-1]))
             a = torch.softmax(logits if bias is None else logits + bias, -1) @ vh
-        O = self.ln0(q + a.transpose(1, 2).flatten(-2))
+        a = a.transpose(1, 2).flatten(-2)  # (B, Nq, dim_v)
+        O = self.ln0(q.expand_as(a) + a)
         return self.ln1(O + F.relu(self.fc_o(O)))
 
 
@@ -115,7 +117,7 @@ class ISAB(nn.Module):
         self.mab1 = MAB(dim_in, dim_out, dim_out, num_heads, ln)
 
     def forward(self, X: torch.Tensor, key_weights: torch.Tensor | None = None) -> torch.Tensor:
-        H = self.mab0(self.I.expand(X.shape[0], -1, -1), X, key_weights)
+        H = self.mab0(self.I, X, key_weights)  # the inducing points are shared: projected once, not per image
         return self.mab1(X, H)
 
 
@@ -130,7 +132,7 @@ class PMA(nn.Module):
         self.mab = MAB(dim, dim, dim, num_heads, ln)
 
     def forward(self, X: torch.Tensor, key_weights: torch.Tensor | None = None) -> torch.Tensor:
-        return self.mab(self.S.expand(X.shape[0], -1, -1), X, key_weights)
+        return self.mab(self.S, X, key_weights)  # the seeds are shared: projected once, not per image
 
 
 class SetTransformer(nn.Module):
