@@ -34,6 +34,9 @@ LIGHT_ENCODER = --set "encoder.channels=[64,128,128]" --set "encoder.strides=[2,
   --set encoder.set_hidden=16 --set encoder.set_heads=1
 # the pilot encoder: the same CNN with the headline's object encoder at half width (README "Known gaps": its
 # 1000-step pilot at the headline's sizes)
+# the fast encoder: the headline's CNN (10x10 feature map) with bf16 convolutions and the object encoder at half
+# width (64, four heads); its 1000-step pilot is in README "Known gaps"
+FAST_ENCODER = --set encoder.set_hidden=64 --set encoder.bf16=true
 PILOT_ENCODER = --set "encoder.channels=[64,128,128]" --set "encoder.strides=[2,2,2]" --set encoder.part_features=0 \
   --set encoder.set_hidden=64
 bench: install
@@ -53,6 +56,8 @@ bench: install
 	  --json results/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, pilot encoder" $(PILOT_ENCODER) --compile \
 	  --json results/bench_step.json --append
+	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, fast encoder" $(FAST_ENCODER) --compile \
+	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "headline config" --parts 24 --parents 16 \
 	  --config experiments/configs/mnist_probe.toml --json results/bench_step.json --append
 
