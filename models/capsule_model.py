@@ -29,7 +29,7 @@ from pyro.ops.indexing import Vindex
 
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
-from probcaps.render import composite_over, render_templates
+from probcaps.render import composite_layers, render_templates
 
 __all__ = ["CapsuleModelConfig", "CapsuleModel", "presence_sparsity", "parent_usage_penalty", "presence_entropy"]
 
@@ -247,10 +247,8 @@ class CapsuleModel(PyroModule):
         # (B, M, H, W) rendered alphas after it: the same image, two fewer passes over the layers
         channel_scale = torch.stack([torch.ones_like(z0), z0], -1)[..., None, None]  # (B, M, 2, 1, 1)
         layers = render_templates(templates * channel_scale, pose6_to_matrix(y0), self.config.canvas_size)
-        # split, not two slices: its backward writes the layers' gradient in one pass (a cat), not zeros + 2 copies
-        colours, alphas = layers.split(1, dim=2)
-        image, weights = composite_over(colours, alphas, dim=1)
-        return image, (weights * colours if contributions else None)
+        image, weights = composite_layers(layers, dim=1)
+        return image, (weights * layers[:, :, :1] if contributions else None)
 
     def usage_target(self) -> float:
         """The share of images each object should be present in: ``expected_parents / K``."""

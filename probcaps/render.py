@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from .geometry import invert
 
-__all__ = ["sampling_grid", "warp", "render_templates", "extract_glimpses", "alpha_over", "composite_over", "use_compiled_compositing"]
+__all__ = ["sampling_grid", "warp", "render_templates", "extract_glimpses", "alpha_over", "composite_over",
+           "composite_layers", "use_compiled_compositing"]
 
 _GRID_CACHE: dict = {}
 
@@ -206,17 +207,42 @@ def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, ba
     return _composite_over(colours, alphas, dim, float(background))
 
 
+def composite_layers(layers: torch.Tensor, dim: int = 1, background: float = 0.0):
+    """:func:`composite_over` of rendered layers whose colour and alpha are channels 0 and 1 of one tensor.
+
+    Args:
+        layers: ``(..., M, 2, H, W)`` (``dim`` indexes the layers; the channel axis follows it), e.g. the output of
+            :func:`render_templates` for templates stacked with their alphas.
+    Returns:
+        ``(image (..., 1, H, W), weights (..., M, 1, H, W))`` as :func:`composite_over`.  Compiled, the split into
+        colour and alpha is inside the compiled graph, so the backward writes the layers' gradient in one pass.
+    """
+    if layers.shape[dim + 1 if dim >= 0 else dim + layers.dim() + 1] != 2:
+        raise ValueError(f"composite_layers: expected 2 channels (colour, alpha) after the layer axis, got "
+                         f"{tuple(layers.shape)}")
+    if _COMPILED["layers_fn"] is not None:
+        return _COMPILED["layers_fn"](layers, dim, float(background))
+    return _composite_layers(layers, dim, float(background))
+
+
 def _composite_over(colours, alphas, dim: int, background: float):
     dim = dim % max(colours.dim(), alphas.dim())
     colours, alphas = torch.broadcast_tensors(colours, alphas)
     return _OverComposite.apply(colours, alphas, dim, background)
 
 
-_COMPILED: dict = {"fn": None}
+def _composite_layers(layers, dim: int, background: float):
+    dim = dim % layers.dim()
+    # split, not two slices: eager, its backward writes the layers' gradient in one pass (a cat)
+    colours, alphas = layers.split(1, dim=dim + 1)
+    return _OverComposite.apply(colours, alphas, dim, background)
+
+
+_COMPILED: dict = {"fn": None, "layers_fn": None}
 
 
 def use_compiled_compositing(enable: bool = True) -> None:
-    """Run :func:`composite_over` through ``torch.compile``.
+    """Run :func:`composite_over` and :func:`composite_layers` through ``torch.compile``.
 
     Compiling fuses the ten or so passes that the forward and the backward make over the layers into a few.
     The whole training step with and without it is in ``benchmarks/bench_step.py --compile`` (README table).
@@ -224,3 +250,4 @@ def use_compiled_compositing(enable: bool = True) -> None:
     ``--compile``.
     """
     _COMPILED["fn"] = torch.compile(_composite_over, dynamic=False) if enable else None
+    _COMPILED["layers_fn"] = torch.compile(_composite_layers, dynamic=False) if enable else None

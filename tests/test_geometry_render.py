@@ -390,11 +390,26 @@ def test_compiled_compositing_matches_eager():
         loss = (image * torch.linspace(0, 1, 7)).sum() + weights[:, 2].sum()
         return (image.detach(), *torch.autograd.grad(loss, (colours, alphas)))
 
+    layers = torch.cat([colours, alphas], 2).detach().requires_grad_()
+
+    def image_and_grads_of_layers():
+        # composite_layers: colour and alpha as channels 0 and 1 of one tensor; the same image and gradients
+        image, weights = render.composite_layers(layers, dim=1, background=0.2)
+        loss = (image * torch.linspace(0, 1, 7)).sum() + weights[:, 2].sum()
+        (grad,) = torch.autograd.grad(loss, layers)
+        return (image.detach(), grad[:, :, :1], grad[:, :, 1:])
+
     eager = image_and_grads()
+    assert all(torch.allclose(got, want, atol=1e-6) for got, want in zip(image_and_grads_of_layers(), eager))
     try:
         render.use_compiled_compositing()
         compiled = image_and_grads()
+        compiled_layers = image_and_grads_of_layers()
     finally:
         render.use_compiled_compositing(False)
     for got, want in zip(compiled, eager):
         assert torch.allclose(got, want, atol=1e-5)
+    for got, want in zip(compiled_layers, eager):
+        assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="2 channels"):
+        render.composite_layers(torch.rand(2, 5, 3, 6, 7))
