@@ -28,6 +28,7 @@ from inference.capsule_svi import CapsuleSystem, load_experiment_config  # noqa:
 from inference.train import make_elbo, make_optimiser  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
+from probcaps.encoders import use_compiled_part_cnn  # noqa: E402
 from probcaps.render import use_compiled_compositing  # noqa: E402
 
 
@@ -38,11 +39,11 @@ def main() -> None:
     p.add_argument("--parents", type=int, default=32)
     p.add_argument("--template-size", type=int, default=11)
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=30, help="timed steps of each variant (the median is reported)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--jit", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing")
+    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     p.add_argument("--append", action="store_true", help="append a row to --json instead of replacing it")
     p.add_argument("--label", default=None, help="name of this row in the JSON file")
@@ -56,6 +57,7 @@ def main() -> None:
     pyro.enable_validation(False)
     if args.compile:
         use_compiled_compositing()
+        use_compiled_part_cnn()
     cfg = load_experiment_config(args.config, [f"model.num_parts={args.parts}", f"model.num_parents={args.parents}",
                                                f"model.template_size={args.template_size}", *args.set])
     system = CapsuleSystem(cfg["model"], cfg["encoder"]).to(args.device)
@@ -93,6 +95,7 @@ def main() -> None:
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
     result = {
         "batch": args.batch, "parts": args.parts, "parents": args.parents, "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
         "pyro_step_ms": 1000 * med["pyro"], "torch_step_ms": 1000 * med["torch"],
         "ratio_pyro_over_torch": med["pyro"] / med["torch"], "pyro_images_per_s": args.batch / med["pyro"],
         "peak_memory_mb": peak_mb, "losses_agree": agree, "device": args.device,

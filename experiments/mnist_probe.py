@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--jit", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing (faster steps)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--reuse-results", action="store_true",
                    help="take a seed's metrics from its results JSON when that is newer than its final checkpoint")
     p.add_argument("--train-only", action="store_true",

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from probcaps.errors import CheckpointError, TrainingDiverged
 from probcaps.io import atomic_torch_save, atomic_write
+from probcaps.encoders import use_compiled_part_cnn
 from probcaps.render import use_compiled_compositing
 
 __all__ = ["TrainConfig", "TrainState", "train_loop", "make_optimiser", "load_checkpoint", "make_elbo", "read_jsonl", "truncate_log"]
@@ -52,7 +53,7 @@ class TrainConfig:
     seed: int = 0
     jit: bool = False              # JitTraceEnum_ELBO (rests on the deprecated torch.jit.trace)
     validate: bool = False         # Pyro's validation checks (a few ms a step)
-    compile: bool = False          # torch.compile the alpha compositing (probcaps.render.use_compiled_compositing)
+    compile: bool = False          # torch.compile the alpha compositing and the part encoder's CNN
     # learning-rate multipliers by parameter-name prefix, e.g. {"model.template" = 10.0}: the templates need to
     # travel much further from their initial values than the network weights
     lr_multipliers: dict = field(default_factory=dict)
@@ -194,6 +195,7 @@ def train_loop(
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.compile:
         use_compiled_compositing()
+        use_compiled_part_cnn()
     params = [p for p in module.parameters() if p.requires_grad]
     optimiser = make_optimiser(module, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, _lr_factor(cfg))

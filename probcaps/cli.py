@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="training seed (overrides train.seed)")
     p.add_argument("--steps", type=int, default=None, help="training steps (overrides train.steps)")
     p.add_argument("--jit", action="store_true", help="use JitTraceEnum_ELBO")
-    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing (faster steps)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--validate", action="store_true", help="turn on Pyro's validation checks")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--evaluate", action="store_true", help="evaluate the final checkpoint afterwards")

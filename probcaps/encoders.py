@@ -28,7 +28,7 @@ from torch import nn
 
 from probcaps.geometry import constrained_pose
 
-__all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOutput", "key_bias"]
+__all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOutput", "key_bias", "use_compiled_part_cnn"]
 
 #: Smallest key weight before taking the log: ``log(1e-6) ~ -13.8`` on the attention logits.
 MIN_KEY_WEIGHT = 1e-6
@@ -172,6 +172,18 @@ def _position_grid(h: int, w: int, device, dtype) -> torch.Tensor:
     return torch.stack(torch.meshgrid(xs, ys, indexing="xy"), -1).reshape(-1, 2)
 
 
+_COMPILE_TRUNKS = {"on": False}
+
+
+def use_compiled_part_cnn(enable: bool = True) -> None:
+    """Run every :class:`PartEncoder`'s CNN through ``torch.compile`` (fuses each convolution with its activation).
+
+    Turned on with the compositing by ``train.compile = true`` / ``--compile``; the first call pays for the
+    compile, and each new input shape compiles again.
+    """
+    _COMPILE_TRUNKS["on"] = enable
+
+
 class PartOutput(NamedTuple):
     """Part capsules from :class:`PartEncoder`."""
 
@@ -247,17 +259,28 @@ class PartEncoder(nn.Module):
         idx = torch.linspace(0, g * g - 1, M).round().long()  # M cells spread evenly over the grid
         b[:, 4:6] = torch.atanh(grid[idx])
 
-    def forward(self, x: torch.Tensor) -> PartOutput:
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """The CNN: ``(B, in_channels, H, W) -> (B, C, H', W')`` feature map (bfloat16 if ``bf16``)."""
         # bf16: the convolutions (most of the encoder's time) in bfloat16 autocast, everything after them in float32
         # channels-last: oneDNN's convolutions (CPU) and cuDNN's tensor-core paths are faster in NHWC
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            features = self.cnn(x.contiguous(memory_format=torch.channels_last))
+            return self.cnn(x.contiguous(memory_format=torch.channels_last))
+
+    def _compiled_trunk(self):
+        # a compiled function, not a compiled module: the state dict keeps its keys
+        if "_trunk_compiled" not in self.__dict__:
+            self.__dict__["_trunk_compiled"] = torch.compile(self.trunk, dynamic=False)
+        return self.__dict__["_trunk_compiled"]
+
+    def forward(self, x: torch.Tensor) -> PartOutput:
+        features = self._compiled_trunk()(x) if _COMPILE_TRUNKS["on"] else self.trunk(x)
         fh, fw = features.shape[-2:]
         f = features.to(x.dtype).permute(0, 2, 3, 1).reshape(x.shape[0], fh * fw, -1)  # (B, N, C), N = H'W'
         # The head is a 1x1 conv, linear in the features, so pooling commutes with it: each part's attention
         # logits come from the head's last row, the features are pooled per part, and the head's other rows are
         # applied to the pooled (B, M, C) features.  The same function as conv -> softmax -> weighted sum, without
-        # the (B, M * (n_param + 1), H', W') map (20x fewer multiply-adds at SCAE's sizes).
+        # the (B, M * (n_param + 1), H', W') map: about 10x fewer multiply-adds at SCAE's sizes (40 parts, 16
+        # features, a 10x10 map).
         w = self.head.weight.view(self.num_parts, self.n_param + 1, -1)  # (M, P + 1, C)
         b = self.head.bias.view(self.num_parts, self.n_param + 1)
         att = torch.softmax(torch.matmul(f, w[:, -1].T).transpose(1, 2) + b[:, -1, None], -1)  # (B, M, N)

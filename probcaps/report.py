@@ -95,6 +95,7 @@ def _benchmark_table(results_dir: Path) -> str | None:
     lines.append("")
     lines.append(f"Device: {rows[0].get('device_description', rows[0].get('device'))}, "
                  f"{rows[0]['threads']} threads, glibc allocator thresholds set: {rows[0].get('malloc_env')}; "
+                 f"step times are the median of {rows[0].get('repeats', 10)} timed steps of each variant; "
                  f"command: `make bench`. The ratio is what the benchmark is for (interleaved in one run); images/s "
                  f"depends on the machine.")
     return "\n".join(lines)
