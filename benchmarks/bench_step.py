@@ -102,6 +102,7 @@ def main() -> None:
         "device_description": device_description(args.device), "label": args.label,
         "encoder": cfg["encoder"].to_dict(), "command": " ".join(["python", *sys.argv]),
         "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "compiled_compositing": args.compile,
+        "compiled_part_cnn": args.compile,
     }
     print(f"batch {args.batch}, {args.parts} parts, {args.parents} objects, {torch.get_num_threads()} threads, "
           f"{args.device}")

@@ -88,7 +88,7 @@ def _benchmark_table(results_dir: Path) -> str | None:
         enc = r.get("encoder", {})
         setting = (f"{r.get('label') or ''} (conv {enc.get('channels')}, strides {enc.get('strides')}, set "
                    f"transformer {enc.get('set_hidden')} wide × {enc.get('set_heads')} heads"
-                   f"{', compiled compositing' if r.get('compiled_compositing') else ''})")
+                   f"{', compiled compositing and part CNN' if r.get('compiled_compositing') else ''})")
         lines.append(f"| {setting} | {r['parts']} × {r['parents']} | {r['batch']} | {r['pyro_step_ms']:.0f} | "
                      f"{r['torch_step_ms']:.0f} | {r['ratio_pyro_over_torch']:.3f} | {r['pyro_images_per_s']:.0f} | "
                      f"{r['peak_memory_mb']:.0f} |")
