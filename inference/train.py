@@ -36,7 +36,8 @@ from probcaps.io import atomic_torch_save, atomic_write
 from probcaps.encoders import use_compiled_part_cnn
 from probcaps.render import use_compiled_compositing
 
-__all__ = ["TrainConfig", "TrainState", "train_loop", "make_optimiser", "load_checkpoint", "make_elbo", "read_jsonl", "truncate_log"]
+__all__ = ["TrainConfig", "TrainState", "train_loop", "make_optimiser", "load_checkpoint", "make_elbo", "read_jsonl",
+           "truncate_log"]
 
 
 @dataclass

@@ -28,7 +28,8 @@ from torch import nn
 
 from probcaps.geometry import constrained_pose
 
-__all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOutput", "key_bias", "use_compiled_part_cnn"]
+__all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOutput", "key_bias",
+           "use_compiled_part_cnn"]
 
 #: Smallest key weight before taking the log: ``log(1e-6) ~ -13.8`` on the attention logits.
 MIN_KEY_WEIGHT = 1e-6
