@@ -218,6 +218,7 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe_rho1": functools.partial(_mnist_probe_table, name="mnist_probe_rho1"),
     "mnist_probe_fast": functools.partial(_mnist_probe_table, name="mnist_probe_fast"),
     "affnist_ceiling": lambda results_dir: _experiment_table("affnist", results_dir, name="affnist_ceiling"),
+    "affnist_fast": lambda results_dir: _experiment_table("affnist", results_dir, name="affnist_fast"),
     "ttvi_classification_ceiling": lambda results_dir: _experiment_table("ttvi_classification", results_dir,
                                                                          name="ttvi_classification_ceiling"),
     "bench_step": _benchmark_table,
