@@ -221,6 +221,8 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "affnist_fast": lambda results_dir: _experiment_table("affnist", results_dir, name="affnist_fast"),
     "ttvi_classification_ceiling": lambda results_dir: _experiment_table("ttvi_classification", results_dir,
                                                                          name="ttvi_classification_ceiling"),
+    "ttvi_classification_fast": lambda results_dir: _experiment_table("ttvi_classification", results_dir,
+                                                                      name="ttvi_classification_fast"),
     "bench_step": _benchmark_table,
     "ttvi_throughput": _ttvi_throughput_table,
     "pilots": _pilots_table,
