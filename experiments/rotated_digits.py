@@ -72,8 +72,8 @@ def checks(rows: list[dict]) -> dict:
     return out
 
 
-def readme_table(results_dir: Path) -> str | None:
-    loaded = load_result(results_dir, "rotated_digits")
+def readme_table(results_dir: Path, name: str = "rotated_digits") -> str | None:
+    loaded = load_result(results_dir, name)
     if loaded is None:
         return None
     m, prov = loaded

@@ -219,6 +219,8 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "mnist_probe_fast": functools.partial(_mnist_probe_table, name="mnist_probe_fast"),
     "affnist_ceiling": lambda results_dir: _experiment_table("affnist", results_dir, name="affnist_ceiling"),
     "affnist_fast": lambda results_dir: _experiment_table("affnist", results_dir, name="affnist_fast"),
+    "rotated_digits_fast": lambda results_dir: _experiment_table("rotated_digits", results_dir,
+                                                                 name="rotated_digits_fast"),
     "ttvi_classification_ceiling": lambda results_dir: _experiment_table("ttvi_classification", results_dir,
                                                                          name="ttvi_classification_ceiling"),
     "ttvi_classification_fast": lambda results_dir: _experiment_table("ttvi_classification", results_dir,

@@ -203,7 +203,7 @@ def test_warp_rejects_bad_shapes():
 
 def test_sampling_grid_equals_affine_grid():
     # catches: x/y rows swapped or the pixel-centre convention differing from align_corners=False
-    # (values and gradients: the grid is built by one product with a constant basis, not by F.affine_grid)
+    # (values and gradients: the grid is built by broadcasting, not by F.affine_grid)
     A = torch.randn(4, 2, 3, dtype=DT, requires_grad=True)
     for H, W in ((7, 7), (5, 8)):
         ref = F.affine_grid(A, (4, 1, H, W), align_corners=False)
