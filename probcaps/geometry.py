@@ -74,11 +74,17 @@ def compose_pose6(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     )
 
 
-def invert(P: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``(..., 3, 3)`` affine matrices (closed form for the 2x2 block; no general solve)."""
+def invert(P: torch.Tensor, min_abs_det: float = 0.0) -> torch.Tensor:
+    """Inverse of ``(..., 3, 3)`` affine matrices (closed form for the 2x2 block; no general solve).
+
+    ``min_abs_det > 0`` keeps the determinant at least that far from zero (sign kept, zero counts as positive), so
+    a singular or nearly singular map inverts to large finite entries instead of ``inf``/``NaN``.
+    """
     a, b, c = P[..., 0, 0], P[..., 0, 1], P[..., 0, 2]
     d, e, f = P[..., 1, 0], P[..., 1, 1], P[..., 1, 2]
     det = a * e - b * d
+    if min_abs_det > 0:
+        det = torch.where(det < 0, det.clamp_max(-min_abs_det), det.clamp_min(min_abs_det))
     ia, ib, id_, ie = e / det, -b / det, -d / det, a / det
     ic = -(ia * c + ib * f)
     if_ = -(id_ * c + ie * f)

@@ -25,28 +25,51 @@ def _pixel_centres(n: int, device, dtype) -> torch.Tensor:
     return _GRID_CACHE[key]
 
 
+_COLUMN_BASIS_CACHE: dict = {}
+
+
+def _column_basis(W: int, device, dtype) -> torch.Tensor:
+    """``(4, 2W)`` constant with ``[gx_row, gy_row, a_x, a_y] @ basis`` = the grid row ``(W, 2)`` flattened."""
+    key = (W, device, dtype)
+    if key not in _COLUMN_BASIS_CACHE:
+        basis = torch.zeros(4, W, 2, device=device, dtype=dtype)
+        basis[0, :, 0] = 1
+        basis[1, :, 1] = 1
+        basis[2, :, 0] = _pixel_centres(W, device, dtype)
+        basis[3, :, 1] = _pixel_centres(W, device, dtype)
+        _COLUMN_BASIS_CACHE[key] = basis.view(4, 2 * W)
+    return _COLUMN_BASIS_CACHE[key]
+
+
 def sampling_grid(A: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
     """Sampling grid for ``grid_sample`` from ``(N, 2, 3)`` affine maps (canvas -> source coordinates).
 
-    Built by broadcasting two 1-D coordinate vectors: much cheaper than ``F.affine_grid``'s batched matmul
-    against a full base grid.  Returns ``(N, H, W, 2)``.  (A single ``(N, H, 4) @ (4, 2W)`` product is faster
-    still, but with it the rotated-digit test-time VI run on ``checkpoints/mnist_probe_fast.pt`` produced NaN images
-    partway (cause not found; clamping the coefficients did not help) and with this form it does not.)
+    ``grid[n, h, w] = A[n] @ (x_w, y_h, 1)``.  Each row ``h`` of the grid is its start ``A[:, 1] y_h + A[:, 2]``
+    plus ``x_w`` times ``A[:, 0]``: one ``(N, H, 4) @ (4, 2W)`` product writes the whole grid, and its backward is
+    one product with the grid's gradient.  Far cheaper than ``F.affine_grid``'s per-map products against a full
+    base grid or broadcast arithmetic over a last dimension of 2.  ``A`` must be finite (the zeros of the basis
+    would turn an ``inf`` into ``NaN``; :func:`warp` keeps it finite).  Returns ``(N, H, W, 2)``.
     """
     H, W = out_size
-    xs = _pixel_centres(W, A.device, A.dtype).view(1, 1, W)
-    ys = _pixel_centres(H, A.device, A.dtype).view(1, H, 1)
-    a = A.unsqueeze(-1).unsqueeze(-1)  # (N, 2, 3, 1, 1)
-    gx = a[:, 0, 0] * xs + a[:, 0, 1] * ys + a[:, 0, 2]
-    gy = a[:, 1, 0] * xs + a[:, 1, 1] * ys + a[:, 1, 2]
-    return torch.stack([gx, gy], -1)
+    N = A.shape[0]
+    a = A.transpose(1, 2)  # (N, 3, 2): the x, y and constant coefficients of (gx, gy)
+    row_starts = torch.addcmul(a[:, 2, None, :], a[:, 1, None, :], _pixel_centres(H, A.device, A.dtype).view(1, H, 1))
+    rows = torch.cat([row_starts, a[:, 0, None, :].expand(N, H, 2)], -1)  # (N, H, 4)
+    return torch.matmul(rows, _column_basis(W, A.device, A.dtype)).view(N, H, W, 2)
+
+
+#: Poses with ``|det| <`` this render nothing in :func:`warp`.  Such a pose shrinks its template to under a
+#: millionth of its area; inverting it as it is would give ``inf`` (an exactly singular pose) and then ``NaN`` pixels.
+MIN_POSE_DET = 1e-6
+#: Source coordinates of every canvas pixel for those poses: beyond the source's edge, so bilinear sampling gives 0.
+_OFF_SOURCE = ((0.0, 0.0, 3.0), (0.0, 0.0, 3.0))
 
 
 def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
     """Warp ``(N, C, h, w)`` images by poses ``(N, 3, 3)`` onto an ``out_size`` canvas: ``(N, C, H, W)``.
 
     Bilinear sampling with zeros outside the source.  Each source is first scaled to its native pixel size
-    on the canvas (``w/W``, ``h/H``), then mapped by ``P``.
+    on the canvas (``w/W``, ``h/H``), then mapped by ``P``.  A singular pose renders nothing (see :data:`MIN_POSE_DET`).
     """
     if isinstance(out_size, int):
         out_size = (out_size, out_size)
@@ -56,7 +79,10 @@ def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int)
                          f"{tuple(P.shape)}")
     h, w = images.shape[-2:]
     # source coords v = S^-1 P^-1 u with S = diag(w/W, h/H): scale the two rows of P^-1.
-    Pinv = invert(P)[:, :2, :]
+    # the floor keeps the inverse finite (a zero-weighted inf would still make NaN gradients through the where)
+    Pinv = invert(P, min_abs_det=MIN_POSE_DET)[:, :2, :]
+    flat = (P[:, 0, 0] * P[:, 1, 1] - P[:, 0, 1] * P[:, 1, 0]).abs() < MIN_POSE_DET
+    Pinv = torch.where(flat.view(-1, 1, 1), Pinv.new_tensor(_OFF_SOURCE), Pinv)
     row_scale = Pinv.new_tensor([W / w, H / h]).view(1, 2, 1)
     grid = sampling_grid(Pinv * row_scale, (H, W))
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)

@@ -87,6 +87,35 @@ def test_invert_is_inverse():
     assert torch.allclose(invert(P), torch.linalg.inv(P), atol=1e-12)
 
 
+def test_invert_min_abs_det_keeps_singular_maps_finite_and_regular_ones_exact():
+    # catches: a singular pose inverting to inf (then NaN pixels), the floor flipping the determinant's sign, or the
+    # floor touching maps whose determinant is above it
+    P = pose6_to_matrix(_random_poses(6))
+    assert torch.equal(invert(P, min_abs_det=1e-6), invert(P))
+    flat = torch.tensor([[[0.0, 0.0, 0.1], [0.0, 0.0, 0.0], [0.0, 0.0, 1.0]],   # det exactly 0
+                         [[1e-20, 0.0, 0.0], [0.0, -1e-20, 0.0], [0.0, 0.0, 1.0]]], dtype=DT)  # det = -1e-40
+    assert not torch.isfinite(invert(flat)).all()
+    safe = invert(flat, min_abs_det=1e-6)
+    assert torch.isfinite(safe).all()
+    # the floored determinant keeps its sign (-1e-6): entries e / det and a / det
+    assert torch.isclose(safe[1, 0, 0], torch.tensor(1e-14, dtype=DT)) and torch.isclose(safe[1, 1, 1], torch.tensor(-1e-14, dtype=DT))
+    assert safe[0, 0, 2] == 0 and safe[0, 1, 2] == 0
+
+
+def test_warp_of_a_singular_pose_is_blank_with_finite_gradients():
+    # catches: inf in the inverse pose reaching the sampling grid (the grid's matmul turns inf * 0 into NaN)
+    template = torch.rand(2, 1, 5, 5, dtype=torch.float32)
+    P = torch.eye(3).repeat(2, 1, 1)
+    P[0, :2, :2] = 0.0  # collapsed to a point
+    P[1, 0] = P[1, 1]   # rank 1: both rows equal
+    P.requires_grad_(True)
+    out = warp(template, P, 12)
+    assert torch.isfinite(out).all()
+    assert out[0].abs().max() == 0
+    out.sum().backward()
+    assert torch.isfinite(P.grad).all()
+
+
 def test_affine_matrix_known_values():
     # catches: cos/sin swapped, rotation direction flipped, scales applied to rows instead of columns, shear misplaced
     t = lambda v: torch.tensor(v, dtype=DT)  # noqa: E731
