@@ -22,6 +22,7 @@ __all__ = [
     "matrix_to_pose6",
     "compose",
     "invert",
+    "determinant",
     "compose_pose6",
     "affine_matrix",
     "rotation_matrix",
@@ -74,6 +75,11 @@ def compose_pose6(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     )
 
 
+def determinant(P: torch.Tensor) -> torch.Tensor:
+    """Determinant of the linear part of ``(..., 3, 3)`` affine matrices: ``(...)`` (the area scale of the map)."""
+    return P[..., 0, 0] * P[..., 1, 1] - P[..., 0, 1] * P[..., 1, 0]
+
+
 def invert(P: torch.Tensor, min_abs_det: float = 0.0) -> torch.Tensor:
     """Inverse of ``(..., 3, 3)`` affine matrices (closed form for the 2x2 block; no general solve).
 
@@ -82,7 +88,7 @@ def invert(P: torch.Tensor, min_abs_det: float = 0.0) -> torch.Tensor:
     """
     a, b, c = P[..., 0, 0], P[..., 0, 1], P[..., 0, 2]
     d, e, f = P[..., 1, 0], P[..., 1, 1], P[..., 1, 2]
-    det = a * e - b * d
+    det = determinant(P)
     if min_abs_det > 0:
         det = torch.where(det < 0, det.clamp_max(-min_abs_det), det.clamp_min(min_abs_det))
     ia, ib, id_, ie = e / det, -b / det, -d / det, a / det

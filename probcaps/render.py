@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .geometry import invert
+from .geometry import determinant, invert
 
 __all__ = ["sampling_grid", "warp", "render_templates", "extract_glimpses", "alpha_over", "composite_over",
            "composite_layers", "use_compiled_compositing"]
@@ -81,7 +81,7 @@ def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int)
     # source coords v = S^-1 P^-1 u with S = diag(w/W, h/H): scale the two rows of P^-1.
     # the floor keeps the inverse finite (a zero-weighted inf would still make NaN gradients through the where)
     Pinv = invert(P, min_abs_det=MIN_POSE_DET)[:, :2, :]
-    flat = (P[:, 0, 0] * P[:, 1, 1] - P[:, 0, 1] * P[:, 1, 0]).abs() < MIN_POSE_DET
+    flat = determinant(P).abs() < MIN_POSE_DET
     Pinv = torch.where(flat.view(-1, 1, 1), Pinv.new_tensor(_OFF_SOURCE), Pinv)
     row_scale = Pinv.new_tensor([W / w, H / h]).view(1, 2, 1)
     grid = sampling_grid(Pinv * row_scale, (H, W))

@@ -15,6 +15,7 @@ from probcaps.geometry import (
     affine_matrix,
     compose,
     compose_pose6,
+    determinant,
     invert,
     matrix_to_pose6,
     pixels_to_normalised,
@@ -85,6 +86,12 @@ def test_invert_is_inverse():
     assert torch.allclose(invert(P) @ P, eye, atol=1e-12)
     assert torch.allclose(P @ invert(P), eye, atol=1e-12)
     assert torch.allclose(invert(P), torch.linalg.inv(P), atol=1e-12)
+
+
+def test_determinant_equals_linalg_det():
+    # catches: a sign or index slip in the area scale that warp uses to find singular poses
+    P = pose6_to_matrix(_random_poses(6))
+    assert torch.allclose(determinant(P), torch.linalg.det(P), atol=1e-12)
 
 
 def test_invert_min_abs_det_keeps_singular_maps_finite_and_regular_ones_exact():
