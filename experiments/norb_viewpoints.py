@@ -44,6 +44,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator  # noqa: E402
 from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split  # noqa: E402
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb  # noqa: E402
+from probcaps.data.transforms import standardise_per_image  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -63,6 +64,7 @@ class NorbDataConfig:
     instances_per_split: int = 5   # synthetic only: fewer instances (tests, smoke runs)
     elevations: int = 9            # synthetic only: render only the N lowest elevations (tests, smoke runs)
     lightings: int = 3             # synthetic only: render only the first N lighting conditions (tests, smoke runs)
+    standardise_images: bool = False  # each 32x32 crop minus its mean, over its std (the released code's preprocessing)
     familiar_eval: int = 1200      # size of the fixed familiar-viewpoint evaluation subset (0: all)
     novel_eval: int = 2400         # size of the fixed novel-viewpoint evaluation subset (0: all)
     eval_batch: int = 200
@@ -127,16 +129,24 @@ def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
     return sets
 
 
-def train_batches(train: NorbSet, batch_size: int, seed: int, device):
+def network_input(x: torch.Tensor, train: bool, standardise: bool, generator=None) -> torch.Tensor:
+    """``(B, 1, 48, 48)`` images -> the networks' ``(B, 1, 32, 32)`` input: the paper's crop (random when ``train``,
+    else the centre), then, with ``data.standardise_images``, per-image standardisation."""
+    x = crop32(x, train=train, generator=generator)
+    return standardise_per_image(x) if standardise else x
+
+
+def train_batches(train: NorbSet, batch_size: int, seed: int, device, standardise: bool = False):
     """``(epoch, start_batch) -> iterator of (x (B, 1, 32, 32), y (B,), global step)``: random 32x32 crops of the
-    48x48 images, each drawn from a generator seeded by ``(seed, epoch, batch)`` (exact resume)."""
+    48x48 images (:func:`network_input`), each drawn from a generator seeded by ``(seed, epoch, batch)`` (exact
+    resume)."""
     per_epoch = num_batches(len(train), batch_size, drop_last=True)
 
     def batches(epoch: int, start_batch: int):
         it = iterate_batches(train.images, train.labels, batch_size, shuffle=True, seed=seed, epoch=epoch,
                              start_batch=start_batch, drop_last=True, device=device)
         for b, (x, y) in enumerate(it, start=start_batch):
-            yield crop32(x, train=True, generator=seeded_generator("norb_crop", seed, epoch, b)), y, \
+            yield network_input(x, True, standardise, seeded_generator("norb_crop", seed, epoch, b)), y, \
                 epoch * per_epoch + b
 
     return batches
@@ -187,7 +197,7 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
         for name in ("familiar", "novel"):
             part = sets[name]
             correct = predict(model, part.images, data_cfg.eval_batch, device,
-                              transform=lambda x: crop32(x, train=False)) == part.labels
+                              transform=lambda x: network_input(x, False, data_cfg.standardise_images)) == part.labels
             record[f"{name}_acc"] = float(correct.float().mean())
             record[f"{name}_by_azimuth"] = accuracy_by(correct, part.azimuth)
             record[f"{name}_by_elevation"] = accuracy_by(correct, part.elevation)
@@ -197,7 +207,7 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         evaluate(type("S", (), {"step": 0, "epoch": 0, "wall_time_s": 0.0})())
-    batches = train_batches(sets["train"], tcfg.batch_size, seed, device)
+    batches = train_batches(sets["train"], tcfg.batch_size, seed, device, data_cfg.standardise_images)
     meta = {"kind": kind, "model_config": cfg[kind].to_dict(), "data": data_cfg.to_dict()}
     state = train_loop(model, make_loss(kind, model, cfg), batches, tcfg, out, resume=resume, metadata=meta,
                        progress=progress, on_checkpoint=evaluate)
@@ -274,11 +284,11 @@ def plot_examples(sets: dict, path: Path) -> None:
 
 
 @torch.no_grad()
-def plot_class_poses(model: MatrixCapsNet, sets: dict, path: Path, device) -> None:
+def plot_class_poses(model: MatrixCapsNet, sets: dict, path: Path, device, standardise: bool = False) -> None:
     """For one novel-view test image per class (rows): the 5 class capsules' 4x4 pose matrices (columns)."""
     data = sets["novel"]
     idx = torch.stack([torch.nonzero(data.labels == c)[0, 0] for c in range(5)])
-    x = crop32(data.images[idx][:, None].float().div(255).to(device), train=False)
+    x = network_input(data.images[idx][:, None].float().div(255).to(device), False, standardise)
     model.eval()
     poses, log_a = model.capsules(x)
     a = log_a.exp().cpu()
@@ -373,7 +383,7 @@ def main(argv=None) -> int:
     caps = build_model("caps", cfg).to(args.device)
     final = Path(args.out) / f"seed{args.seeds[0]}" / "caps" / "final.pt"
     load_module_state(caps, load_checkpoint(final)["module"], final)
-    plot_class_poses(caps, sets, results / f"{name}_class_poses.png", args.device)
+    plot_class_poses(caps, sets, results / f"{name}_class_poses.png", args.device, cfg["data"].standardise_images)
     print(f"wrote {results / (name + '.json')}")
     return 0
 

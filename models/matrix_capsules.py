@@ -50,6 +50,7 @@ class MatrixCapsConfig:
     transform_init_std: float = 0.5  # std of the learned 4x4 transforms' entries around the identity
     coordinate_addition: bool = True
     standardise_cost: bool = True    # EM cost standardised over the parents at each position (see EMConfig)
+    conv1_batchnorm: bool = False    # batch normalisation between ReLU Conv1's convolution and its ReLU (not in the paper)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,6 +192,7 @@ class MatrixCapsNet(nn.Module):
         self.cfg = cfg
         em = cfg.em()
         self.conv1 = nn.Conv2d(cfg.in_channels, cfg.A, cfg.conv1_kernel, stride=cfg.conv1_stride)
+        self.conv1_norm = nn.BatchNorm2d(cfg.A) if cfg.conv1_batchnorm else nn.Identity()
         self.primary = PrimaryCaps(cfg.A, cfg.B)
         self.conv_caps1 = ConvCaps(cfg.B, cfg.C, cfg.kernel, 2, em, cfg.transform_init_std)
         self.conv_caps2 = ConvCaps(cfg.C, cfg.D, cfg.kernel, 1, em, cfg.transform_init_std)
@@ -198,7 +200,7 @@ class MatrixCapsNet(nn.Module):
 
     def capsules(self, x: torch.Tensor):
         """``x (batch, C, H, W)`` -> class poses ``(batch, E, 4, 4)``, log activations ``(batch, E)``."""
-        pose, log_a = self.primary(F.relu(self.conv1(x)))
+        pose, log_a = self.primary(F.relu(self.conv1_norm(self.conv1(x))))
         pose, log_a = self.conv_caps1(pose, log_a)
         pose, log_a = self.conv_caps2(pose, log_a)
         mu, log_a, _ = self.class_caps(pose, log_a)

@@ -169,6 +169,19 @@ def test_network_forward_shapes():
     assert poses.shape == (2, 5, 4, 4) and log_a.shape == (2, 5) and torch.isfinite(log_a).all()
 
 
+def test_conv1_batchnorm_removes_the_inputs_scale_and_old_checkpoints_still_load():
+    # in training mode batch normalisation divides each channel by its batch std, so the network's output for a
+    # batch and for that batch times 7 agree (conv1's bias is removed with the mean); without it they differ
+    torch.manual_seed(0)
+    x = torch.rand(4, 1, 32, 32)
+    with_bn = MatrixCapsNet(MatrixCapsConfig(A=8, B=2, C=2, D=2, conv1_batchnorm=True)).train()
+    assert torch.allclose(with_bn(x), with_bn(7 * x), atol=5e-3)  # up to the eps in the normaliser
+    plain = MatrixCapsNet(MatrixCapsConfig(A=8, B=2, C=2, D=2))
+    assert (plain(x) - plain(7 * x)).abs().max() > 0.05
+    # the option off adds no parameters: checkpoints written before it existed load unchanged
+    assert set(plain.state_dict()) == {k for k in with_bn.state_dict() if not k.startswith("conv1_norm.")}
+
+
 def test_spread_loss_hand_computed():
     # a = (0.9, 0.5, 0.1), target 0, m = 0.5: (0.5 - 0.4)^2 + max(0, 0.5 - 0.8)^2 = 0.01
     log_a = torch.tensor([[0.9, 0.5, 0.1]]).log()

@@ -13,6 +13,7 @@ from probcaps.data.smallnorb import (ELEVATIONS, SMALLNORB_SPLITS, TRAIN_AZIMUTH
                                      load_smallnorb, read_norb_matrix, viewpoint_split, write_norb_matrix)
 from probcaps.data.synthetic_norb import (AZIMUTHS, ELEVATIONS_DEG, _cache_key, class_parts, render_views,
                                           synthetic_norb)
+from probcaps.data.transforms import standardise_per_image
 from probcaps.errors import DataError
 
 
@@ -117,6 +118,16 @@ def test_downsample_and_crops():
     top, left = torch.randint(0, 17, (3,), generator=g), torch.randint(0, 17, (3,), generator=g)
     for i in range(3):
         assert torch.equal(out[i], x[i, :, top[i]:top[i] + 32, left[i]:left[i] + 32])
+
+
+def test_standardise_per_image_hand_computed():
+    x = torch.tensor([[[0.0, 2.0], [0.0, 2.0]], [[1.0, 1.0], [1.0, 1.0]]])   # mean 1 std 1; a blank image
+    out = standardise_per_image(x)
+    assert out[0].tolist() == [[-1.0, 1.0], [-1.0, 1.0]]
+    assert out[1].tolist() == [[0.0, 0.0], [0.0, 0.0]]                       # finite: the std has a floor
+    # brightness and contrast changes (the paper's augmentations) leave the result unchanged
+    y = torch.rand(3, 1, 8, 8)
+    assert torch.allclose(standardise_per_image(0.4 * y + 0.3), standardise_per_image(y), atol=1e-5)
 
 
 def test_synthetic_norb_metadata_and_determinism(tmp_path):

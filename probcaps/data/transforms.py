@@ -11,7 +11,7 @@ import torch
 from ..geometry import degrees, rotation_matrix
 from ..render import warp
 
-__all__ = ["random_offsets", "place_on_canvas", "rotate", "to_float"]
+__all__ = ["random_offsets", "place_on_canvas", "rotate", "to_float", "standardise_per_image"]
 
 
 def random_offsets(n: int, max_shift: int = 6, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -99,3 +99,14 @@ def to_float(images: torch.Tensor) -> torch.Tensor:
     if images.dtype != torch.uint8:
         raise TypeError(f"to_float: expected uint8 images, got {images.dtype}")
     return images.to(torch.float32).div_(255.0)
+
+
+def standardise_per_image(images: torch.Tensor, min_std: float = 1e-3) -> torch.Tensor:
+    """``(N, ...)`` images -> each image minus its mean, divided by its std (at least ``min_std``, so a blank image
+    stays finite).  The smallNORB preprocessing of Hinton et al.'s released code; it removes any brightness offset
+    and contrast scale of the image."""
+    flat = images.flatten(1)
+    mean = flat.mean(1, keepdim=True)
+    std = flat.std(1, unbiased=False, keepdim=True).clamp_min(min_std)
+    return ((flat - mean) / std).view_as(images)
+
