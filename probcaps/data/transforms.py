@@ -109,4 +109,3 @@ def standardise_per_image(images: torch.Tensor, min_std: float = 1e-3) -> torch.
     mean = flat.mean(1, keepdim=True)
     std = flat.std(1, unbiased=False, keepdim=True).clamp_min(min_std)
     return ((flat - mean) / std).view_as(images)
-
