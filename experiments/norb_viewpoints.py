@@ -67,6 +67,7 @@ class NorbDataConfig:
     standardise_images: bool = False  # each 32x32 crop minus its mean, over its std (the released code's preprocessing)
     familiar_eval: int = 1200      # size of the fixed familiar-viewpoint evaluation subset (0: all)
     novel_eval: int = 2400         # size of the fixed novel-viewpoint evaluation subset (0: all)
+    train_eval: int = 1200         # training images the report scores each final model on (0: all): does it fit?
     eval_batch: int = 200
 
     def to_dict(self) -> dict:
@@ -110,8 +111,8 @@ def _synthetic_kwargs(data: NorbDataConfig) -> dict:
 
 
 def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
-    """``{"train", "familiar", "novel"}``: training instances at familiar views, and fixed subsets of the test
-    instances at familiar and at novel views."""
+    """``{"train", "familiar", "novel", "train_eval"}``: training instances at familiar views, fixed subsets of the
+    test instances at familiar and at novel views, and a fixed subset of the training images."""
     load = synthetic_norb if data.dataset == "synthetic" else load_smallnorb
     kwargs = _synthetic_kwargs(data)
     train, test = load("train", data_dir=data_dir, **kwargs), load("test", data_dir=data_dir, **kwargs)
@@ -126,6 +127,10 @@ def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
         if n and n < len(part):
             part = part.subset(torch.randperm(len(part), generator=seeded_generator("norb_eval", name))[:n])
         sets[name] = part
+    sets["train_eval"] = sets["train"]
+    if data.train_eval and data.train_eval < len(sets["train"]):
+        keep = torch.randperm(len(sets["train"]), generator=seeded_generator("norb_eval", "train"))
+        sets["train_eval"] = sets["train"].subset(keep[:data.train_eval])
     return sets
 
 
@@ -150,6 +155,12 @@ def train_batches(train: NorbSet, batch_size: int, seed: int, device, standardis
                 epoch * per_epoch + b
 
     return batches
+
+
+def correct_on(model: torch.nn.Module, part: NorbSet, data: NorbDataConfig, device) -> torch.Tensor:
+    """``(N,)`` bool: which images of ``part`` the model classifies right (centre crops, as in evaluation)."""
+    return predict(model, part.images, data.eval_batch, device,
+                   transform=lambda x: network_input(x, False, data.standardise_images)) == part.labels
 
 
 def accuracy_by(correct: torch.Tensor, key: torch.Tensor) -> dict[str, float]:
@@ -196,8 +207,7 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
         record = {"step": state.step, "epoch": state.epoch, "wall_time_s": state.wall_time_s}
         for name in ("familiar", "novel"):
             part = sets[name]
-            correct = predict(model, part.images, data_cfg.eval_batch, device,
-                              transform=lambda x: network_input(x, False, data_cfg.standardise_images)) == part.labels
+            correct = correct_on(model, part, data_cfg, device)
             record[f"{name}_acc"] = float(correct.float().mean())
             record[f"{name}_by_azimuth"] = accuracy_by(correct, part.azimuth)
             record[f"{name}_by_elevation"] = accuracy_by(correct, part.elevation)
@@ -251,6 +261,14 @@ def matched_comparison(logs: dict[str, list[dict]]) -> dict:
         **{f"{k}_final_familiar_acc": logs[k][-1]["familiar_acc"] for k in MODELS},
         **{f"{k}_final_novel_acc": logs[k][-1]["novel_acc"] for k in MODELS},
     }
+
+
+def final_train_accuracy(kind: str, cfg: dict, final: dict, sets: dict, device, path: Path) -> float:
+    """Accuracy of a finished model on the fixed subset of its own training images (centre crops): tells a model
+    that underfits from one that fits the familiar views but does not carry them to new instances."""
+    model = build_model(kind, cfg).to(device)
+    load_module_state(model, final["module"], path)
+    return float(correct_on(model, sets["train_eval"], cfg["data"], device).float().mean())
 
 
 # --------------------------------------------------------------------------- figures
@@ -345,9 +363,13 @@ def main(argv=None) -> int:
         if not all(logs.values()):
             raise ConfigError(f"{args.out}/seed{seed}: evaluation logs missing (train both models first)")
         logs_by_seed[seed] = logs
-        states = {k: load_checkpoint(Path(args.out) / f"seed{seed}" / k / "final.pt")["state"] for k in MODELS}
+        finals = {k: load_checkpoint(Path(args.out) / f"seed{seed}" / k / "final.pt") for k in MODELS}
+        states = {k: finals[k]["state"] for k in MODELS}
         walls[seed] = {k: states[k]["wall_time_s"] for k in MODELS}
         runs.append({"seed": seed, **matched_comparison(logs),
+                     **{f"{k}_final_train_acc": final_train_accuracy(k, cfg, finals[k], sets, args.device,
+                                                                     Path(args.out) / f"seed{seed}" / k / "final.pt")
+                        for k in MODELS},
                      **{f"{k}_train_wall_time_s": states[k]["wall_time_s"] for k in MODELS},
                      **{f"{k}_steps": states[k]["step"] for k in MODELS}})
         r = runs[-1]
@@ -356,12 +378,13 @@ def main(argv=None) -> int:
               f"reduction {100 * r['novel_error_reduction']:.1f}%")
     summary = {"per_seed": runs, "split": cfg["data"].split, "dataset": cfg["data"].dataset,
                "n_train": len(sets["train"]), "n_familiar_eval": len(sets["familiar"]),
-               "n_novel_eval": len(sets["novel"]),
+               "n_novel_eval": len(sets["novel"]), "n_train_eval": len(sets["train_eval"]),
                "caps_parameters": sum(p.numel() for p in build_model("caps", cfg).parameters()),
                "cnn_parameters": sum(p.numel() for p in build_model("cnn", cfg).parameters())}
     for key in ("target_familiar_acc", "caps_novel_acc", "cnn_novel_acc", "caps_familiar_acc",
                 "cnn_familiar_acc", "novel_error_reduction", "caps_final_novel_acc", "cnn_final_novel_acc",
-                "caps_novel_acc_interpolated", "cnn_novel_acc_interpolated", "novel_error_reduction_interpolated"):
+                "caps_novel_acc_interpolated", "cnn_novel_acc_interpolated", "novel_error_reduction_interpolated",
+                "caps_final_train_acc", "cnn_final_train_acc"):
         values = np.array([r[key] for r in runs])
         summary[f"{key}_mean"] = float(values.mean())
         summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
@@ -424,6 +447,9 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
               f"{col('cnn_final_familiar_acc')} | — | — |",
               f"| novel-view accuracy at the end of training (%) | {col('caps_final_novel_acc')} | "
               f"{col('cnn_final_novel_acc')} | — | — |",
+              *([f"| training-image accuracy at the end of training (%; {m['n_train_eval']} training images, centre "
+                 f"crops) | {col('caps_final_train_acc')} | {col('cnn_final_train_acc')} | — | — |"]
+                if "caps_final_train_acc" in runs[0] else []),  # results written before it: none
               f"| parameters | {m['caps_parameters']:,} | {m['cnn_parameters']:,} | 310K / 4.2M | — |"]
     walls = ", ".join(f"{r['caps_train_wall_time_s'] / 60:.0f}/{r['cnn_train_wall_time_s'] / 60:.0f}" for r in runs)
     targets = ", ".join(f"{100 * r['target_familiar_acc']:.1f}" for r in runs)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,14 +39,38 @@ def test_norb_viewpoints_entry_point(tmp_path):
     evals = [json.loads(line) for line in (runs / "seed0" / "caps" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 4]
     assert set(evals[-1]["novel_by_azimuth"]) <= {str(a) for a in range(60, 281, 20)}
+    for r in per_seed:  # tiny runs: the whole training set is scored
+        assert 0.0 <= r["caps_final_train_acc"] <= 1.0 and 0.0 <= r["cnn_final_train_acc"] <= 1.0
+    assert summary["metrics"]["n_train_eval"] == summary["metrics"]["n_train"]
     for name in ("by_azimuth", "training", "examples", "class_poses"):
         assert (results / f"norb_viewpoints_{name}.png").is_file()
     table = norb_viewpoints.readme_table(results)
-    assert "matrix capsules" in table and "novel-view" in table
+    assert "matrix capsules" in table and "novel-view" in table and "training-image accuracy" in table
     # resume with finished runs: nothing is retrained, the same numbers come out
     assert norb_viewpoints.main(args + ["--resume", "--no-figures"]) == 0
     again = json.loads((results / "norb_viewpoints.json").read_text())["metrics"]["per_seed"]
     assert [r["caps_novel_acc"] for r in again] == [r["caps_novel_acc"] for r in per_seed]
+
+
+def test_train_eval_subset_is_fixed_training_images(tmp_path):
+    # catches: the training-image score drawn from test images, from novel views, or from a different subset per call
+    from experiments.norb_viewpoints import load_config, load_sets
+    from probcaps.data.smallnorb import TRAIN_AZIMUTHS
+
+    cfg = load_config(ROOT / "experiments" / "configs" / "norb_viewpoints.toml", [
+        "data.instances_per_split=1", "data.elevations=1", "data.lightings=1", "data.train_eval=12"])
+    sets, again = load_sets(cfg["data"], tmp_path), load_sets(cfg["data"], tmp_path)
+    part, train = sets["train_eval"], sets["train"]
+    assert len(part) == 12 and len(train) == 30
+    assert set(part.azimuth.tolist()) <= set(TRAIN_AZIMUTHS)
+    assert torch.equal(part.images, again["train_eval"].images)
+    # every scored image is one of the training images, with its own label
+    flat = train.images.reshape(len(train), -1)
+    for img, label in zip(part.images.reshape(len(part), -1), part.labels):
+        hits = (flat == img).all(-1).nonzero().flatten()
+        assert len(hits) >= 1 and (train.labels[hits] == label).any()
+    cfg["data"].train_eval = 0
+    assert len(load_sets(cfg["data"], tmp_path)["train_eval"]) == 30
 
 
 def test_matched_comparison_arithmetic():
