@@ -231,7 +231,8 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     "norb_pilots": _norb_pilots_table,
     **{name: functools.partial(_experiment_table, "norb_viewpoints", name=name, with_benchmark=False)
        for name in ("norb_viewpoints_asymmetric", "norb_viewpoints_asymmetric_large",
-                    "norb_viewpoints_asymmetric_large_bn", "norb_viewpoints_asymmetric_elevation")},
+                    "norb_viewpoints_asymmetric_large_bn", "norb_viewpoints_asymmetric_large_bn_std",
+                    "norb_viewpoints_asymmetric_elevation")},
     "tae_pilots": _tae_pilots_table,
 }
 
