@@ -118,20 +118,19 @@ def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
     train, test = load("train", data_dir=data_dir, **kwargs), load("test", data_dir=data_dir, **kwargs)
     familiar_train, _ = viewpoint_split(train, data.split)
     familiar_test, novel_test = viewpoint_split(test, data.split)
-    sets = {"train": train.subset(familiar_train)}
-    if data.train_limit:
-        keep = torch.randperm(len(sets["train"]), generator=seeded_generator("norb_train_limit", data.seed))
-        sets["train"] = sets["train"].subset(keep[:data.train_limit])
-    for name, mask, n in (("familiar", familiar_test, data.familiar_eval), ("novel", novel_test, data.novel_eval)):
-        part = test.subset(mask)
-        if n and n < len(part):
-            part = part.subset(torch.randperm(len(part), generator=seeded_generator("norb_eval", name))[:n])
-        sets[name] = part
-    sets["train_eval"] = sets["train"]
-    if data.train_eval and data.train_eval < len(sets["train"]):
-        keep = torch.randperm(len(sets["train"]), generator=seeded_generator("norb_eval", "train"))
-        sets["train_eval"] = sets["train"].subset(keep[:data.train_eval])
+    sets = {"train": fixed_subset(train.subset(familiar_train), data.train_limit, "norb_train_limit", data.seed)}
+    sets["familiar"] = fixed_subset(test.subset(familiar_test), data.familiar_eval, "norb_eval", "familiar")
+    sets["novel"] = fixed_subset(test.subset(novel_test), data.novel_eval, "norb_eval", "novel")
+    sets["train_eval"] = fixed_subset(sets["train"], data.train_eval, "norb_eval", "train")
     return sets
+
+
+def fixed_subset(part: NorbSet, n: int, *key) -> NorbSet:
+    """``n`` images of ``part`` drawn by a generator seeded by ``key`` (the same ones on every call); all of it when
+    ``n`` is 0 or not below its size."""
+    if not n or n >= len(part):
+        return part
+    return part.subset(torch.randperm(len(part), generator=seeded_generator(*key))[:n])
 
 
 def network_input(x: torch.Tensor, train: bool, standardise: bool, generator=None) -> torch.Tensor:
@@ -363,12 +362,12 @@ def main(argv=None) -> int:
         if not all(logs.values()):
             raise ConfigError(f"{args.out}/seed{seed}: evaluation logs missing (train both models first)")
         logs_by_seed[seed] = logs
-        finals = {k: load_checkpoint(Path(args.out) / f"seed{seed}" / k / "final.pt") for k in MODELS}
+        paths = {k: Path(args.out) / f"seed{seed}" / k / "final.pt" for k in MODELS}
+        finals = {k: load_checkpoint(paths[k]) for k in MODELS}
         states = {k: finals[k]["state"] for k in MODELS}
         walls[seed] = {k: states[k]["wall_time_s"] for k in MODELS}
         runs.append({"seed": seed, **matched_comparison(logs),
-                     **{f"{k}_final_train_acc": final_train_accuracy(k, cfg, finals[k], sets, args.device,
-                                                                     Path(args.out) / f"seed{seed}" / k / "final.pt")
+                     **{f"{k}_final_train_acc": final_train_accuracy(k, cfg, finals[k], sets, args.device, paths[k])
                         for k in MODELS},
                      **{f"{k}_train_wall_time_s": states[k]["wall_time_s"] for k in MODELS},
                      **{f"{k}_steps": states[k]["step"] for k in MODELS}})
