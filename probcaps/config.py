@@ -2,6 +2,9 @@
 
 An unknown section or key, or a value of the wrong type, is a one-line :class:`~probcaps.errors.ConfigError`
 naming the file and the key.  ``--set section.key=value`` overrides are checked the same way.
+
+A config may start from another: a top-level ``base = "other.toml"`` (a path relative to the file) is read first,
+and the file's own keys replace the base's one by one (a section is merged, not replaced whole).  Bases may chain.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from probcaps.errors import ConfigError
 
-__all__ = ["DataConfig", "EvalConfig", "load_sections", "parse_override"]
+__all__ = ["DataConfig", "EvalConfig", "load_sections", "parse_override", "read_toml"]
 
 
 @dataclass
@@ -86,14 +89,8 @@ def load_sections(path: str | Path | None, schema: dict[str, type], overrides: l
     raw: dict = {}
     label = "<defaults>"
     if path is not None:
-        path = Path(path)
         label = str(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such config file")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        raw = read_toml(path)
     for item in overrides:
         section, key, value = parse_override(item)
         raw.setdefault(section, {})
@@ -115,6 +112,33 @@ def load_sections(path: str | Path | None, schema: dict[str, type], overrides: l
             raise ConfigError(f"{label}: '{name}' must be a [section]")
         out[name] = _build(cls, value or {}, f"{label}: {name}")
     return out
+
+
+def read_toml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """The TOML file at ``path`` as a dict, on top of its ``base`` file (and that file's base, ...) when it names
+    one: section by section, key by key, the file's values win."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{_chain[-1]}: base config {path} does not exist" if _chain
+                          else f"{path}: no such config file")
+    if path.resolve() in _chain:
+        raise ConfigError(f"{path}: its base configs form a cycle ({' -> '.join(str(p) for p in _chain + (path,))})")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: 'base' must be a path to another config, got {base!r}")
+    merged = read_toml(path.parent / base, _chain + (path.resolve(),))
+    for key, value in raw.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:

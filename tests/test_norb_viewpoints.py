@@ -124,6 +124,19 @@ def test_norb_viewpoints_asymmetric_config_runs(tmp_path):
     assert "synthetic, asymmetric" in table.splitlines()[0] and "speed" not in table
 
 
+def test_large_bn_std_config_is_the_overrides_the_results_were_trained_with():
+    # catches: the config file behind results/norb_viewpoints_asymmetric_large_bn_std.json drifting from the
+    # asymmetric config + the five --set overrides its first three seeds were trained with
+    from experiments import norb_viewpoints
+
+    configs = ROOT / "experiments" / "configs"
+    trained = norb_viewpoints.load_config(configs / "norb_viewpoints_asymmetric.toml",
+                                          ["caps.A=64", "caps.C=16", "caps.D=16", "caps.conv1_batchnorm=true",
+                                           "data.standardise_images=true"])
+    shipped = norb_viewpoints.load_config(configs / "norb_viewpoints_asymmetric_large_bn_std.toml")
+    assert shipped["name"] == "norb_viewpoints_asymmetric_large_bn_std"
+    assert {k: v for k, v in shipped.items() if k != "name"} == {k: v for k, v in trained.items() if k != "name"}
+
 def test_bench_matrix_capsules_runs(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_matrix_capsules

@@ -296,6 +296,35 @@ def test_config_types_and_consistency_checked(tmp_path, tiny_toml):
     assert cfg["train"].lr == 1.0 and isinstance(cfg["train"].lr, float)
 
 
+
+def test_config_base_is_merged_key_by_key(tmp_path, tiny_toml):
+    # catches: a child config replacing a whole section of its base, or its own keys losing to the base's
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "base.toml").write_text(tiny_toml.read_text())
+    mid = tmp_path / "sub" / "mid.toml"
+    mid.write_text('base = "../base.toml"\n[train]\nlr = 0.5\n')
+    child = tmp_path / "sub" / "child.toml"
+    child.write_text('base = "mid.toml"\nname = "child"\n[train]\nsteps = 7\n')
+    plain, cfg = load_experiment_config(tiny_toml), load_experiment_config(child, ["train.batch_size=3"])
+    assert cfg["name"] == "child" and cfg["train"].steps == 7 and cfg["train"].lr == 0.5
+    assert cfg["train"].batch_size == 3  # --set still wins over every file
+    assert cfg["model"] == plain["model"] and cfg["train"].warmup_steps == plain["train"].warmup_steps
+
+
+def test_config_base_errors_name_the_files(tmp_path, tiny_toml):
+    # catches: a missing base, a cycle of bases (endless recursion) or a non-string base giving a raw traceback
+    child = tmp_path / "child.toml"
+    child.write_text('base = "missing.toml"\n')
+    with pytest.raises(ConfigError, match=r"child\.toml: base config .*missing\.toml does not exist"):
+        load_experiment_config(child)
+    (tmp_path / "a.toml").write_text('base = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('base = "a.toml"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_experiment_config(tmp_path / "a.toml")
+    child.write_text("base = 3\n")
+    with pytest.raises(ConfigError, match=r"child\.toml: 'base' must be a path"):
+        load_experiment_config(child)
+
 # --------------------------------------------------------------------------------------------- data for training
 
 def test_fake_mnist_root_is_used_by_placed_mnist(fake_mnist_root):
