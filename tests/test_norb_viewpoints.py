@@ -137,6 +137,16 @@ def test_large_bn_std_config_is_the_overrides_the_results_were_trained_with():
     assert shipped["name"] == "norb_viewpoints_asymmetric_large_bn_std"
     assert {k: v for k, v in shipped.items() if k != "name"} == {k: v for k, v in trained.items() if k != "name"}
 
+
+@pytest.mark.parametrize("path", sorted((ROOT / "experiments" / "configs").glob("norb_viewpoints*.toml")),
+                         ids=lambda p: p.stem)
+def test_shipped_norb_configs_load_and_name_their_results(path):
+    # catches: a shipped config with a key the schema does not know, a broken base, or a results name that
+    # differs from its file name (and would overwrite another table's results)
+    from experiments import norb_viewpoints
+
+    assert norb_viewpoints.load_config(path)["name"] == path.stem
+
 def test_bench_matrix_capsules_runs(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_matrix_capsules
