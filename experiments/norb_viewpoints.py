@@ -316,14 +316,20 @@ def plot_class_poses(model: MatrixCapsNet, sets: dict, path: Path, device, stand
 
 
 def plot_training(logs_by_seed: dict, path: Path) -> None:
-    curves = {}
-    for seed, logs in logs_by_seed.items():
-        for kind in MODELS:
-            recs = logs[kind]
-            curves[f"{kind} familiar, seed {seed}"] = ([r["step"] for r in recs], [r["familiar_acc"] for r in recs])
-            curves[f"{kind} novel, seed {seed}"] = ([r["step"] for r in recs], [r["novel_acc"] for r in recs])
-    plotting.plot_curves(curves, path, xlabel="training step", ylabel="test accuracy",
-                         title="familiar and novel viewpoint accuracy during training")
+    """Familiar (left) and novel (right) accuracy during training, mean ± std over the seeds, both models (a line
+    per seed and model would be 4 x seeds lines in one legend)."""
+    panels = []
+    for view in ("familiar", "novel"):
+        curves = {}
+        for kind, label in (("caps", "matrix capsules"), ("cnn", "CNN")):
+            steps = [r["step"] for r in next(iter(logs_by_seed.values()))[kind]]
+            if any([r["step"] for r in logs[kind]] != steps for logs in logs_by_seed.values()):
+                raise ConfigError(f"{kind}: the seeds were evaluated at different steps; cannot average them")
+            acc = np.array([[r[f"{view}_acc"] for r in logs[kind]] for logs in logs_by_seed.values()])
+            curves[label] = (steps, acc.mean(0), acc.std(0))
+        panels.append({"curves": curves, "xlabel": "training step", "ylabel": "test accuracy", "ylim": (0.0, 1.0),
+                       "title": f"{view} viewpoints, mean ± std over {len(logs_by_seed)} seed(s)"})
+    plotting.plot_curve_panels(panels, path)
 
 
 # --------------------------------------------------------------------------- entry point

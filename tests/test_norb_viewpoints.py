@@ -147,6 +147,22 @@ def test_shipped_norb_configs_load_and_name_their_results(path):
 
     assert norb_viewpoints.load_config(path)["name"] == path.stem
 
+
+def test_training_figure_averages_seeds_only_at_shared_steps(tmp_path):
+    # catches: seeds evaluated at different steps averaged point by point as if they were aligned
+    from experiments import norb_viewpoints
+    from probcaps.errors import ConfigError
+
+    def log(steps):
+        return [{"step": t, "familiar_acc": 0.5, "novel_acc": 0.4} for t in steps]
+
+    aligned = {s: {"caps": log([0, 80]), "cnn": log([0, 40, 80])} for s in (0, 1)}
+    norb_viewpoints.plot_training(aligned, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
+    misaligned = {0: aligned[0], 1: {"caps": log([0, 40]), "cnn": log([0, 40, 80])}}
+    with pytest.raises(ConfigError, match="caps: the seeds were evaluated at different steps"):
+        norb_viewpoints.plot_training(misaligned, tmp_path / "u.png")
+
 def test_bench_matrix_capsules_runs(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_matrix_capsules
