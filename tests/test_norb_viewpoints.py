@@ -163,6 +163,7 @@ def test_training_figure_averages_seeds_only_at_shared_steps(tmp_path):
     with pytest.raises(ConfigError, match="caps: the seeds were evaluated at different steps"):
         norb_viewpoints.plot_training(misaligned, tmp_path / "u.png")
 
+
 def test_bench_matrix_capsules_runs(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_matrix_capsules

@@ -296,7 +296,6 @@ def test_config_types_and_consistency_checked(tmp_path, tiny_toml):
     assert cfg["train"].lr == 1.0 and isinstance(cfg["train"].lr, float)
 
 
-
 def test_config_base_is_merged_key_by_key(tmp_path, tiny_toml):
     # catches: a child config replacing a whole section of its base, or its own keys losing to the base's
     (tmp_path / "sub").mkdir()
@@ -324,6 +323,7 @@ def test_config_base_errors_name_the_files(tmp_path, tiny_toml):
     child.write_text("base = 3\n")
     with pytest.raises(ConfigError, match=r"child\.toml: 'base' must be a path"):
         load_experiment_config(child)
+
 
 # --------------------------------------------------------------------------------------------- data for training
 
