@@ -232,7 +232,8 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
     **{name: functools.partial(_experiment_table, "norb_viewpoints", name=name, with_benchmark=False)
        for name in ("norb_viewpoints_asymmetric", "norb_viewpoints_asymmetric_large",
                     "norb_viewpoints_asymmetric_large_bn", "norb_viewpoints_asymmetric_large_bn_std",
-                    "norb_viewpoints_asymmetric_elevation")},
+                    "norb_viewpoints_asymmetric_elevation",
+                    "norb_viewpoints_asymmetric_large_bn_std_elevation")},
     "tae_pilots": _tae_pilots_table,
 }
 
