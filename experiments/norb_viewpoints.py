@@ -315,6 +315,20 @@ def plot_class_poses(model: MatrixCapsNet, sets: dict, path: Path, device, stand
                              title="class-capsule 4x4 poses, one novel-view image per class")
 
 
+def shared_steps(logs: list[list[dict]], kind: str, warn: bool = True) -> list[int]:
+    """The evaluation steps every seed's log has (a run cut inside an evaluation by an older version of the training
+    loop lacks that one); fewer than two shared steps is an error, not a one-point curve."""
+    per_seed = [[r["step"] for r in log] for log in logs]
+    steps = sorted(set.intersection(*map(set, per_seed)))
+    if len(steps) < 2:
+        raise ConfigError(f"{kind}: the seeds share fewer than two evaluation steps; cannot average them")
+    dropped = sorted(set().union(*map(set, per_seed)) - set(steps))
+    if dropped and warn:
+        print(f"{kind}: evaluations at step(s) {', '.join(map(str, dropped))} are missing from some seeds; the "
+              f"training figure averages the {len(steps)} steps all seeds share", file=sys.stderr)
+    return steps
+
+
 def plot_training(logs_by_seed: dict, path: Path) -> None:
     """Familiar (left) and novel (right) accuracy during training, mean ± std over the seeds, both models (a line
     per seed and model would be 4 x seeds lines in one legend)."""
@@ -322,10 +336,9 @@ def plot_training(logs_by_seed: dict, path: Path) -> None:
     for view in ("familiar", "novel"):
         curves = {}
         for kind, label in (("caps", "matrix capsules"), ("cnn", "CNN")):
-            steps = [r["step"] for r in next(iter(logs_by_seed.values()))[kind]]
-            if any([r["step"] for r in logs[kind]] != steps for logs in logs_by_seed.values()):
-                raise ConfigError(f"{kind}: the seeds were evaluated at different steps; cannot average them")
-            acc = np.array([[r[f"{view}_acc"] for r in logs[kind]] for logs in logs_by_seed.values()])
+            steps = shared_steps([logs[kind] for logs in logs_by_seed.values()], kind, warn=view == "familiar")
+            acc = np.array([[r[f"{view}_acc"] for r in logs[kind] if r["step"] in steps]
+                            for logs in logs_by_seed.values()])
             curves[label] = (steps, acc.mean(0), acc.std(0))
         panels.append({"curves": curves, "xlabel": "training step", "ylabel": "test accuracy", "ylim": (0.0, 1.0),
                        "title": f"{view} viewpoints, mean ± std over {len(logs_by_seed)} seed(s)"})

@@ -10,7 +10,10 @@
 - a NaN guard: a non-finite loss or gradient stops training with a message, and nothing from the broken state
   is written;
 - Ctrl-C, or a SIGTERM (a job scheduler's or `kill`'s), writes a checkpoint of the last completed step before
-  stopping.
+  stopping;
+- ``on_checkpoint(state)`` (evaluations, curves) runs exactly once at each scheduled checkpoint, however the run
+  is cut and resumed: it runs before the checkpoint is written, so a checkpoint of step N means N's callback
+  finished, and a Ctrl-C during the callback marks the checkpoint so that the resumed run finishes it first.
 """
 
 from __future__ import annotations
@@ -191,6 +194,8 @@ def train_loop(
         out_dir: receives ``checkpoint.pt`` (latest, periodic), ``final.pt`` and ``log.jsonl``.
         resume: continue from ``out_dir/checkpoint.pt`` (exactly: same parameters as an uninterrupted run).
         metadata: stored in every checkpoint (configs, so a checkpoint can rebuild its model).
+        on_checkpoint: called with the state at every ``cfg.checkpoint_every`` steps and at the end, once per step
+            across interruptions and resumes; not at the off-schedule checkpoint a Ctrl-C writes.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +207,8 @@ def train_loop(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, _lr_factor(cfg))
     state = TrainState()
     ckpt_path, log_path = out_dir / "checkpoint.pt", out_dir / "log.jsonl"
+    callback_done_at = [-1]  # the last step whose on_checkpoint call returned
+    callback_pending = False
     if resume:
         ckpt = load_checkpoint(ckpt_path)
         load_module_state(module, ckpt["module"], ckpt_path)
@@ -210,11 +217,14 @@ def train_loop(
         state = TrainState(**ckpt["state"])
         _set_rng_state(ckpt["rng"])
         truncate_log(log_path, state.step)
+        callback_pending = ckpt.get("callback_pending", False)
+        if not callback_pending:
+            callback_done_at[0] = state.step
     else:
         seed_everything(cfg.seed)
         log_path.unlink(missing_ok=True)
 
-    def snapshot() -> dict:
+    def snapshot(callback_pending: bool = False) -> dict:
         return {
             "module": module.state_dict(),
             "optimiser": optimiser.state_dict(),
@@ -223,12 +233,22 @@ def train_loop(
             "rng": _rng_state(),
             "train_config": cfg.to_dict(),
             "metadata": metadata or {},
+            "callback_pending": callback_pending,
         }
 
-    def save(path: Path) -> None:
-        atomic_torch_save(snapshot(), path)
-        if on_checkpoint is not None:
+    def run_callback() -> None:
+        if on_checkpoint is not None and callback_done_at[0] != state.step:
             on_checkpoint(state)
+            callback_done_at[0] = state.step
+
+    def save(path: Path) -> None:
+        # the callback before the checkpoint: a run killed inside it resumes from the previous checkpoint, so the
+        # steps since and this callback are redone instead of lost
+        run_callback()
+        atomic_torch_save(snapshot(), path)
+
+    if callback_pending:  # cut by Ctrl-C inside the callback of the step we resume from
+        run_callback()
 
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", unit="step",
                dynamic_ncols=True)
@@ -275,7 +295,9 @@ def train_loop(
                 state.epoch += 1
                 state.batch_in_epoch = 0
     except KeyboardInterrupt:
-        save(ckpt_path)
+        scheduled = state.step > 0 and (state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps)
+        atomic_torch_save(snapshot(callback_pending=scheduled and on_checkpoint is not None
+                                   and callback_done_at[0] != state.step), ckpt_path)
         bar.write(f"interrupted at step {state.step}: checkpoint written to {ckpt_path}; continue with --resume")
         raise
     finally:

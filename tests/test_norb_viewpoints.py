@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,19 +149,30 @@ def test_shipped_norb_configs_load_and_name_their_results(path):
     assert norb_viewpoints.load_config(path)["name"] == path.stem
 
 
-def test_training_figure_averages_seeds_only_at_shared_steps(tmp_path):
+def test_training_figure_averages_seeds_only_at_shared_steps(tmp_path, capsys, monkeypatch):
     # catches: seeds evaluated at different steps averaged point by point as if they were aligned
     from experiments import norb_viewpoints
     from probcaps.errors import ConfigError
 
-    def log(steps):
-        return [{"step": t, "familiar_acc": 0.5, "novel_acc": 0.4} for t in steps]
+    def log(steps, acc=0.5):
+        return [{"step": t, "familiar_acc": acc + t / 1000, "novel_acc": 0.4} for t in steps]
 
     aligned = {s: {"caps": log([0, 80]), "cnn": log([0, 40, 80])} for s in (0, 1)}
     norb_viewpoints.plot_training(aligned, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 0
+    # one seed lacks the evaluation at step 80: only 0 and 160 are averaged, and pairing by step (not by position)
+    # gives each shared step the same accuracy from both seeds
+    gap = [log([0, 80, 160]), log([0, 160])]
+    assert norb_viewpoints.shared_steps(gap, "caps") == [0, 160]
+    assert "step(s) 80 are missing" in capsys.readouterr().err
+    drawn = []
+    monkeypatch.setattr(norb_viewpoints.plotting, "plot_curve_panels", lambda panels, path: drawn.extend(panels))
+    norb_viewpoints.plot_training({0: {"caps": gap[0], "cnn": log([0, 40])}, 1: {"caps": gap[1], "cnn": log([0, 40])}},
+                                  tmp_path / "g.png")
+    steps, mean, std = drawn[0]["curves"]["matrix capsules"]
+    assert steps == [0, 160] and np.allclose(mean, [0.5, 0.66]) and np.allclose(std, 0.0)
     misaligned = {0: aligned[0], 1: {"caps": log([0, 40]), "cnn": log([0, 40, 80])}}
-    with pytest.raises(ConfigError, match="caps: the seeds were evaluated at different steps"):
+    with pytest.raises(ConfigError, match="caps: the seeds share fewer than two evaluation steps"):
         norb_viewpoints.plot_training(misaligned, tmp_path / "u.png")
 
 

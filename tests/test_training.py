@@ -121,6 +121,49 @@ def test_run_finished_needs_a_final_model_of_at_least_the_asked_steps(tmp_path):
     assert (tmp_path / "checkpoint.pt").is_file() and not run_finished(tmp_path, 1)
 
 
+@pytest.mark.parametrize("cut", ["killed_in_callback", "ctrl_c_in_callback", "ctrl_c_off_schedule", "none"])
+def test_on_checkpoint_runs_once_per_scheduled_step_across_cuts_and_resumes(tmp_path, cut):
+    # catches: a run killed inside an evaluation callback resuming from the checkpoint already written for that
+    # step and never evaluating it (the seeds' evaluation grids then differ); a Ctrl-C evaluating at an
+    # off-schedule step; a resumed finished run calling the callback for its last step a second time
+    done, calls = [], {"n": 0}
+    raise_at = {"killed_in_callback": (4, _Interrupt), "ctrl_c_in_callback": (4, KeyboardInterrupt)}.get(cut)
+
+    def on_checkpoint(state):
+        calls["n"] += 1
+        if raise_at and state.step == raise_at[0] and calls["n"] == 2:  # the first call at step 4
+            raise raise_at[1]()
+        done.append(state.step)
+
+    def loss_fn(module, x):
+        calls["losses"] = calls.get("losses", 0) + 1
+        if cut == "ctrl_c_off_schedule" and calls["losses"] == 6:  # after 5 completed steps
+            raise KeyboardInterrupt
+        return module(x).pow(2).mean()
+
+    module = nn.Linear(3, 1)
+    cfg = TrainConfig(steps=6, batch_size=2, lr=0.01, warmup_steps=1, log_every=1, checkpoint_every=2)
+
+    def batches(epoch, start):
+        for i in range(start, 4):
+            yield torch.full((2, 3), float(i + epoch))
+
+    def run(resume):
+        return train_loop(module, lambda x: loss_fn(module, x), batches, cfg, tmp_path, progress=False,
+                          resume=resume, on_checkpoint=on_checkpoint)
+
+    if cut == "none":
+        run(False)
+    else:
+        with pytest.raises((_Interrupt, KeyboardInterrupt)):
+            run(False)
+        ckpt_step = load_checkpoint(tmp_path / "checkpoint.pt")["state"]["step"]
+        assert ckpt_step == {"killed_in_callback": 2, "ctrl_c_in_callback": 4, "ctrl_c_off_schedule": 5}[cut]
+        run(True)
+    run(True)  # a finished run, resumed again
+    assert done == [2, 4, 6]
+
+
 def test_nan_loss_stops_training_without_writing_the_broken_model(tmp_path):
     # catches: a NaN loss being stepped on (parameters become NaN) or written to final.pt / checkpoint.pt
     calls = {"n": 0}
