@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.train import TrainConfig, load_checkpoint, load_module_state, run_finished, train_loop  # noqa: E402
+from inference.train import (  # noqa: E402
+    TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
+)
 from models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, TransformingAutoencoder,  # noqa: E402
                                              TransformingAutoencoderConfig, estimate_transform,
                                              pose_consistency, transform_components)
@@ -42,7 +44,7 @@ from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
-from probcaps.io import atomic_write, write_json  # noqa: E402
+from probcaps.io import write_json  # noqa: E402
 from probcaps.metrics import r2_scores  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.render import warp  # noqa: E402
@@ -306,7 +308,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
         curve_time[0] += time.perf_counter() - t0
 
     if resume:
-        _truncate_jsonl(curve_path, load_checkpoint(out_dir / "checkpoint.pt")["state"]["step"])
+        truncate_log(curve_path, load_checkpoint(out_dir / "checkpoint.pt")["state"]["step"])
     else:
         curve_path.unlink(missing_ok=True)
     metadata = {"name": cfg["name"], "kind": NAME, "mode": cfg["mode"],
@@ -338,12 +340,6 @@ def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, tran
     recon_loss = model.reconstruction_loss(presence[:B], model.apply_transform(poses[:B], transforms), targets)
     weights = capsule_weights(presence[:B], presence[B:], weighting).detach()
     return recon_loss + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms, weights, frame, cap)
-
-
-def _truncate_jsonl(path: Path, step: int) -> None:
-    if path.is_file():
-        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        atomic_write(path, lambda f: f.write("".join(ln + "\n" for ln in keep)), mode="w")
 
 
 def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAutoencoder, dict]:
@@ -510,10 +506,10 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
     for run in runs:
         log, curve = run / "log.jsonl", run / "r2_curve.jsonl"
         if log.is_file():
-            recs = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
+            recs = read_jsonl(log)
             losses[run.name] = ([r["step"] for r in recs], [r["loss"] for r in recs])
         if curve.is_file():
-            recs = [json.loads(ln) for ln in curve.read_text().splitlines() if ln.strip()]
+            recs = read_jsonl(curve)
             for comp in names:
                 r2s[f"{run.name} {comp}"] = ([r["step"] for r in recs], [r[f"r2_{comp}"] for r in recs])
     if losses:
