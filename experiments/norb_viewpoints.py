@@ -201,8 +201,6 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
     data_cfg = cfg["data"]
 
     def evaluate(state) -> None:
-        if any(r["step"] == state.step for r in read_jsonl(eval_log)):
-            return
         record = {"step": state.step, "epoch": state.epoch, "wall_time_s": state.wall_time_s}
         for name in ("familiar", "novel"):
             part = sets[name]
@@ -315,7 +313,7 @@ def plot_class_poses(model: MatrixCapsNet, sets: dict, path: Path, device, stand
                              title="class-capsule 4x4 poses, one novel-view image per class")
 
 
-def shared_steps(logs: list[list[dict]], kind: str, warn: bool = True) -> list[int]:
+def shared_steps(logs: list[list[dict]], kind: str) -> list[int]:
     """The evaluation steps every seed's log has (a run cut inside an evaluation by an older version of the training
     loop lacks that one); fewer than two shared steps is an error, not a one-point curve."""
     per_seed = [[r["step"] for r in log] for log in logs]
@@ -323,7 +321,7 @@ def shared_steps(logs: list[list[dict]], kind: str, warn: bool = True) -> list[i
     if len(steps) < 2:
         raise ConfigError(f"{kind}: the seeds share fewer than two evaluation steps; cannot average them")
     dropped = sorted(set().union(*map(set, per_seed)) - set(steps))
-    if dropped and warn:
+    if dropped:
         print(f"{kind}: evaluations at step(s) {', '.join(map(str, dropped))} are missing from some seeds; the "
               f"training figure averages the {len(steps)} steps all seeds share", file=sys.stderr)
     return steps
@@ -332,14 +330,15 @@ def shared_steps(logs: list[list[dict]], kind: str, warn: bool = True) -> list[i
 def plot_training(logs_by_seed: dict, path: Path) -> None:
     """Familiar (left) and novel (right) accuracy during training, mean ± std over the seeds, both models (a line
     per seed and model would be 4 x seeds lines in one legend)."""
+    steps = {kind: shared_steps([logs[kind] for logs in logs_by_seed.values()], kind) for kind in MODELS}
     panels = []
     for view in ("familiar", "novel"):
         curves = {}
         for kind, label in (("caps", "matrix capsules"), ("cnn", "CNN")):
-            steps = shared_steps([logs[kind] for logs in logs_by_seed.values()], kind, warn=view == "familiar")
-            acc = np.array([[r[f"{view}_acc"] for r in logs[kind] if r["step"] in steps]
+            shared = set(steps[kind])
+            acc = np.array([[r[f"{view}_acc"] for r in logs[kind] if r["step"] in shared]
                             for logs in logs_by_seed.values()])
-            curves[label] = (steps, acc.mean(0), acc.std(0))
+            curves[label] = (steps[kind], acc.mean(0), acc.std(0))
         panels.append({"curves": curves, "xlabel": "training step", "ylabel": "test accuracy", "ylim": (0.0, 1.0),
                        "title": f"{view} viewpoints, mean ± std over {len(logs_by_seed)} seed(s)"})
     plotting.plot_curve_panels(panels, path)

@@ -207,7 +207,7 @@ def train_loop(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, _lr_factor(cfg))
     state = TrainState()
     ckpt_path, log_path = out_dir / "checkpoint.pt", out_dir / "log.jsonl"
-    callback_done_at = [-1]  # the last step whose on_checkpoint call returned
+    callback_done_at = -1  # the last step whose on_checkpoint call returned
     callback_pending = False
     if resume:
         ckpt = load_checkpoint(ckpt_path)
@@ -219,7 +219,7 @@ def train_loop(
         truncate_log(log_path, state.step)
         callback_pending = ckpt.get("callback_pending", False)
         if not callback_pending:
-            callback_done_at[0] = state.step
+            callback_done_at = state.step
     else:
         seed_everything(cfg.seed)
         log_path.unlink(missing_ok=True)
@@ -237,9 +237,10 @@ def train_loop(
         }
 
     def run_callback() -> None:
-        if on_checkpoint is not None and callback_done_at[0] != state.step:
+        nonlocal callback_done_at
+        if on_checkpoint is not None and callback_done_at != state.step:
             on_checkpoint(state)
-            callback_done_at[0] = state.step
+            callback_done_at = state.step
 
     def save(path: Path) -> None:
         # the callback before the checkpoint: a run killed inside it resumes from the previous checkpoint, so the
@@ -297,7 +298,7 @@ def train_loop(
     except KeyboardInterrupt:
         scheduled = state.step > 0 and (state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps)
         atomic_torch_save(snapshot(callback_pending=scheduled and on_checkpoint is not None
-                                   and callback_done_at[0] != state.step), ckpt_path)
+                                   and callback_done_at != state.step), ckpt_path)
         bar.write(f"interrupted at step {state.step}: checkpoint written to {ckpt_path}; continue with --resume")
         raise
     finally:
