@@ -436,6 +436,20 @@ def dataset_label(data_config: dict) -> str:
     return f"synthetic, {data_config.get('variant', 'toys')}"
 
 
+def error_reduction_line(runs: list[dict]) -> str:
+    """The matched comparison's error reduction seed by seed, with the standard error of its mean: the spread
+    between seeds is as large as the effect, so the table's mean alone can mislead."""
+    keys = [("novel_error_reduction", "")]
+    if "novel_error_reduction_interpolated" in runs[0]:
+        keys.append(("novel_error_reduction_interpolated", "interpolated "))
+    parts = []
+    for key, label in keys:
+        v = 100.0 * np.array([r[key] for r in runs])
+        mean = f" (mean {v.mean():.1f} ± {v.std(ddof=1) / np.sqrt(len(v)):.1f} standard error)" if len(v) > 1 else ""
+        parts.append(f"{label}{', '.join(f'{x:.1f}' for x in v)}{mean}")
+    return f"Novel-view error reduction per seed (%): {'; '.join(parts)}."
+
+
 def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmark: bool = True) -> str | None:
     """The README table, built only from ``results/<name>.json`` (and the benchmark's JSON when
     ``with_benchmark``)."""
@@ -470,6 +484,7 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
               f"| parameters | {m['caps_parameters']:,} | {m['cnn_parameters']:,} | 310K / 4.2M | — |"]
     walls = ", ".join(f"{r['caps_train_wall_time_s'] / 60:.0f}/{r['cnn_train_wall_time_s'] / 60:.0f}" for r in runs)
     targets = ", ".join(f"{100 * r['target_familiar_acc']:.1f}" for r in runs)
+    lines += ["", error_reduction_line(runs)]
     lines += ["", f"Matched familiar accuracy (per seed, the lower of the two models' best): "
                   f"{targets}%. Training images "
                   f"{m['n_train']}, evaluation subsets {m['n_familiar_eval']} familiar / {m['n_novel_eval']} novel. "

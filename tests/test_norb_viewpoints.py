@@ -47,6 +47,7 @@ def test_norb_viewpoints_entry_point(tmp_path):
         assert (results / f"norb_viewpoints_{name}.png").is_file()
     table = norb_viewpoints.readme_table(results)
     assert "matrix capsules" in table and "novel-view" in table and "training-image accuracy" in table
+    assert "Novel-view error reduction per seed (%): " in table
     # resume with finished runs: nothing is retrained, the same numbers come out
     assert norb_viewpoints.main(args + ["--resume", "--no-figures"]) == 0
     again = json.loads((results / "norb_viewpoints.json").read_text())["metrics"]["per_seed"]
@@ -97,6 +98,19 @@ def test_matched_comparison_arithmetic():
 
     assert novel_at_target(logs["cnn"], 0.2) == 0.2           # reached at the first evaluation: read as it is
     assert novel_at_target(logs["cnn"], 0.92) == 0.6          # reached exactly
+
+
+def test_error_reduction_line_gives_seeds_and_standard_error():
+    # catches: a per-seed list out of seed order, or the standard deviation passed off as the standard error
+    from experiments.norb_viewpoints import error_reduction_line
+
+    runs = [{"novel_error_reduction": r, "novel_error_reduction_interpolated": r + 0.01} for r in (0.3, 0.1, 0.2)]
+    # mean 20, std 10, standard error 10 / sqrt(3) = 5.77
+    assert error_reduction_line(runs) == ("Novel-view error reduction per seed (%): 30.0, 10.0, 20.0 (mean 20.0 ± "
+                                          "5.8 standard error); interpolated 31.0, 11.0, 21.0 (mean 21.0 ± 5.8 "
+                                          "standard error).")
+    older = [{"novel_error_reduction": 0.25}]  # results written before the interpolated reading; one seed
+    assert error_reduction_line(older) == "Novel-view error reduction per seed (%): 25.0."
 
 
 def test_norb_viewpoints_bad_config_is_one_line(tmp_path, capsys):
