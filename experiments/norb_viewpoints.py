@@ -437,16 +437,23 @@ def dataset_label(data_config: dict) -> str:
 
 
 def error_reduction_line(runs: list[dict]) -> str:
-    """The matched comparison's error reduction seed by seed, with the standard error of its mean: the spread
-    between seeds is as large as the effect, so the table's mean alone can mislead."""
+    """The matched comparison's error reduction seed by seed, with the standard error of its mean and a 95%
+    t-interval: the spread between seeds is as large as the effect, so the table's mean alone can mislead."""
+    from scipy.stats import t
+
     keys = [("novel_error_reduction", "")]
     if "novel_error_reduction_interpolated" in runs[0]:
         keys.append(("novel_error_reduction_interpolated", "interpolated "))
     parts = []
     for key, label in keys:
         v = 100.0 * np.array([r[key] for r in runs])
-        mean = f" (mean {v.mean():.1f} ± {v.std(ddof=1) / np.sqrt(len(v)):.1f} standard error)" if len(v) > 1 else ""
-        parts.append(f"{label}{', '.join(f'{x:.1f}' for x in v)}{mean}")
+        summary = ""
+        if len(v) > 1:
+            sem = v.std(ddof=1) / np.sqrt(len(v))
+            half = t.ppf(0.975, len(v) - 1) * sem
+            summary = (f" (mean {v.mean():.1f} ± {sem:.1f} standard error; 95% t-interval {v.mean() - half:.1f} to "
+                       f"{v.mean() + half:.1f})")
+        parts.append(f"{label}{', '.join(f'{x:.1f}' for x in v)}{summary}")
     return f"Novel-view error reduction per seed (%): {'; '.join(parts)}."
 
 

@@ -105,10 +105,11 @@ def test_error_reduction_line_gives_seeds_and_standard_error():
     from experiments.norb_viewpoints import error_reduction_line
 
     runs = [{"novel_error_reduction": r, "novel_error_reduction_interpolated": r + 0.01} for r in (0.3, 0.1, 0.2)]
-    # mean 20, std 10, standard error 10 / sqrt(3) = 5.77
+    # mean 20, std 10, standard error 10 / sqrt(3) = 5.77; t(0.975, 2 degrees of freedom) = 4.303, so the
+    # interval is 20 ± 24.84
     assert error_reduction_line(runs) == ("Novel-view error reduction per seed (%): 30.0, 10.0, 20.0 (mean 20.0 ± "
-                                          "5.8 standard error); interpolated 31.0, 11.0, 21.0 (mean 21.0 ± 5.8 "
-                                          "standard error).")
+                                          "5.8 standard error; 95% t-interval -4.8 to 44.8); interpolated 31.0, 11.0, "
+                                          "21.0 (mean 21.0 ± 5.8 standard error; 95% t-interval -3.8 to 45.8).")
     older = [{"novel_error_reduction": 0.25}]  # results written before the interpolated reading; one seed
     assert error_reduction_line(older) == "Novel-view error reduction per seed (%): 25.0."
 
