@@ -65,6 +65,7 @@ class NorbDataConfig:
     elevations: int = 9            # synthetic only: render only the N lowest elevations (tests, smoke runs)
     lightings: int = 3             # synthetic only: render only the first N lighting conditions (tests, smoke runs)
     standardise_images: bool = False  # each 32x32 crop minus its mean, over its std (the released code's preprocessing)
+    train_views: str = "familiar"  # "familiar" (the paper's protocol) or "all": a reference that trains on every view
     familiar_eval: int = 1200      # size of the fixed familiar-viewpoint evaluation subset (0: all)
     novel_eval: int = 2400         # size of the fixed novel-viewpoint evaluation subset (0: all)
     train_eval: int = 1200         # training images the report scores each final model on (0: all): does it fit?
@@ -97,6 +98,8 @@ def load_config(path, overrides=()) -> dict:
         raise ConfigError(f"{path}: data.variant must be one of {sorted(VARIANTS)}, got {cfg['data'].variant!r}")
     if cfg["data"].split not in ("azimuth", "elevation"):
         raise ConfigError(f"{path}: data.split must be 'azimuth' or 'elevation', got {cfg['data'].split!r}")
+    if cfg["data"].train_views not in ("familiar", "all"):
+        raise ConfigError(f"{path}: data.train_views must be 'familiar' or 'all', got {cfg['data'].train_views!r}")
     return cfg
 
 
@@ -111,12 +114,15 @@ def _synthetic_kwargs(data: NorbDataConfig) -> dict:
 
 
 def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
-    """``{"train", "familiar", "novel", "train_eval"}``: training instances at familiar views, fixed subsets of the
-    test instances at familiar and at novel views, and a fixed subset of the training images."""
+    """``{"train", "familiar", "novel", "train_eval"}``: training instances at familiar views (at every view with
+    ``data.train_views = "all"``), fixed subsets of the test instances at familiar and at novel views, and a fixed
+    subset of the training images."""
     load = synthetic_norb if data.dataset == "synthetic" else load_smallnorb
     kwargs = _synthetic_kwargs(data)
     train, test = load("train", data_dir=data_dir, **kwargs), load("test", data_dir=data_dir, **kwargs)
     familiar_train, _ = viewpoint_split(train, data.split)
+    if data.train_views == "all":
+        familiar_train = torch.ones_like(familiar_train)
     familiar_test, novel_test = viewpoint_split(test, data.split)
     sets = {"train": fixed_subset(train.subset(familiar_train), data.train_limit, "norb_train_limit", data.seed)}
     sets["familiar"] = fixed_subset(test.subset(familiar_test), data.familiar_eval, "norb_eval", "familiar")
@@ -260,6 +266,14 @@ def matched_comparison(logs: dict[str, list[dict]]) -> dict:
     }
 
 
+def final_reading(logs: dict[str, list[dict]]) -> dict:
+    """Each model's last evaluation: the all-views reference (``data.train_views = "all"``) has no matched
+    comparison, since both models have seen the novel views of the training instances."""
+    return {**{f"{k}_final_{view}_acc": logs[k][-1][f"{view}_acc"] for k in MODELS for view in ("familiar", "novel")},
+            **{f"{k}_{view}_by_{key}": logs[k][-1][f"{view}_by_{key}"] for k in MODELS
+               for view in ("familiar", "novel") for key in ("azimuth", "elevation")}}
+
+
 def final_train_accuracy(kind: str, cfg: dict, final: dict, sets: dict, device, path: Path) -> float:
     """Accuracy of a finished model on the fixed subset of its own training images (centre crops): tells a model
     that underfits from one that fits the familiar views but does not carry them to new instances."""
@@ -271,15 +285,17 @@ def final_train_accuracy(kind: str, cfg: dict, final: dict, sets: dict, device, 
 # --------------------------------------------------------------------------- figures
 
 
-def plot_by_viewpoint(runs: list[dict], key: str, path: Path, xlabel: str) -> None:
-    """Accuracy per azimuth (or elevation) at the matched checkpoints, mean ± std over seeds, both models."""
+def plot_by_viewpoint(runs: list[dict], key: str, path: Path, xlabel: str,
+                      ylabel: str = "test accuracy (matched familiar accuracy)") -> None:
+    """Accuracy per azimuth (or elevation) at the matched checkpoints (or the runs' ends), mean ± std over seeds,
+    both models."""
     curves = {}
     for kind, label in (("caps", "matrix capsules"), ("cnn", "CNN")):
         merged = [{**r[f"{kind}_familiar_by_{key}"], **r[f"{kind}_novel_by_{key}"]} for r in runs]
         xs = sorted(int(k) for k in merged[0])
         vals = np.array([[m[str(x)] for x in xs] for m in merged])
         curves[label] = (xs, vals.mean(0).tolist(), vals.std(0).tolist())
-    plotting.plot_curves(curves, path, xlabel=xlabel, ylabel="test accuracy (matched familiar accuracy)",
+    plotting.plot_curves(curves, path, xlabel=xlabel, ylabel=ylabel,
                          title=f"accuracy by {key}: familiar and novel viewpoints")
 
 
@@ -375,6 +391,7 @@ def main(argv=None) -> int:
     if args.train_only:
         return 0
     runs, logs_by_seed, walls = [], {}, {}
+    all_views = cfg["data"].train_views == "all"
     for seed in args.seeds:
         logs = {k: read_jsonl(Path(args.out) / f"seed{seed}" / k / "eval.jsonl") for k in MODELS}
         if not all(logs.values()):
@@ -384,16 +401,21 @@ def main(argv=None) -> int:
         finals = {k: load_checkpoint(paths[k]) for k in MODELS}
         states = {k: finals[k]["state"] for k in MODELS}
         walls[seed] = {k: states[k]["wall_time_s"] for k in MODELS}
-        runs.append({"seed": seed, **matched_comparison(logs),
+        runs.append({"seed": seed, **(final_reading(logs) if all_views else matched_comparison(logs)),
                      **{f"{k}_final_train_acc": final_train_accuracy(k, cfg, finals[k], sets, args.device, paths[k])
                         for k in MODELS},
                      **{f"{k}_train_wall_time_s": states[k]["wall_time_s"] for k in MODELS},
                      **{f"{k}_steps": states[k]["step"] for k in MODELS}})
         r = runs[-1]
-        print(f"seed {seed}: target familiar {r['target_familiar_acc']:.3f}; novel caps {r['caps_novel_acc']:.3f} "
-              f"(step {r['caps_step']}), CNN {r['cnn_novel_acc']:.3f} (step {r['cnn_step']}); novel error "
-              f"reduction {100 * r['novel_error_reduction']:.1f}%")
+        if all_views:
+            print(f"seed {seed} (trained on all views): novel caps {r['caps_final_novel_acc']:.3f}, CNN "
+                  f"{r['cnn_final_novel_acc']:.3f}")
+        else:
+            print(f"seed {seed}: target familiar {r['target_familiar_acc']:.3f}; novel caps {r['caps_novel_acc']:.3f} "
+                  f"(step {r['caps_step']}), CNN {r['cnn_novel_acc']:.3f} (step {r['cnn_step']}); novel error "
+                  f"reduction {100 * r['novel_error_reduction']:.1f}%")
     summary = {"per_seed": runs, "split": cfg["data"].split, "dataset": cfg["data"].dataset,
+               "train_views": cfg["data"].train_views,
                "n_train": len(sets["train"]), "n_familiar_eval": len(sets["familiar"]),
                "n_novel_eval": len(sets["novel"]), "n_train_eval": len(sets["train_eval"]),
                "caps_parameters": sum(p.numel() for p in build_model("caps", cfg).parameters()),
@@ -402,6 +424,8 @@ def main(argv=None) -> int:
                 "cnn_familiar_acc", "novel_error_reduction", "caps_final_novel_acc", "cnn_final_novel_acc",
                 "caps_novel_acc_interpolated", "cnn_novel_acc_interpolated", "novel_error_reduction_interpolated",
                 "caps_final_train_acc", "cnn_final_train_acc"):
+        if key not in runs[0]:  # the all-views reference has no matched comparison
+            continue
         values = np.array([r[key] for r in runs])
         summary[f"{key}_mean"] = float(values.mean())
         summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
@@ -415,7 +439,8 @@ def main(argv=None) -> int:
     if args.no_figures:
         return 0
     key = cfg["data"].split
-    plot_by_viewpoint(runs, key, results / f"{name}_by_{key}.png", f"{key} (degrees)")
+    plot_by_viewpoint(runs, key, results / f"{name}_by_{key}.png", f"{key} (degrees)",
+                      *(["test accuracy (end of training on all views)"] if all_views else []))
     plot_training(logs_by_seed, results / f"{name}_training.png")
     load = synthetic_norb if cfg["data"].dataset == "synthetic" else load_smallnorb
     sets["_test_full"] = load("test", data_dir=args.data_dir, **_synthetic_kwargs(cfg["data"]))
@@ -457,6 +482,31 @@ def error_reduction_line(runs: list[dict]) -> str:
     return f"Novel-view error reduction per seed (%): {'; '.join(parts)}."
 
 
+def run_line(m: dict, prov: dict) -> str:
+    """The sentence under a table that says what was trained, how long, where and by which command."""
+    runs = m["per_seed"]
+    walls = ", ".join(f"{r['caps_train_wall_time_s'] / 60:.0f}/{r['cnn_train_wall_time_s'] / 60:.0f}" for r in runs)
+    return (f"Training images {m['n_train']}, evaluation subsets {m['n_familiar_eval']} familiar / "
+            f"{m['n_novel_eval']} novel. Seeds {', '.join(str(r['seed']) for r in runs)}; steps capsules/CNN "
+            f"{runs[0]['caps_steps']}/{runs[0]['cnn_steps']}; training wall time per seed capsules/CNN (min): "
+            f"{walls}; {prov.get('threads', '?')} thread(s) on a shared machine; device: {prov.get('device', '?')}; "
+            f"command: `{prov.get('command', '?')}`; commit {prov.get('git_commit', '?')}.")
+
+
+def all_views_table(m: dict, prov: dict, label: str) -> str:
+    """The all-views reference: each model's accuracy at the end of training on every view of the training
+    instances, on the same test subsets as the matched comparison."""
+    runs = m["per_seed"]
+    col = lambda key: fmt_mean_std([r[key] for r in runs], scale=100.0)  # noqa: E731
+    views = "azimuths 60–280" if m["split"] == "azimuth" else "the 6 highest elevations"
+    rows = [("familiar-view accuracy", "familiar"), (f"novel-view accuracy ({views})", "novel"),
+            (f"training-image accuracy ({m['n_train_eval']} training images, centre crops)", "train")]
+    lines = [f"| trained on all views ({label}), mean ± std over {len(runs)} seeds, end of training (%) | "
+             f"matrix capsules | CNN |", "| --- | --- | --- |",
+             *[f"| {text} | {col(f'caps_final_{key}_acc')} | {col(f'cnn_final_{key}_acc')} |" for text, key in rows]]
+    return "\n".join(lines + ["", run_line(m, prov)])
+
+
 def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmark: bool = True) -> str | None:
     """The README table, built only from ``results/<name>.json`` (and the benchmark's JSON when
     ``with_benchmark``)."""
@@ -467,6 +517,8 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
     runs = m["per_seed"]
     col = lambda key, scale=100.0: fmt_mean_std([r[key] for r in runs], scale=scale)  # noqa: E731
     label = dataset_label(prov.get("configs", {}).get("data", {"dataset": m["dataset"]}))
+    if m.get("train_views") == "all":
+        return all_views_table(m, prov, label)
     lines = [f"| {m['split']} split ({label}), mean ± std over {len(runs)} seeds | matrix capsules | CNN | "
              f"paper (smallNORB) | seed write-up (synthetic) |",
              "| --- | --- | --- | --- | --- |",
@@ -489,17 +541,10 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
                  f"crops) | {col('caps_final_train_acc')} | {col('cnn_final_train_acc')} | — | — |"]
                 if "caps_final_train_acc" in runs[0] else []),  # results written before it: none
               f"| parameters | {m['caps_parameters']:,} | {m['cnn_parameters']:,} | 310K / 4.2M | — |"]
-    walls = ", ".join(f"{r['caps_train_wall_time_s'] / 60:.0f}/{r['cnn_train_wall_time_s'] / 60:.0f}" for r in runs)
     targets = ", ".join(f"{100 * r['target_familiar_acc']:.1f}" for r in runs)
     lines += ["", error_reduction_line(runs)]
-    lines += ["", f"Matched familiar accuracy (per seed, the lower of the two models' best): "
-                  f"{targets}%. Training images "
-                  f"{m['n_train']}, evaluation subsets {m['n_familiar_eval']} familiar / {m['n_novel_eval']} novel. "
-                  f"Seeds {', '.join(str(r['seed']) for r in runs)}; steps capsules/CNN "
-                  f"{runs[0]['caps_steps']}/{runs[0]['cnn_steps']}; training wall time per seed capsules/CNN (min): "
-                  f"{walls}; {prov.get('threads', '?')} thread(s) on a shared machine; device: "
-                  f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
-                  f"{prov.get('git_commit', '?')}."]
+    lines += ["", f"Matched familiar accuracy (per seed, the lower of the two models' best): {targets}%. "
+                  + run_line(m, prov)]
     bench = Path(results_dir) / "bench_matrix_capsules.json"
     if with_benchmark and bench.is_file():  # the speed of the paper's network, from benchmarks/bench_matrix_capsules.py
         b = json.loads(bench.read_text())

@@ -123,6 +123,43 @@ def test_norb_viewpoints_bad_config_is_one_line(tmp_path, capsys):
     assert norb_viewpoints.main(["--set", "data.split=lighting", "--quiet"]) == 2
     assert norb_viewpoints.main(["--set", 'data.variant="cubes"', "--quiet"]) == 2
     assert "data.variant" in capsys.readouterr().err
+    assert norb_viewpoints.main(["--set", 'data.train_views="novel"', "--quiet"]) == 2
+    assert "data.train_views" in capsys.readouterr().err
+
+
+def test_all_views_reference_trains_on_every_view_and_reports_the_ends(tmp_path):
+    # catches: the all-views reference still training on the familiar azimuths only, scoring other test images than
+    # the matched comparison, or its table passing off a matched comparison it did not make
+    from experiments import norb_viewpoints
+    from probcaps.data.smallnorb import TRAIN_AZIMUTHS
+
+    configs = ROOT / "experiments" / "configs"
+    tiny = [a.split("=", 1)[0] + "=" + a.split("=", 1)[1] for a in TINY[1::2]]
+    familiar = norb_viewpoints.load_sets(norb_viewpoints.load_config(configs / "norb_viewpoints_asymmetric.toml",
+                                                                     tiny)["data"], tmp_path)
+    cfg = norb_viewpoints.load_config(configs / "norb_viewpoints_asymmetric_large_bn_std_all_views.toml", tiny)
+    assert cfg["data"].train_views == "all" and cfg["data"].standardise_images and cfg["caps"].conv1_batchnorm
+    every = norb_viewpoints.load_sets(cfg["data"], tmp_path)
+    assert set(familiar["train"].azimuth.tolist()) == set(TRAIN_AZIMUTHS)
+    assert set(every["train"].azimuth.tolist()) == set(range(0, 360, 20))
+    assert len(every["train"]) == 3 * len(familiar["train"])
+    for part in ("familiar", "novel"):  # the same test images as the matched comparison
+        assert torch.equal(every[part].images, familiar[part].images)
+
+    results = tmp_path / "results"
+    name = "norb_viewpoints_asymmetric_large_bn_std_all_views"
+    assert norb_viewpoints.main(["--config", str(configs / f"{name}.toml"), "--seeds", "0", "--out",
+                                 str(tmp_path / "runs"), "--results-dir", str(results), "--data-dir", str(tmp_path),
+                                 "--quiet", "--no-figures", *TINY]) == 0
+    metrics = json.loads((results / f"{name}.json").read_text())["metrics"]
+    assert metrics["train_views"] == "all" and metrics["n_train"] == len(every["train"])
+    run = metrics["per_seed"][0]
+    assert "novel_error_reduction" not in run and "target_familiar_acc" not in run
+    last = json.loads((tmp_path / "runs" / "seed0" / "cnn" / "eval.jsonl").read_text().splitlines()[-1])
+    assert run["cnn_final_novel_acc"] == last["novel_acc"] and run["cnn_novel_by_azimuth"] == last["novel_by_azimuth"]
+    table = norb_viewpoints.readme_table(results, name=name, with_benchmark=False)
+    assert table.startswith("| trained on all views (synthetic, asymmetric)") and "matched" not in table
+    assert f"| {100 * run['cnn_final_novel_acc']:.1f} |" in table.splitlines()[3]
 
 
 def test_norb_viewpoints_asymmetric_config_runs(tmp_path):
