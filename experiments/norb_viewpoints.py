@@ -498,8 +498,10 @@ def all_views_table(m: dict, prov: dict, label: str) -> str:
     instances, on the same test subsets as the matched comparison."""
     runs = m["per_seed"]
     col = lambda key: fmt_mean_std([r[key] for r in runs], scale=100.0)  # noqa: E731
-    views = "azimuths 60–280" if m["split"] == "azimuth" else "the 6 highest elevations"
-    rows = [("familiar-view accuracy", "familiar"), (f"novel-view accuracy ({views})", "novel"),
+    familiar, novel = (("azimuths 300–40", "azimuths 60–280") if m["split"] == "azimuth"
+                       else ("the 3 lowest elevations", "the 6 highest elevations"))
+    rows = [(f"accuracy at the paper's familiar views ({familiar})", "familiar"),
+            (f"accuracy at the paper's novel views ({novel})", "novel"),
             (f"training-image accuracy ({m['n_train_eval']} training images, centre crops)", "train")]
     lines = [f"| trained on all views ({label}), mean ± std over {len(runs)} seeds, end of training (%) | "
              f"matrix capsules | CNN |", "| --- | --- | --- |",

@@ -312,7 +312,9 @@ def train_loop(
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM during training: handled as Ctrl-C (checkpoint, then stop)."""
+    """SIGTERM during training: handled as Ctrl-C (checkpoint, then stop); entry points exit with 143."""
+
+    exit_code = 128 + 15
 
 
 def _raise_terminated(signum, frame):

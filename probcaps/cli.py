@@ -34,7 +34,8 @@ def reexec_with_allocator_settings(args: list[str]) -> None:
 
 def one_line_errors(name: str):
     """Decorate an entry point ``main(argv) -> int``: a :class:`ProbcapsError` (bad input, missing file, bad config
-    key) prints one line ``NAME: error: ...`` to stderr and returns 2 instead of a traceback."""
+    key) prints one line ``NAME: error: ...`` to stderr and returns 2 instead of a traceback; Ctrl-C or SIGTERM
+    (the training loop has already said where its checkpoint is) returns the shell's 130 or 143."""
     import functools
 
     def decorate(main):
@@ -45,8 +46,15 @@ def one_line_errors(name: str):
             except ProbcapsError as e:
                 print(f"{name}: error: {e}", file=sys.stderr)
                 return 2
+            except KeyboardInterrupt as e:
+                return interrupted_exit_code(e)
         return wrapped
     return decorate
+
+
+def interrupted_exit_code(e: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C, 143 for SIGTERM (``inference.train.Terminated``), as a shell reports them."""
+    return getattr(e, "exit_code", 130)
 
 
 def launch(main) -> None:
@@ -248,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     except ProbcapsError as e:
         print(f"probcaps {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:
+        return interrupted_exit_code(e)
     return 0
 
 

@@ -233,7 +233,8 @@ TABLES: dict[str, Callable[[Path], str | None]] = {
        for name in ("norb_viewpoints_asymmetric", "norb_viewpoints_asymmetric_large",
                     "norb_viewpoints_asymmetric_large_bn", "norb_viewpoints_asymmetric_large_bn_std",
                     "norb_viewpoints_asymmetric_elevation",
-                    "norb_viewpoints_asymmetric_large_bn_std_elevation")},
+                    "norb_viewpoints_asymmetric_large_bn_std_elevation",
+                    "norb_viewpoints_asymmetric_large_bn_std_all_views")},
     "tae_pilots": _tae_pilots_table,
 }
 

@@ -168,3 +168,18 @@ def test_ttvi_command_runs_and_writes_results(tiny_toml, tmp_path, no_reexec, py
     metrics = json.loads(out.read_text())["metrics"]
     assert metrics["n_images"] == 6 and len(metrics["elbo_trace"]) == 5
     assert metrics["elbo_ttvi_mean"] > metrics["elbo_encoder_mean"]
+
+
+@pytest.mark.parametrize("signal_name, code", [("ctrl_c", 130), ("sigterm", 143)])
+def test_interrupted_entry_point_exits_with_the_shells_code_not_a_traceback(signal_name, code, capsys):
+    # catches: Ctrl-C or a SIGTERM in an experiment script ending in a traceback after the training loop's
+    # "checkpoint written ...; continue with --resume" line, or with an exit status a scheduler reads as a crash
+    from inference.train import Terminated
+    from probcaps.cli import one_line_errors
+
+    @one_line_errors("experiment")
+    def interrupted(argv=None):
+        raise KeyboardInterrupt if signal_name == "ctrl_c" else Terminated("signal 15")
+
+    assert interrupted([]) == code
+    assert capsys.readouterr().err == ""
