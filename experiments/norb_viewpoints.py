@@ -120,11 +120,11 @@ def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
     load = synthetic_norb if data.dataset == "synthetic" else load_smallnorb
     kwargs = _synthetic_kwargs(data)
     train, test = load("train", data_dir=data_dir, **kwargs), load("test", data_dir=data_dir, **kwargs)
-    familiar_train, _ = viewpoint_split(train, data.split)
+    trained_on, _ = viewpoint_split(train, data.split)
     if data.train_views == "all":
-        familiar_train = torch.ones_like(familiar_train)
+        trained_on = torch.ones_like(trained_on)
     familiar_test, novel_test = viewpoint_split(test, data.split)
-    sets = {"train": fixed_subset(train.subset(familiar_train), data.train_limit, "norb_train_limit", data.seed)}
+    sets = {"train": fixed_subset(train.subset(trained_on), data.train_limit, "norb_train_limit", data.seed)}
     sets["familiar"] = fixed_subset(test.subset(familiar_test), data.familiar_eval, "norb_eval", "familiar")
     sets["novel"] = fixed_subset(test.subset(novel_test), data.novel_eval, "norb_eval", "novel")
     sets["train_eval"] = fixed_subset(sets["train"], data.train_eval, "norb_eval", "train")
@@ -285,8 +285,7 @@ def final_train_accuracy(kind: str, cfg: dict, final: dict, sets: dict, device, 
 # --------------------------------------------------------------------------- figures
 
 
-def plot_by_viewpoint(runs: list[dict], key: str, path: Path, xlabel: str,
-                      ylabel: str = "test accuracy (matched familiar accuracy)") -> None:
+def plot_by_viewpoint(runs: list[dict], key: str, path: Path, xlabel: str, ylabel: str) -> None:
     """Accuracy per azimuth (or elevation) at the matched checkpoints (or the runs' ends), mean ± std over seeds,
     both models."""
     curves = {}
@@ -440,7 +439,8 @@ def main(argv=None) -> int:
         return 0
     key = cfg["data"].split
     plot_by_viewpoint(runs, key, results / f"{name}_by_{key}.png", f"{key} (degrees)",
-                      *(["test accuracy (end of training on all views)"] if all_views else []))
+                      "test accuracy (end of training on all views)" if all_views
+                      else "test accuracy (matched familiar accuracy)")
     plot_training(logs_by_seed, results / f"{name}_training.png")
     load = synthetic_norb if cfg["data"].dataset == "synthetic" else load_smallnorb
     sets["_test_full"] = load("test", data_dir=args.data_dir, **_synthetic_kwargs(cfg["data"]))
