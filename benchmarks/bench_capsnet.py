@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from models.capsnet import CapsNet  # noqa: E402
+from probcaps.models.capsnet import CapsNet  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from experiments.multimnist import load_config
+    from probcaps.experiments.multimnist import load_config
 
     rows = []
     for name in args.configs:

@@ -18,11 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss  # noqa: E402
+from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 

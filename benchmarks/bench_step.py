@@ -19,13 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyro  # noqa: E402
 import torch  # noqa: E402
 
-from inference.capsule_svi import CapsuleSystem, load_experiment_config  # noqa: E402
-from inference.train import make_elbo, make_optimiser  # noqa: E402
+from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config  # noqa: E402
+from probcaps.inference.train import make_elbo, make_optimiser  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 from probcaps.encoders import use_compiled_part_cnn  # noqa: E402

@@ -14,21 +14,19 @@ For scale, a supervised CNN (``models.cnn_classifier.ConvClassifier``) is traine
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features  # noqa: E402
-from inference.supervised import accuracy, train_classifier  # noqa: E402
-from inference.train import TrainConfig  # noqa: E402
-from inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
-from models.cnn_classifier import ConvClassifier  # noqa: E402
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features  # noqa: E402
+from probcaps.inference.supervised import accuracy, train_classifier  # noqa: E402
+from probcaps.inference.train import TrainConfig  # noqa: E402
+from probcaps.inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
+from probcaps.models.cnn_classifier import ConvClassifier  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402

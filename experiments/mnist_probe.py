@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.capsule_svi import load_experiment_config, train_capsules  # noqa: E402
-from inference.evaluate import evaluate_checkpoint  # noqa: E402
-from inference.train import load_checkpoint, run_finished  # noqa: E402
+from probcaps.inference.capsule_svi import load_experiment_config, train_capsules  # noqa: E402
+from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
+from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.io import atomic_torch_save  # noqa: E402

@@ -18,21 +18,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.train import (  # noqa: E402
+from probcaps.inference.train import (  # noqa: E402
     TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
 )
-from models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes  # noqa: E402
+from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402

@@ -27,18 +27,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from inference.supervised import predict  # noqa: E402
-from inference.train import (  # noqa: E402
+from probcaps.inference.supervised import predict  # noqa: E402
+from probcaps.inference.train import (  # noqa: E402
     TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
 )
-from models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin  # noqa: E402
-from models.norb_cnn import NorbCNN, NorbCNNConfig  # noqa: E402
+from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin  # noqa: E402
+from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator  # noqa: E402

@@ -15,18 +15,16 @@ guide's is a proper bound, so it pays the entropy of its pose posteriors.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from experiments.mnist_probe import checkpoint_out_path, export_checkpoint, plot_training_curves  # noqa: E402
-from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules  # noqa: E402
-from inference.evaluate import test_elbo  # noqa: E402
-from inference.train import TrainConfig, load_checkpoint, run_finished  # noqa: E402
+from probcaps.experiments.mnist_probe import checkpoint_out_path, export_checkpoint, plot_training_curves  # noqa: E402
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules  # noqa: E402
+from probcaps.inference.evaluate import test_elbo  # noqa: E402
+from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402

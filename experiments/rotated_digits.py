@@ -15,18 +15,16 @@ encoder reconstruction, test-time VI reconstruction).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.capsule_svi import encode_dataset, load_images, load_trained  # noqa: E402
-from inference.guides import Latents  # noqa: E402
-from inference.ttvi import ttvi_batches  # noqa: E402
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained  # noqa: E402
+from probcaps.inference.guides import Latents  # noqa: E402
+from probcaps.inference.ttvi import ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402

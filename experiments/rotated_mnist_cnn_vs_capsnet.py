@@ -18,22 +18,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from inference.supervised import predict  # noqa: E402
-from inference.train import TrainConfig, load_checkpoint, load_module_state, run_finished, train_loop  # noqa: E402
-from models.capsnet import CapsNet, CapsNetConfig  # noqa: E402
-from models.lenet import LeNet5  # noqa: E402
+from probcaps.inference.supervised import predict  # noqa: E402
+from probcaps.inference.train import TrainConfig, load_checkpoint, load_module_state, run_finished, train_loop  # noqa: E402
+from probcaps.models.capsnet import CapsNet, CapsNetConfig  # noqa: E402
+from probcaps.models.lenet import LeNet5  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, place_on_canvas, random_offsets, rotate, to_float  # noqa: E402
@@ -151,7 +149,7 @@ def probe_curve(checkpoint: Path, test_digits: torch.Tensor, test_labels: torch.
     The probe (object presences + poses, and presences alone) is fit on unrotated training digits placed as the
     model was trained; each rotated test digit is placed at its own SCAE offset on the model's canvas.
     """
-    from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
+    from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
     from probcaps.data import placed_mnist
     from probcaps.metrics import LinearProbe
 

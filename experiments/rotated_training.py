@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.capsule_svi import (  # noqa: E402
+from probcaps.inference.capsule_svi import (  # noqa: E402
     encode_dataset, load_experiment_config, load_images, load_trained, probe_features, train_capsules,
 )
-from inference.train import load_checkpoint, run_finished  # noqa: E402
+from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
 from probcaps.io import write_json  # noqa: E402

@@ -20,21 +20,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from inference.train import (  # noqa: E402
+from probcaps.inference.train import (  # noqa: E402
     TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
 )
-from models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, TransformingAutoencoder,  # noqa: E402
+from probcaps.models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, TransformingAutoencoder,  # noqa: E402
                                              TransformingAutoencoderConfig, estimate_transform,
                                              pose_consistency, transform_components)
 from probcaps import plotting  # noqa: E402

@@ -11,9 +11,9 @@ import pyro
 import torch
 import torch.nn as nn
 
-from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
-from inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
-from models.capsule_model import CapsuleModel, CapsuleModelConfig, parent_usage_penalty, presence_entropy
+from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
+from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, parent_usage_penalty, presence_entropy
 from probcaps.distributions import ClampedRelaxedBernoulli, bound_logits
 from probcaps.config import DataConfig, EvalConfig, load_sections
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits

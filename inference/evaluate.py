@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
-from inference.train import make_elbo
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
+from probcaps.inference.train import make_elbo
 from probcaps import plotting
-from inference.guides import Latents
+from probcaps.inference.guides import Latents
 from probcaps.data import iterate_batches, to_float
 from probcaps.metrics import LinearProbe, kmeans_accuracy
 from probcaps.provenance import provenance, write_results

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from inference.train import TrainConfig, TrainState, train_loop
+from probcaps.inference.train import TrainConfig, TrainState, train_loop
 from probcaps.data import iterate_batches
 
 __all__ = ["train_classifier", "predict", "accuracy"]

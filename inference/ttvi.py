@@ -35,8 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from inference.guides import DeltaGuide, Latents, NormalPoseGuide
-from inference.train import make_elbo
+from probcaps.inference.guides import DeltaGuide, Latents, NormalPoseGuide
+from probcaps.inference.train import make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.errors import TrainingDiverged
 

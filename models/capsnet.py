@@ -4,7 +4,7 @@ and masked reconstruction of each named digit.
 Sizes are a :class:`CapsNetConfig`; ``CapsNetConfig()`` is the paper's MultiMNIST network (36x36 input, Conv1 of
 256 9x9 kernels, 32 types of 8-D primary capsules on a 10x10 grid = 3200 children, 10 16-D digit capsules,
 3 routing iterations, decoder 512-1024-1296).  The routing and the decoder are the package's shared modules
-(:mod:`inference.routing`, :class:`probcaps.decoders.MaskedCapsuleDecoder`).
+(:mod:`probcaps.models.routing`, :class:`probcaps.decoders.MaskedCapsuleDecoder`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from inference.routing import capsule_predictions, linear_dynamic_routing, squash
+from probcaps.models.routing import capsule_predictions, linear_dynamic_routing, squash
 from probcaps.decoders import MaskedCapsuleDecoder
 
 __all__ = ["CapsNetConfig", "CapsNetOutput", "CapsNet", "margin_loss", "top_k_classes", "set_accuracy"]
@@ -134,7 +134,7 @@ class CapsNet(nn.Module):
 
     def predictions(self, u: torch.Tensor) -> torch.Tensor:
         """The materialised predictions ``u_hat`` ``(B, J, I, D)`` of primary capsules ``u`` (for inspection
-        and for checking the fused routing against :func:`inference.routing.dynamic_routing`)."""
+        and for checking the fused routing against :func:`probcaps.models.routing.dynamic_routing`)."""
         return capsule_predictions(u, self.digit_weight.permute(1, 0, 3, 2))
 
     def reconstruct(self, digits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

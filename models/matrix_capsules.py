@@ -6,7 +6,7 @@ Every capsule has a 4x4 pose matrix ``M`` and an activation ``a`` (held as ``log
 - ``PrimaryCaps``: a 1x1 convolution to ``B`` capsule types (16 pose entries + a sigmoid activation each);
 - ``ConvCaps1`` (``C`` types, 3x3, stride 2: 14 -> 6) and ``ConvCaps2`` (``D`` types, 3x3, stride 1: 6 -> 4):
   each output capsule type has one learned 4x4 transform per kernel position and input type, shared over
-  positions; votes ``M_i W_ij`` are routed by EM (``inference.em_routing``).  An input capsule sits in several
+  positions; votes ``M_i W_ij`` are routed by EM (``probcaps.models.em_routing``).  An input capsule sits in several
   overlapping patches; its assignments are normalised over every parent in every patch it belongs to.
 - ``ClassCaps``: one capsule per class; transforms shared over positions (one per input type and class), with
   *coordinate addition*: the scaled (x, y) centre of each input's receptive field is added to the first two
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from inference.em_routing import EMConfig, em_routing, em_routing_conv
+from probcaps.models.em_routing import EMConfig, em_routing, em_routing_conv
 
 __all__ = ["MatrixCapsConfig", "PrimaryCaps", "ConvCaps", "ClassCaps", "MatrixCapsNet", "spread_loss",
            "spread_margin", "patch_normaliser"]

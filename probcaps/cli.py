@@ -141,7 +141,7 @@ def _setup_torch(args) -> None:
 
 
 def _train(args) -> None:
-    from inference.capsule_svi import load_experiment_config, train_capsules
+    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
 
     overrides = list(args.set)
     if args.seed is not None:
@@ -163,7 +163,7 @@ def _train(args) -> None:
 
 
 def _evaluate_path(checkpoint, args, name=None, overrides=()):
-    from inference.evaluate import evaluate_checkpoint
+    from probcaps.inference.evaluate import evaluate_checkpoint
 
     return evaluate_checkpoint(checkpoint, name=name, results_dir=args.results_dir, data_dir=args.data_dir,
                                device=args.device, overrides=list(overrides), progress=not args.quiet,
@@ -176,7 +176,7 @@ def _print_metrics(metrics: dict) -> None:
 
 
 def _demo(args) -> None:
-    from inference.capsule_svi import load_experiment_config, train_capsules
+    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
 
     config = Path(__file__).resolve().parent.parent / "experiments" / "configs" / "demo.toml"
     overrides = list(args.set) + ([f"train.steps={args.steps}"] if args.steps else [])
@@ -193,8 +193,8 @@ def _demo(args) -> None:
 def _ttvi(args) -> None:
     import torch
 
-    from inference.capsule_svi import load_images, load_trained
-    from inference.ttvi import ttvi_batches
+    from probcaps.inference.capsule_svi import load_images, load_trained
+    from probcaps.inference.ttvi import ttvi_batches
     from probcaps.data import rotate, to_float
     from probcaps.provenance import provenance, write_results
 
@@ -206,8 +206,8 @@ def _ttvi(args) -> None:
     result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                           device=args.device, progress=not args.quiet, seed=args.seed, pose_family=args.pose_family)
 
-    from inference.capsule_svi import encode_dataset
-    from inference.evaluate import reconstruction_error
+    from probcaps.inference.capsule_svi import encode_dataset
+    from probcaps.inference.evaluate import reconstruction_error
 
     def recon_mse(latents) -> float:
         return reconstruction_error(system.model, x, latents, args.batch_size, args.device)

@@ -111,7 +111,7 @@ def _pilots_table(results_dir: Path) -> str | None:
     results = _results_in(results_dir, "pilots")
     if not results:
         return None
-    from inference.capsule_svi import load_experiment_config
+    from probcaps.inference.capsule_svi import load_experiment_config
 
     headline = load_experiment_config(Path(__file__).resolve().parent.parent / "experiments" / "configs" /
                                       "mnist_probe.toml")
@@ -163,7 +163,7 @@ def _norb_pilots_table(results_dir: Path) -> str | None:
     results = _results_in(results_dir, "norb_pilots")
     if not results:
         return None
-    from experiments.norb_viewpoints import dataset_label
+    from probcaps.experiments.norb_viewpoints import dataset_label
 
     lines = ["| data | capsules A, B, C, D | capsule steps | CNN steps | seed | matched familiar acc. | "
              "novel acc.: capsules | novel acc.: CNN | novel error reduction | capsule training (min) | command |",
@@ -206,7 +206,7 @@ def _experiment_table(module: str, results_dir: Path, **kwargs) -> str | None:
     """``experiments.<module>.readme_table`` for a results file of another name (the same experiment, another run)."""
     import importlib
 
-    return importlib.import_module(f"experiments.{module}").readme_table(results_dir, **kwargs)
+    return importlib.import_module(f"probcaps.experiments.{module}").readme_table(results_dir, **kwargs)
 
 
 #: name -> function building the table's markdown from the results folder (None when its JSON is missing)
@@ -250,7 +250,7 @@ def table_builder(name: str) -> Callable[[Path], str | None] | None:
     import importlib
 
     try:
-        module = importlib.import_module(f"experiments.{name}")
+        module = importlib.import_module(f"probcaps.experiments.{name}")
     except ModuleNotFoundError:
         return None
     return getattr(module, "readme_table", None)

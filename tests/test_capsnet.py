@@ -12,11 +12,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from inference.routing import capsule_predictions, dynamic_routing, linear_dynamic_routing, squash  # noqa: E402
-from models.capsnet import CapsNet, CapsNetConfig, margin_loss, set_accuracy, top_k_classes  # noqa: E402
-from models.lenet import LeNet5  # noqa: E402
+from probcaps.models.routing import capsule_predictions, dynamic_routing, linear_dynamic_routing, squash  # noqa: E402
+from probcaps.models.capsnet import CapsNet, CapsNetConfig, margin_loss, set_accuracy, top_k_classes  # noqa: E402
+from probcaps.models.lenet import LeNet5  # noqa: E402
 from probcaps.decoders import MaskedCapsuleDecoder  # noqa: E402
 
 TINY_CAPS = dict(conv1_channels=8, primary_capsules=4, primary_dim=4, digit_dim=6, decoder_hidden=[16, 16],
@@ -198,7 +197,7 @@ def test_lenet_shapes():
 
 
 def test_multimnist_entry_point(tmp_path):
-    from experiments import multimnist
+    from probcaps.experiments import multimnist
 
     results = tmp_path / "results"
     tiny = ["--set", "data.dataset=\"synthetic\"", "--set", "data.test_pairs=40", "--set", "train.steps=4",
@@ -225,7 +224,7 @@ def test_multimnist_entry_point(tmp_path):
 
 
 def test_multimnist_bad_config_is_one_line(tmp_path, capsys):
-    from experiments import multimnist
+    from probcaps.experiments import multimnist
 
     assert multimnist.main(["--config", str(tmp_path / "nope.toml"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -234,7 +233,7 @@ def test_multimnist_bad_config_is_one_line(tmp_path, capsys):
 
 
 def test_rotated_entry_point(tmp_path):
-    from experiments import rotated_mnist_cnn_vs_capsnet as rot
+    from probcaps.experiments import rotated_mnist_cnn_vs_capsnet as rot
 
     results = tmp_path / "results"
     args = ["--seeds", "0", "--out", str(tmp_path / "runs"), "--results-dir", str(results), "--quiet",

@@ -18,8 +18,8 @@ from pyro import poutine
 from pyro.infer import TraceEnum_ELBO
 from pyro.ops.indexing import Vindex
 
-from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig
-from models.capsule_model import CapsuleModel, CapsuleModelConfig, select_parent
+from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, select_parent
 from probcaps.data import synthetic_digits, to_float
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
 
@@ -441,7 +441,7 @@ def test_logits_are_soft_bounded_so_clamped_samples_cannot_fake_entropy():
 
 def test_presence_sparsity_hand_computed_values():
     # catches: the sign or the normalisation of SCAE's posterior sparsity (within − between entropy)
-    from models.capsule_model import presence_sparsity
+    from probcaps.models.capsule_model import presence_sparsity
 
     K = 4
     one_each = torch.eye(K, dtype=DT)                         # every image one object, all objects used equally
@@ -457,7 +457,7 @@ def test_presence_sparsity_hand_computed_values():
 
 def test_parent_usage_penalty_hand_computed():
     # catches: the usage measured per image instead of per object over the batch
-    from models.capsule_model import parent_usage_penalty
+    from probcaps.models.capsule_model import parent_usage_penalty
 
     z = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
     assert parent_usage_penalty(z, 0.25).item() == pytest.approx(0.0, abs=1e-12)     # each object in 1/4 of images
@@ -468,7 +468,7 @@ def test_parent_usage_penalty_hand_computed():
 @pytest.mark.parametrize("key", ["presence_sparsity_weight", "parent_usage_weight"])
 def test_batch_level_factor_matches_the_reference_and_changes_the_loss(key):
     # catches: a batch-level factor missing from the Pyro model, scaled differently from log_joint, or ignored
-    from models.capsule_model import parent_usage_penalty, presence_sparsity
+    from probcaps.models.capsule_model import parent_usage_penalty, presence_sparsity
 
     model = _model()
     z1, y1, z0, y0 = _latents(B=3, seed=7)
@@ -526,8 +526,8 @@ def test_part_pose_std_ceiling_bounds_sigma_on_both_sides():
 
 def _tiny_system_loss():
     """A tiny CapsuleSystem, a batch, the ELBO, its loss under seed 5 and the guide's object presence logits."""
-    from inference.capsule_svi import CapsuleSystem
-    from inference.train import make_elbo
+    from probcaps.inference.capsule_svi import CapsuleSystem
+    from probcaps.inference.train import make_elbo
 
     pyro.settings.set(module_local_params=True)
     cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
@@ -544,7 +544,7 @@ def _tiny_system_loss():
 def test_guide_usage_balance_adds_the_penalty_on_presence_probabilities():
     # catches: the balance computed on the relaxed samples (which random presences meet) instead of the guide's
     # probabilities, a wrong scale, or no gradient reaching the encoder's object-presence head
-    from models.capsule_model import parent_usage_penalty
+    from probcaps.models.capsule_model import parent_usage_penalty
     from probcaps.distributions import bound_logits
 
     system, x, elbo, plain, logits = _tiny_system_loss()
@@ -568,7 +568,7 @@ def test_guide_usage_balance_adds_the_penalty_on_presence_probabilities():
 
 def test_presence_entropy_is_the_binary_entropy_and_finite_at_extreme_logits():
     # catches: a sign error, entropy of the logits instead of the probabilities, NaN from log(0) at saturated logits
-    from models.capsule_model import presence_entropy
+    from probcaps.models.capsule_model import presence_entropy
 
     p = torch.tensor([0.5, 0.1, 0.9, 0.25])
     by_hand = -(p * p.log() + (1 - p) * (1 - p).log())
@@ -582,7 +582,7 @@ def test_presence_entropy_is_the_binary_entropy_and_finite_at_extreme_logits():
 def test_guide_certainty_adds_the_entropy_of_presence_probabilities():
     # catches: the term not added, added per object instead of summed over objects and averaged over images, or
     # computed on the relaxed samples
-    from models.capsule_model import presence_entropy
+    from probcaps.models.capsule_model import presence_entropy
     from probcaps.distributions import bound_logits
 
     system, x, elbo, plain, logits = _tiny_system_loss()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.train import load_checkpoint
+from probcaps.inference.train import load_checkpoint
 from probcaps.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -174,7 +174,7 @@ def test_ttvi_command_runs_and_writes_results(tiny_toml, tmp_path, no_reexec, py
 def test_interrupted_entry_point_exits_with_the_shells_code_not_a_traceback(signal_name, code, capsys):
     # catches: Ctrl-C or a SIGTERM in an experiment script ending in a traceback after the training loop's
     # "checkpoint written ...; continue with --resume" line, or with an exit status a scheduler reads as a crash
-    from inference.train import Terminated
+    from probcaps.inference.train import Terminated
     from probcaps.cli import one_line_errors
 
     @one_line_errors("experiment")

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from inference.em_routing import (EMConfig, conv_votes_cache, em_routing, em_routing_conv, pose_transform_matrix,
+from probcaps.models.em_routing import (EMConfig, conv_votes_cache, em_routing, em_routing_conv, pose_transform_matrix,
                                   votes_cache)
-from models.matrix_capsules import (ClassCaps, ConvCaps, MatrixCapsConfig, MatrixCapsNet, _patch_index,
+from probcaps.models.matrix_capsules import (ClassCaps, ConvCaps, MatrixCapsConfig, MatrixCapsNet, _patch_index,
                                     patch_normaliser, spread_loss, spread_margin)
 
 

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
     # catches: the headline script failing to train, evaluate, aggregate seeds or export the checkpoint
-    from experiments import mnist_probe
+    from probcaps.experiments import mnist_probe
 
     results, ckpt = tmp_path / "results", tmp_path / "ck.pt"
     rc = mnist_probe.main(["--config", str(tiny_toml), "--seeds", "0", "1", "--out", str(tmp_path / "runs"),
@@ -33,7 +32,7 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
     # the exported checkpoint evaluates without training and holds no optimiser state
     exported = torch.load(ckpt, weights_only=False)
     assert "optimiser" not in exported and exported["metadata"]["kind"] == "capsule_model"
-    from inference.evaluate import evaluate_checkpoint
+    from probcaps.inference.evaluate import evaluate_checkpoint
 
     metrics = evaluate_checkpoint(ckpt, name="again", results_dir=results, progress=False, figures=False)
     assert metrics["probe_presence_pose_test_acc"] == pytest.approx(per_seed[0]["probe_presence_pose_test_acc"])
@@ -41,7 +40,7 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
 
 def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
     # catches: a pilot under another --name silently overwriting the committed checkpoints/mnist_probe.pt
-    from experiments import mnist_probe
+    from probcaps.experiments import mnist_probe
 
     monkeypatch.setattr(mnist_probe, "ROOT", tmp_path)
     assert mnist_probe.checkpoint_out_path(None, "mnist_probe") == tmp_path / "checkpoints" / "mnist_probe.pt"
@@ -51,7 +50,7 @@ def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
 
 
 def test_mnist_probe_bad_config_is_one_line(tmp_path, capsys):
-    from experiments import mnist_probe
+    from probcaps.experiments import mnist_probe
 
     assert mnist_probe.main(["--config", str(tmp_path / "nope.toml"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -73,7 +72,7 @@ def test_bench_step_runs_and_losses_agree(tmp_path):
 
 def test_lr_multipliers_make_param_groups():
     # catches: a multiplier silently ignored (templates would learn at the network's rate)
-    from inference.train import TrainConfig, _param_groups
+    from probcaps.inference.train import TrainConfig, _param_groups
 
     module = torch.nn.ModuleDict({"model": torch.nn.Linear(2, 2), "guide": torch.nn.Linear(2, 2)})
     groups = _param_groups(module, TrainConfig(lr=0.1, lr_multipliers={"model.weight": 10.0}))

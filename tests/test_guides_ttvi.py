@@ -14,9 +14,9 @@ import torch
 from pyro import poutine
 from pyro.infer import TraceEnum_ELBO
 
-from inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, NormalPoseGuide, from_delta
-from inference.ttvi import FreeFormGuide, _concrete_sample, per_image_elbo, run_ttvi, ttvi_batches
-from models.capsule_model import CapsuleModel, CapsuleModelConfig
+from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, NormalPoseGuide, from_delta
+from probcaps.inference.ttvi import FreeFormGuide, _concrete_sample, per_image_elbo, run_ttvi, ttvi_batches
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 from probcaps.data import synthetic_digits, to_float
 
 K, M, T, S = 2, 3, 5, 12
@@ -150,7 +150,7 @@ def test_ttvi_never_changes_the_model_or_the_guide_and_restores_requires_grad(po
     _assert_same(guide_before, guide)
     assert {n: p.requires_grad for n, p in list(model.named_parameters()) + list(guide.named_parameters())} == flags
     assert all(p.grad is None for p in model.parameters())
-    import inference.ttvi as ttvi
+    import probcaps.inference.ttvi as ttvi
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

@@ -3,8 +3,8 @@ comparison's arithmetic."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 TINY = ["--set", "data.instances_per_split=1", "--set", "data.elevations=1", "--set", "data.lightings=1",
         "--set", "data.familiar_eval=30",
@@ -26,7 +25,7 @@ TINY = ["--set", "data.instances_per_split=1", "--set", "data.elevations=1", "--
 
 def test_norb_viewpoints_entry_point(tmp_path):
     # catches: the entry point failing to train, evaluate, match, resume or plot on tiny data
-    from experiments import norb_viewpoints
+    from probcaps.experiments import norb_viewpoints
 
     results, runs = tmp_path / "results", tmp_path / "runs"
     args = ["--seeds", "0", "--out", str(runs), "--results-dir", str(results), "--data-dir", str(tmp_path),
@@ -56,7 +55,7 @@ def test_norb_viewpoints_entry_point(tmp_path):
 
 def test_train_eval_subset_is_fixed_training_images(tmp_path):
     # catches: the training-image score drawn from test images, from novel views, or from a different subset per call
-    from experiments.norb_viewpoints import load_config, load_sets
+    from probcaps.experiments.norb_viewpoints import load_config, load_sets
     from probcaps.data.smallnorb import TRAIN_AZIMUTHS
 
     cfg = load_config(ROOT / "experiments" / "configs" / "norb_viewpoints.toml", [
@@ -76,7 +75,7 @@ def test_train_eval_subset_is_fixed_training_images(tmp_path):
 
 
 def test_matched_comparison_arithmetic():
-    from experiments.norb_viewpoints import matched_comparison
+    from probcaps.experiments.norb_viewpoints import matched_comparison
 
     def rec(step, fam, nov):
         return {"step": step, "familiar_acc": fam, "novel_acc": nov, "novel_by_azimuth": {},
@@ -94,7 +93,7 @@ def test_matched_comparison_arithmetic():
     assert m["caps_novel_acc_interpolated"] == pytest.approx(0.85)
     assert m["cnn_novel_acc_interpolated"] == pytest.approx(cnn)
     assert m["novel_error_reduction_interpolated"] == pytest.approx(1 - 0.15 / (1 - cnn))
-    from experiments.norb_viewpoints import novel_at_target
+    from probcaps.experiments.norb_viewpoints import novel_at_target
 
     assert novel_at_target(logs["cnn"], 0.2) == 0.2           # reached at the first evaluation: read as it is
     assert novel_at_target(logs["cnn"], 0.92) == 0.6          # reached exactly
@@ -102,7 +101,7 @@ def test_matched_comparison_arithmetic():
 
 def test_error_reduction_line_gives_seeds_and_standard_error():
     # catches: a per-seed list out of seed order, or the standard deviation passed off as the standard error
-    from experiments.norb_viewpoints import error_reduction_line
+    from probcaps.experiments.norb_viewpoints import error_reduction_line
 
     runs = [{"novel_error_reduction": r, "novel_error_reduction_interpolated": r + 0.01} for r in (0.3, 0.1, 0.2)]
     # mean 20, std 10, standard error 10 / sqrt(3) = 5.77; t(0.975, 2 degrees of freedom) = 4.303, so the
@@ -115,7 +114,7 @@ def test_error_reduction_line_gives_seeds_and_standard_error():
 
 
 def test_norb_viewpoints_bad_config_is_one_line(tmp_path, capsys):
-    from experiments import norb_viewpoints
+    from probcaps.experiments import norb_viewpoints
 
     assert norb_viewpoints.main(["--config", str(tmp_path / "nope.toml"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -130,7 +129,7 @@ def test_norb_viewpoints_bad_config_is_one_line(tmp_path, capsys):
 def test_all_views_reference_trains_on_every_view_and_reports_the_ends(tmp_path):
     # catches: the all-views reference still training on the familiar azimuths only, scoring other test images than
     # the matched comparison, or its table passing off a matched comparison it did not make
-    from experiments import norb_viewpoints
+    from probcaps.experiments import norb_viewpoints
     from probcaps.data.smallnorb import TRAIN_AZIMUTHS
 
     configs = ROOT / "experiments" / "configs"
@@ -164,7 +163,7 @@ def test_all_views_reference_trains_on_every_view_and_reports_the_ends(tmp_path)
 
 def test_norb_viewpoints_asymmetric_config_runs(tmp_path):
     # catches: the asymmetric-toys config not reaching the renderer, or its table not saying which toys it used
-    from experiments import norb_viewpoints
+    from probcaps.experiments import norb_viewpoints
 
     results = tmp_path / "results"
     args = ["--config", str(ROOT / "experiments" / "configs" / "norb_viewpoints_asymmetric.toml"), "--seeds", "0",
@@ -180,7 +179,7 @@ def test_norb_viewpoints_asymmetric_config_runs(tmp_path):
 def test_large_bn_std_config_is_the_overrides_the_results_were_trained_with():
     # catches: the config file behind results/norb_viewpoints_asymmetric_large_bn_std.json drifting from the
     # asymmetric config + the five --set overrides its first three seeds were trained with
-    from experiments import norb_viewpoints
+    from probcaps.experiments import norb_viewpoints
 
     configs = ROOT / "experiments" / "configs"
     trained = norb_viewpoints.load_config(configs / "norb_viewpoints_asymmetric.toml",
@@ -196,14 +195,14 @@ def test_large_bn_std_config_is_the_overrides_the_results_were_trained_with():
 def test_shipped_norb_configs_load_and_name_their_results(path):
     # catches: a shipped config with a key the schema does not know, a broken base, or a results name that
     # differs from its file name (and would overwrite another table's results)
-    from experiments import norb_viewpoints
+    from probcaps.experiments import norb_viewpoints
 
     assert norb_viewpoints.load_config(path)["name"] == path.stem
 
 
 def test_training_figure_averages_seeds_only_at_shared_steps(tmp_path, capsys, monkeypatch):
     # catches: seeds evaluated at different steps averaged point by point as if they were aligned
-    from experiments import norb_viewpoints
+    from probcaps.experiments import norb_viewpoints
     from probcaps.errors import ConfigError
 
     def log(steps, acc=0.5):
@@ -229,8 +228,9 @@ def test_training_figure_averages_seeds_only_at_shared_steps(tmp_path, capsys, m
 
 
 def test_bench_matrix_capsules_runs(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_matrix_capsules
+    spec = importlib.util.spec_from_file_location("bench_matrix_capsules", ROOT / "benchmarks" / "bench_matrix_capsules.py")
+    bench_matrix_capsules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_matrix_capsules)
 
     out = tmp_path / "bench.json"
     bench_matrix_capsules.main(["--A", "8", "--B", "2", "--C", "2", "--D", "2", "--batch", "4", "--repeats", "1",

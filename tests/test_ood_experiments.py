@@ -14,7 +14,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from probcaps.errors import DataError  # noqa: E402
 
@@ -35,7 +34,7 @@ def tiny_checkpoint(tmp_path_factory):
     """A 3-step delta-trained 40x40 model on synthetic digits: ``final.pt``."""
     import pyro
 
-    from inference.capsule_svi import load_experiment_config, train_capsules
+    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("tiny40")
@@ -137,8 +136,8 @@ def test_affnist_recipe_test_set_is_cached_and_checked(fake_mnist_root, tmp_path
 # ------------------------------------------------------------------------------------------- Normal-pose system
 def test_normal_pose_system_trains_saves_and_reloads(tiny_checkpoint, tmp_path):
     # catches: a Normal-guide checkpoint that reloads as a delta guide (losing its scales)
-    from inference.capsule_svi import load_trained, train_capsules
-    from inference.guides import NormalPoseGuide
+    from probcaps.inference.capsule_svi import load_trained, train_capsules
+    from probcaps.inference.guides import NormalPoseGuide
 
     cfg, system = load_trained(tiny_checkpoint)
     system.use_normal_poses(init_scale=0.05)
@@ -152,7 +151,7 @@ def test_normal_pose_system_trains_saves_and_reloads(tiny_checkpoint, tmp_path):
 
 # ------------------------------------------------------------------------------------------- entry points
 def test_rotated_digits_entry_point(tiny_checkpoint, tmp_path):
-    from experiments import rotated_digits
+    from probcaps.experiments import rotated_digits
 
     rc = rotated_digits.main(["--checkpoint", str(tiny_checkpoint), "--n-images", "3", "--steps", "3",
                               "--angles", "0", "90", "45", "--results-dir", str(tmp_path), "--quiet"])
@@ -166,7 +165,7 @@ def test_rotated_digits_entry_point(tiny_checkpoint, tmp_path):
 
 
 def test_rotated_digits_checks_follow_the_issue():
-    from experiments.rotated_digits import checks
+    from probcaps.experiments.rotated_digits import checks
 
     rows = [{"angle": 0, "elbo_encoder": 10, "elbo_ttvi": 11, "mse_encoder": 1.0, "mse_ttvi": 0.9},
             {"angle": 45, "elbo_encoder": 5, "elbo_ttvi": 9, "mse_encoder": 2.0, "mse_ttvi": 1.0},
@@ -178,7 +177,7 @@ def test_rotated_digits_checks_follow_the_issue():
 
 
 def test_ttvi_classification_entry_point(tiny_checkpoint, tmp_path):
-    from experiments import ttvi_classification
+    from probcaps.experiments import ttvi_classification
 
     rc = ttvi_classification.main(["--checkpoint", str(tiny_checkpoint), "--n-test", "8", "--steps", "2",
                                    "--results-dir", str(tmp_path), "--quiet"])
@@ -196,8 +195,8 @@ def test_ttvi_classification_entry_point(tiny_checkpoint, tmp_path):
 
 def test_reencoding_unchanged_parts_gives_the_encoders_objects(tiny_checkpoint):
     # catches: re-encoded objects that differ from the encoder's when the parts did not move
-    from inference.ttvi import reencode_parents
-    from inference.capsule_svi import load_trained
+    from probcaps.inference.ttvi import reencode_parents
+    from probcaps.inference.capsule_svi import load_trained
 
     _, system = load_trained(tiny_checkpoint)
     x = torch.rand(5, 1, 40, 40)
@@ -208,7 +207,7 @@ def test_reencoding_unchanged_parts_gives_the_encoders_objects(tiny_checkpoint):
 
 
 def test_affnist_entry_point(tiny_checkpoint, fake_mnist_root, tmp_path):
-    from experiments import affnist
+    from probcaps.experiments import affnist
 
     rc = affnist.main(["--checkpoint", str(tiny_checkpoint), "--limit", "16", "--cnn-steps", "2", "--ttvi-limit", "4",
                        "--ttvi-steps", "2", "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path),
@@ -222,7 +221,7 @@ def test_affnist_entry_point(tiny_checkpoint, fake_mnist_root, tmp_path):
 
 
 def test_affnist_entry_point_reads_a_real_format_file(tiny_checkpoint, fake_mnist_root, tmp_path):
-    from experiments import affnist
+    from probcaps.experiments import affnist
     from probcaps.data.affnist import write_affnist_mat
 
     images, labels = _digits(12)
@@ -245,7 +244,7 @@ def test_affnist_entry_point_reads_a_real_format_file(tiny_checkpoint, fake_mnis
 
 
 def test_affnist_bad_mat_is_one_line_error(tiny_checkpoint, tmp_path, capsys):
-    from experiments import affnist
+    from probcaps.experiments import affnist
 
     bad = tmp_path / "bad.mat"
     bad.write_bytes(b"\x00" * 64)
@@ -255,7 +254,7 @@ def test_affnist_bad_mat_is_one_line_error(tiny_checkpoint, tmp_path, capsys):
 
 
 def test_rotated_training_entry_point_and_resume(tmp_path):
-    from experiments import rotated_training
+    from probcaps.experiments import rotated_training
 
     args = ["--thetas", "90", "0", "--seeds", "0", "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path),
             "--quiet", *sum((["--set", s] for s in TINY40), [])]
@@ -272,7 +271,7 @@ def test_rotated_training_entry_point_and_resume(tmp_path):
 
 
 def test_rotated_training_finding_reads_the_slope():
-    from experiments.rotated_training import finding
+    from probcaps.experiments.rotated_training import finding
 
     down = finding([0, 45, 90, 180], [0.95, 0.93, 0.90, 0.85])
     assert down["accuracy_decreases_with_rotation"] and down["slope_points_per_90deg"] < 0
@@ -281,7 +280,7 @@ def test_rotated_training_finding_reads_the_slope():
 
 
 def test_normal_guide_entry_point(tiny_checkpoint, tmp_path):
-    from experiments import normal_guide
+    from probcaps.experiments import normal_guide
 
     rc = normal_guide.main(["--checkpoint", str(tiny_checkpoint), "--steps", "2", "--n-elbo-images", "8",
                             "--elbo-samples", "1", "--probe-train-limit", "16", "--out", str(tmp_path / "run"),
@@ -291,8 +290,8 @@ def test_normal_guide_entry_point(tiny_checkpoint, tmp_path):
     assert math.isfinite(m["delta"]["test_elbo_per_image"]) and math.isfinite(m["normal"]["test_elbo_per_image"])
     assert m["mean_part_pose_scale"] > 1e-3
     # the exported Normal-guide checkpoint runs test-time VI with per-image Normal poses
-    from inference.capsule_svi import load_trained
-    from inference.ttvi import run_ttvi
+    from probcaps.inference.capsule_svi import load_trained
+    from probcaps.inference.ttvi import run_ttvi
 
     _, system = load_trained(tmp_path / "n.pt")
     res = run_ttvi(system.model, system.guide, torch.rand(2, 1, 40, 40), steps=2, progress=False,

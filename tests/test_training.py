@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from inference.capsule_svi import CapsuleSystem, load_experiment_config, load_images, load_trained, train_capsules
-from inference.guides import EncoderConfig
-from inference.train import TrainConfig, load_checkpoint, run_finished, train_loop
-from models.capsule_model import CapsuleModelConfig
+from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, load_images, load_trained, train_capsules
+from probcaps.inference.guides import EncoderConfig
+from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished, train_loop
+from probcaps.models.capsule_model import CapsuleModelConfig
 from probcaps.data import placed_mnist
 from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
 from probcaps.io import atomic_torch_save
@@ -399,7 +399,7 @@ def test_sigterm_writes_a_checkpoint_and_stops(tiny_toml, tmp_path, monkeypatch,
     import os
     import signal
 
-    from inference.train import Terminated
+    from probcaps.inference.train import Terminated
 
     original_loss = CapsuleSystem.loss
     calls = {"n": 0}

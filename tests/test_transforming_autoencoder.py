@@ -13,12 +13,11 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import probcaps.render  # noqa: E402
-from inference.train import run_finished  # noqa: E402
-from models import transforming_autoencoder as tae_module  # noqa: E402
-from models.transforming_autoencoder import (TransformingAutoencoder, TransformingAutoencoderConfig,  # noqa: E402
+from probcaps.inference.train import run_finished  # noqa: E402
+from probcaps.models import transforming_autoencoder as tae_module  # noqa: E402
+from probcaps.models.transforming_autoencoder import (TransformingAutoencoder, TransformingAutoencoderConfig,  # noqa: E402
                                              estimate_transform, pose_consistency, transform_components)
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, invert, rotation_matrix, translation_matrix  # noqa: E402
@@ -467,7 +466,7 @@ def test_transforming_loss_is_the_mse_plus_weighted_consistency():
 
 
 def _experiment():
-    from experiments import transforming_autoencoder as exp
+    from probcaps.experiments import transforming_autoencoder as exp
 
     return exp
 
@@ -613,7 +612,7 @@ def test_entry_point_bad_config_is_one_line(tmp_path, capsys):
 
 
 def test_error_breakdown_by_hand():
-    from experiments import transforming_autoencoder as exp
+    from probcaps.experiments import transforming_autoencoder as exp
 
     true = torch.tensor([[0.0, 1.0], [2.0, 1.0], [4.0, 3.0], [6.0, 3.0]])  # variances 5 and 1
     pred = true.clone()
@@ -628,7 +627,7 @@ def test_error_breakdown_by_hand():
 
 
 def test_heldout_pairs_record_which_digit_each_pair_came_from():
-    from experiments import transforming_autoencoder as exp
+    from probcaps.experiments import transforming_autoencoder as exp
 
     digits = torch.arange(3, dtype=torch.uint8).view(3, 1, 1).expand(3, 28, 28) * 100  # digit i is all 100·i
     rng = exp.TransformRange(jitter_translation_px=0.0, translation_px=0.0, rotation_deg=0.0)
