@@ -1,7 +1,13 @@
 """Experiment configs: TOML files mapped onto dataclasses, strictly.
 
-An unknown section or key, or a value of the wrong type, is a one-line :class:`~probcaps.errors.ConfigError`
-naming the file and the key.  ``--set section.key=value`` overrides are checked the same way.
+An unknown section or key, a value of the wrong type, or a value out of its range is a one-line
+:class:`~probcaps.errors.ConfigError` naming the file and the key (``x.toml: train.batch_size: must be >= 1, got 0``).
+``--set section.key=value`` overrides are checked the same way.
+
+Types come from each field's default (ints are accepted for floats; a list's elements are checked against the type
+of the default's elements).  Ranges come from one table, :data:`RULES`, keyed by key-name patterns, so a key added
+later is checked by the pattern its name fits; a field may carry its own rule as ``field(metadata={"range":
+Range(...)})``.  Counts and limits follow one convention: ``*_limit = 0`` means "all".
 
 A config may start from another: a top-level ``base = "other.toml"`` (a path relative to the file) is read first,
 and the file's own keys replace the base's one by one (a section is merged, not replaced whole).  Bases may chain.
@@ -10,14 +16,19 @@ and the file's own keys replace the base's one by one (a section is merged, not 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 from probcaps.errors import ConfigError
 
-__all__ = ["DataConfig", "EvalConfig", "load_sections", "parse_override", "read_toml"]
+__all__ = [
+    "DataConfig", "EvalConfig", "Range", "RULES", "check_sections", "load_sections", "parse_override", "range_of",
+    "read_toml", "replace_checked",
+]
 
 
 @dataclass
@@ -47,38 +58,168 @@ class EvalConfig:
         return dataclasses.asdict(self)
 
 
+# ------------------------------------------------------------------------------------------------------ ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key (or each element of a numeric list) may take: ``low <= v <= high`` (``low < v``
+    when ``low_open``), always finite.  ``element``: the type of a list's elements where the default cannot say
+    (an empty default) or says too little (integer angles that may be fractional)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    note: str = ""
+    element: type | None = None
+
+    def describe(self) -> str:
+        if self.low > -math.inf and self.high < math.inf:
+            text = f"in [{self.low:g}, {self.high:g}]" if not self.low_open else f"in ({self.low:g}, {self.high:g}]"
+        elif self.low > -math.inf:
+            text = f"{'>' if self.low_open else '>='} {self.low:g}"
+        elif self.high < math.inf:
+            text = f"<= {self.high:g}"
+        else:
+            text = "finite"
+        return text + (f" ({self.note})" if self.note else "")
+
+    def problem(self, value) -> str | None:
+        """Why ``value`` (a number) is out of range, or None."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value!r}"
+        if value < self.low or (self.low_open and value == self.low) or value > self.high:
+            return f"must be {self.describe()}, got {value!r}"
+        return None
+
+    def outside(self, integer: bool) -> list:
+        """Values just outside the range (for tests): below ``low``, above ``high``, and NaN for floats."""
+        values = []
+        if self.low > -math.inf:
+            values.append(int(math.ceil(self.low)) - (0 if self.low_open and float(self.low).is_integer() else 1)
+                          if integer else float(self.low) - (0.0 if self.low_open else 0.5))
+        if self.high < math.inf:
+            values.append(int(math.floor(self.high)) + 1 if integer else float(self.high) + 0.5)
+        if not integer:
+            values.append(math.nan)
+        return values
+
+
+COUNT = Range(1)                                          # sizes, widths, steps, iterations
+COUNT_OR_ALL = Range(0, note="0: all")                    # limits and subset sizes
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, low_open=True)                        # finite and > 0
+PROBABILITY = Range(0, 1)
+FINITE = Range()
+
+# First match wins: a key's name (the field name, whatever its section) against each pattern in turn.  Integers that
+# match nothing must be >= 0, floats that match nothing finite.
+RULES: list[tuple[tuple[str, ...], Range]] = [
+    (("*_limit", "familiar_eval", "novel_eval", "train_eval"), COUNT_OR_ALL),
+    (("part_pose_std_max",), Range(0, note="0: no ceiling")),
+    (("max_affinity",), Range(0, note="0: unbounded")),
+    (("expected_parents_start",), Range(0, note="0: no annealing")),
+    (("steps", "*batch_size", "eval_batch", "*_every", "num_*", "*_size", "iterations", "*_iterations", "*max_iter",
+      "*_n_init", "kernel", "*_kernel", "*_stride", "*strides", "*channels", "*hidden", "*_capsules", "*_dim",
+      "set_heads", "set_inducing", "parent_code", "part_embedding", "keypoints", "refine_glimpse", "elevations",
+      "lightings", "instances_per_split", "pairs", "*_pairs", "A", "B", "C", "D"), COUNT),
+    (("lr", "*temperature", "*_std", "*_std_*", "*_std_init", "probe_C", "var_floor", "min_scale", "max_scale",
+      "expected_parents", "dummy_affinity", "parent_pose_scale", "keypoint_radius"), POSITIVE),
+    (("dropout", "dummy_presence", "min_iou", "*_threshold", "m_plus", "m_minus", "margin_start", "margin_end",
+      "*_fraction"), PROBABILITY),
+    (("*_weight", "weight_decay", "grad_clip", "*_cap", "train_rotation", "jitter_*", "translation_px", "rotation_deg",
+      "scale", "shear", "max_translation", "max_shear", "refine_range", "keypoint_offset_gain", "margin_lambda"),
+     NON_NEGATIVE),
+    (("angles",), Range(element=float)),
+    (("overrides",), Range(element=str)),
+    (("lr_multipliers",), POSITIVE),  # the multipliers, by parameter-name prefix
+]
+
+
+def range_of(field: dataclasses.Field) -> Range:
+    """The rule of a config field: its own ``metadata["range"]``, else the first matching :data:`RULES` entry."""
+    if "range" in field.metadata:
+        return field.metadata["range"]
+    for patterns, rule in RULES:
+        if any(fnmatchcase(field.name, p) for p in patterns):
+            return rule
+    return NON_NEGATIVE if field.type in (int, "int") else FINITE
+
+
+# ------------------------------------------------------------------------------------------------------ checking
+
+
+def _type_name(target: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a table"}.get(type(target) if not isinstance(target, type) else target, type(target).__name__)
+
+
 def _coerce(value: Any, target: Any, where: str) -> Any:
     """Check ``value`` against the type of the default ``target``; ints are accepted for floats."""
-    if isinstance(target, bool):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    elif isinstance(target, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    elif isinstance(target, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        value = float(value)
-    elif isinstance(target, str):
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-    elif isinstance(target, list):
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-    elif isinstance(target, dict):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, got {value!r}")
+    kind = target if isinstance(target, type) else type(target)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"{where}: expected {_type_name(kind)}, got {value!r}")
+    return value
+
+
+def _check(field: dataclasses.Field, value: Any, default: Any, where: str) -> Any:
+    """``value`` for ``field`` (default ``default``), type- and range-checked; raises a one-line ConfigError."""
+    value = _coerce(value, default, where)
+    rule = range_of(field)
+    if isinstance(value, list):
+        element = rule.element or (type(default[0]) if default else None)
+        if element is not None:  # checked, not converted: integer angles stay integers in results and provenance
+            for i, v in enumerate(value):
+                _coerce(v, element, f"{where}[{i}]")
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    elif isinstance(value, dict):
+        value = {k: _coerce(v, float, f"{where}.{k}") for k, v in value.items()}
+        items = [(f"{where}.{k}", v) for k, v in value.items()]
+    else:
+        items = [(where, value)]
+    for at, v in items:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and (problem := rule.problem(v)):
+            raise ConfigError(f"{at}: {problem}")
     return value
 
 
 def _build(cls, values: dict, where: str):
     defaults = cls()
-    known = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in values:
-        if key not in known:
-            raise ConfigError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(known))})")
-    kwargs = {k: _coerce(v, getattr(defaults, k), f"{where}.{k}") for k, v in values.items()}
+        if key not in fields:
+            raise ConfigError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
+    kwargs = {k: _check(fields[k], v, getattr(defaults, k), f"{where}.{k}") for k, v in values.items()}
     return dataclasses.replace(defaults, **kwargs)
+
+
+def replace_checked(section, values: dict, where: str):
+    """A copy of the config dataclass ``section`` with ``values`` replaced, each checked as a config file's would
+    be (``where``: the prefix of an error, e.g. ``"--set eval.batch_size=0: eval"``)."""
+    checked = _build(type(section), values, where)
+    return dataclasses.replace(section, **{k: getattr(checked, k) for k in values})
+
+
+def check_sections(configs: dict, schema: dict[str, type], label: str) -> dict:
+    """Check stored configs (e.g. a checkpoint's ``{"model": {...}, ...}``) through the same rules; returns one
+    dataclass per section.  Keys the schema no longer has are dropped: a checkpoint may predate a removed key."""
+    out = {}
+    for name, cls in schema.items():
+        if cls is str:
+            continue
+        known = {f.name for f in dataclasses.fields(cls)}
+        out[name] = _build(cls, {k: v for k, v in (configs.get(name) or {}).items() if k in known},
+                           f"{label}: {name}")
+    return out
 
 
 def load_sections(path: str | Path | None, schema: dict[str, type], overrides: list[str] = ()) -> dict:
@@ -124,7 +265,12 @@ def read_toml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if path.resolve() in _chain:
         raise ConfigError(f"{path}: its base configs form a cycle ({' -> '.join(str(p) for p in _chain + (path,))})")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start}: {e.object[e.start:e.start + 1]!r})") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
     base = raw.pop("base", None)
