@@ -6,6 +6,7 @@ This is what the ``probcaps train`` / ``probcaps evaluate`` commands and the exp
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pyro
 import torch
@@ -13,16 +14,16 @@ import torch.nn as nn
 
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
-from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, parent_usage_penalty, presence_entropy
-from probcaps.distributions import ClampedRelaxedBernoulli, bound_logits
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
+from probcaps.distributions import ClampedRelaxedBernoulli
 from probcaps.config import DataConfig, EvalConfig, load_sections
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import CheckpointError, ConfigError
 
 __all__ = [
-    "SCHEMA", "load_experiment_config", "load_images", "CapsuleSystem", "train_capsules", "load_trained",
-    "encode_dataset", "probe_features",
+    "SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "load_images", "prior_schedule", "CapsuleSystem",
+    "train_capsules", "load_trained", "encode_dataset", "probe_features",
 ]
 
 SCHEMA = {
@@ -33,6 +34,19 @@ SCHEMA = {
     "train": TrainConfig,
     "eval": EvalConfig,
 }
+
+# Options that no shipped recipe uses any more, with the value that meant "off" and the last commit that had them
+# (README and docs/ say what each did and which results used it).  A checkpoint that holds one at that value loads
+# without it; one trained with it on names the commit to check out.
+REMOVED_OPTIONS = {
+    "model": {"presence_sparsity_weight": 0.0, "parent_usage_weight": 0.0, "guide_usage_weight": 0.0,
+              "guide_certainty_weight": 0.0, "learn_parent_prior": False, "template_init": "blob"},
+    "encoder": {"parent_pose_scale": 1.0},
+}
+REMOVED_AFTER = "49160cc"
+# state the model no longer keeps: the annealed prior's step counter (the training loop owns the schedule) and the
+# fixed prior's logits (computed from model.expected_parents)
+_LEGACY_STATE = ("model.prior_step", "model.parent_prior_logits")
 
 
 def load_experiment_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
@@ -69,6 +83,16 @@ def load_images(data: DataConfig, split: str, data_dir=None, limit: int | None =
     return placed.images, placed.labels
 
 
+def prior_schedule(model_cfg: CapsuleModelConfig) -> Callable[[int], float] | None:
+    """The object prior's anneal as the training loop evaluates it: ``step -> expected objects per image``, linear
+    from ``expected_parents_start`` at step 0 to ``expected_parents`` at ``prior_anneal_steps``, constant after
+    (``None`` when ``prior_anneal_steps`` is 0: the model's fixed prior)."""
+    n, start, end = model_cfg.prior_anneal_steps, model_cfg.expected_parents_start, model_cfg.expected_parents
+    if not n:
+        return None
+    return lambda step: start + (end - start) * min(step, n) / n
+
+
 class CapsuleSystem(nn.Module):
     """The generative model and its guide, as one module (one ``state_dict``, one optimiser)."""
 
@@ -90,23 +114,12 @@ class CapsuleSystem(nn.Module):
         self.guide_spec = {"family": "normal", "init_scale": init_scale, "min_scale": min_scale}
         return self
 
-    def loss(self, elbo, x: torch.Tensor) -> torch.Tensor:
-        """Negative ELBO per image (``s`` enumerated out), plus the regularisers on the guide's object presence
-        probabilities if set: ``model.guide_usage_weight`` times their usage balance
-        (:func:`models.capsule_model.parent_usage_penalty`) and ``model.guide_certainty_weight`` times their binary
-        entropy summed over objects, averaged over images (:func:`models.capsule_model.presence_entropy`)."""
-        loss = elbo.differentiable_loss(self.model, self.guide, x) / x.shape[0]
-        cfg = self.model.config
-        if cfg.guide_usage_weight > 0 or cfg.guide_certainty_weight > 0:
-            logits = bound_logits(self.guide.last_parent_logits)  # the guide's presence logits, (B, K)
-            if cfg.guide_usage_weight > 0:
-                loss = loss + cfg.guide_usage_weight * parent_usage_penalty(torch.sigmoid(logits),
-                                                                            self.model.usage_target())
-            if cfg.guide_certainty_weight > 0:
-                loss = loss + cfg.guide_certainty_weight * presence_entropy(logits).sum(-1).mean()
-        return loss
+    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
+        """Negative ELBO per image (``s`` enumerated out); ``expected_parents``: the prior at this training step
+        (:func:`prior_schedule`; ``None``: the config's final value)."""
+        return elbo.differentiable_loss(self.model, self.guide, x, expected_parents=expected_parents) / x.shape[0]
 
-    def reference_loss(self, x: torch.Tensor) -> torch.Tensor:
+    def reference_loss(self, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
         """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).
 
         Draws the guide's latents in the same order as :class:`DeltaGuide`, so under the same RNG state it returns
@@ -121,7 +134,8 @@ class CapsuleSystem(nn.Module):
         parent_logits, y1 = self.encoder.encode_parents(y0, z0)
         q_z1 = ClampedRelaxedBernoulli(tau, logits=parent_logits)
         z1 = q_z1.rsample()
-        elbo = self.model.log_joint(x, z1, y1, z0, y0) - q_z0.log_prob(z0).sum(-1) - q_z1.log_prob(z1).sum(-1)
+        log_q = q_z0.log_prob(z0).sum(-1) + q_z1.log_prob(z1).sum(-1)
+        elbo = self.model.log_joint(x, z1, y1, z0, y0, expected_parents) - log_q
         return -elbo.mean()
 
 
@@ -152,8 +166,10 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
 
     metadata = {"name": cfg["name"], "configs": {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
                 "kind": "capsule_model", "guide": system.guide_spec}
-    return train_loop(system, lambda x: system.loss(elbo, x), batches, tcfg, out_dir, resume=resume,
-                      metadata=metadata, progress=progress)
+    schedule = prior_schedule(cfg["model"])
+    return train_loop(system, lambda x, **scheduled: system.loss(elbo, x, **scheduled), batches, tcfg, out_dir,
+                      resume=resume, metadata=metadata, progress=progress,
+                      **({"schedules": {"expected_parents": schedule}} if schedule else {}))
 
 
 def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[str] = ()):
@@ -167,7 +183,12 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
     cfg = {"name": meta.get("name", Path(checkpoint).parent.name)}
     for key, cls in SCHEMA.items():
         if cls is not str:
-            known = {k: v for k, v in raw.get(key, {}).items() if k in cls.__dataclass_fields__}
+            section = raw.get(key, {})
+            for option, off in REMOVED_OPTIONS.get(key, {}).items():
+                if option in section and section[option] != off:
+                    raise CheckpointError(f"{checkpoint}: trained with {key}.{option} = {section[option]!r}, an option "
+                                          f"removed after commit {REMOVED_AFTER} (git checkout {REMOVED_AFTER} to use it)")
+            known = {k: v for k, v in section.items() if k in cls.__dataclass_fields__}
             cfg[key] = cls(**known)
     if overrides:
         from probcaps.config import parse_override
@@ -178,7 +199,8 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
                 raise ConfigError(f"--set {item}: unknown key '{section}.{key}'")
             setattr(cfg[section], key, value)
     system = CapsuleSystem(cfg["model"], cfg["encoder"], guide=meta.get("guide")).to(device)
-    load_module_state(system, ckpt["module"], checkpoint)
+    state = {k: v for k, v in ckpt["module"].items() if k not in _LEGACY_STATE}
+    load_module_state(system, state, checkpoint)
     system.eval()
     cfg["train_state"] = ckpt.get("state", {})
     return cfg, system

@@ -42,7 +42,6 @@ class EncoderConfig:
     min_scale: float = 0.3
     max_scale: float = 2.0
     max_translation: float = 0.5   # of the offset from where each part's attention looks
-    parent_pose_scale: float = 1.0  # multiplies the raw parent-pose head output
     bf16: bool = False             # the part encoder's convolutions in bfloat16 autocast (CPUs with AVX-512 BF16 or
                                    # AMX, and GPUs: about 1.8x faster there; emulated, so slower, elsewhere)
 
@@ -98,7 +97,7 @@ class CapsuleEncoder(nn.Module):
         emb = self.part_embedding.expand(B, *self.part_embedding.shape)
         tokens = torch.cat([part_poses, part_presences.unsqueeze(-1), emb], -1)
         code = self.set_transformer(tokens, key_weights=part_presences)
-        return self.presence_head(code).squeeze(-1), self.config.parent_pose_scale * self.pose_head(code)
+        return self.presence_head(code).squeeze(-1), self.pose_head(code)
 
     @torch.no_grad()
     def encode(self, x: torch.Tensor) -> Latents:
@@ -120,7 +119,9 @@ class DeltaGuide(PyroModule):
         """The variational family of the poses ``name`` (here a point mass)."""
         return dist.Delta(loc).to_event(1)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, expected_parents: float | None = None):
+        """``x (B, 1, H, W)``; ``expected_parents`` is the model's argument (the ELBO passes both the same ones),
+        unused here.  Returns ``(z1 (B, K), y1 (B, K, 6), z0 (B, M), y0 (B, M, 6))``."""
         if x.dim() == 3:
             x = x.unsqueeze(1)
         B = x.shape[0]
@@ -131,7 +132,6 @@ class DeltaGuide(PyroModule):
             z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=part_logits))
             y0 = pyro.sample("y0", self.pose_distribution(part_poses, "y0"))
         parent_logits, parent_poses = self.encoder.encode_parents(y0, z0)
-        self.last_parent_logits = parent_logits  # for regularisers on the presence probabilities (CapsuleSystem.loss)
         with data, pyro.plate("parents", parent_logits.shape[-1], dim=-1):
             z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
             y1 = pyro.sample("y1", self.pose_distribution(parent_poses, "y1"))

@@ -31,7 +31,7 @@ from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
 from probcaps.render import composite_layers, render_templates
 
-__all__ = ["CapsuleModelConfig", "CapsuleModel", "presence_sparsity", "parent_usage_penalty", "presence_entropy"]
+__all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent"]
 
 
 @dataclass
@@ -52,31 +52,13 @@ class CapsuleModelConfig:
     dummy_affinity: float = 0.05   # ρ_0m
     dummy_presence: float = 0.1    # γ_0m
     expected_parents: float = 2.0  # π_k = expected_parents / K: one or two objects per digit
-    learn_parent_prior: bool = False
-    # anneal the parent prior from expected_parents_start objects per image down to expected_parents over the first
-    # prior_anneal_steps training steps (0: no annealing): with many objects on early, every object gets children
-    # to explain and a shape of its own before the prior asks each image to keep only a few
+    # the training loop anneals the prior from expected_parents_start objects per image down to expected_parents over
+    # the first prior_anneal_steps steps (0: no annealing; see ``inference.capsule_svi.prior_schedule``): with many
+    # objects on early, every object gets children to explain and a shape of its own before the prior asks each image
+    # to keep only a few
     expected_parents_start: float = 0.0
     prior_anneal_steps: int = 0
     init_offset_std: float = 0.5   # spread of the initial Δ_km translations
-    template_init: str = "blob"    # "blob": a round brush plus orthogonal noise; "orthogonal": SCAE's init
-    # weight of SCAE's posterior sparsity on the object presences (0: off, the paper's model): each image should
-    # use few objects, the batch all of them evenly (see ``presence_sparsity``); a batch-level factor
-    presence_sparsity_weight: float = 0.0
-    # weight of a usage balance on the object presences (0: off, the paper's model): every object should be present
-    # in a share expected_parents / K of the images of a batch (see ``parent_usage_penalty``); a batch-level factor
-    parent_usage_weight: float = 0.0
-    # weight of the same usage balance on the guide's object presence *probabilities* (0: off): a regulariser on the
-    # encoder, added to the training loss outside the ELBO (``CapsuleSystem.loss``).  Relaxed samples meet a balance
-    # on their batch mean by presences random at a constant probability, which carry no information about the image;
-    # probabilities meet it only by being on in some images and off in others (or by a constant share everywhere,
-    # which the ELBO penalises: an object randomly absent explains nothing).  SCAE's between-example sparsity.
-    guide_usage_weight: float = 0.0
-    # weight of the mean binary entropy of the guide's object presence probabilities (0: off): each image should
-    # decide which objects it holds.  With the usage balance above, the two are met only by presences that follow
-    # the image (SCAE's within-example sparsity, on probabilities); alone, neither is (``presence_entropy``).
-    # Piloted with the usage balance at three weight pairs: no gain (README, "Known gaps").
-    guide_certainty_weight: float = 0.0
     # upper bound on the affinities ρ_km (0: unbounded, the default).  Unbounded, a large ρ_km lets an object whose
     # relaxed presence is sampled near 0 still win its parts from the dummy (ρ_0m = dummy_affinity), so presence
     # has no absolute effect; bounded, ``log ρ_km = log(max_affinity) − softplus(−raw)``.
@@ -112,37 +94,6 @@ def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> 
     return Vindex(table)[index]
 
 
-def presence_sparsity(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """SCAE's posterior sparsity of presences ``z (B, K)``: mean within-image entropy minus between-image entropy.
-
-    Each image's presences normalised over the objects should have low entropy (few objects per image); their
-    batch average high entropy (every object used by some images).  Lower is sparser; the minimum, ``-log K``, is
-    reached when every image uses one object and the batch uses all ``K`` equally.
-    """
-    p = z / (z.sum(-1, keepdim=True) + eps)
-    within = -(p * torch.log(p + eps)).sum(-1).mean()
-    usage = p.mean(0)
-    between = -(usage * torch.log(usage + eps)).sum()
-    return within - between
-
-
-def parent_usage_penalty(z: torch.Tensor, target: float) -> torch.Tensor:
-    """``Σ_k (mean_b z_bk − target)²`` for presences ``z (B, K)``: zero when every object is present in a share
-    ``target`` of the images (SCAE's between-example sparsity, squared).
-
-    Without it the model settles on one or two objects that are on in every image: an object that is never on gets
-    no gradient (its children always choose another parent), so it never becomes worth turning on.
-    """
-    return (z.mean(0) - target).square().sum()
-
-
-def presence_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Binary entropy (nats) of presence probabilities ``sigmoid(logits)``, elementwise; computed from the logits
-    (``p softplus(-l) + (1 - p) softplus(l)``), so it is finite with finite gradients for any finite logit."""
-    p = torch.sigmoid(logits)
-    return p * F.softplus(-logits) + (1 - p) * F.softplus(logits)
-
-
 class CapsuleModel(PyroModule):
     """Pyro generative model of SPEC §1.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``."""
 
@@ -151,18 +102,12 @@ class CapsuleModel(PyroModule):
         cfg = self.config = config or CapsuleModelConfig()
         K, M, t = cfg.num_parents, cfg.num_parts, cfg.template_size
         gen = torch.Generator().manual_seed(cfg.seed)
-        if cfg.template_init == "orthogonal":
-            self.template_logits = nn.Parameter(_orthogonal_logits(M, t, gen, gain=1.0))
-            self.alpha_logits = nn.Parameter(_orthogonal_logits(M, t, gen, gain=1.0))
-        elif cfg.template_init == "blob":
-            # every part starts as a soft round brush that can paint a stroke wherever the encoder puts it, so
-            # poses get a useful gradient from the first step; the orthogonal noise breaks the parts' symmetry
-            r = torch.linspace(-1, 1, t)
-            blob = 6.0 * torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * 0.35**2)) - 3.0
-            self.template_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen, gain=1.0))
-            self.alpha_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen, gain=1.0))
-        else:
-            raise ValueError(f"CapsuleModelConfig.template_init: unknown {cfg.template_init!r} (blob, orthogonal)")
+        # every part starts as a soft round brush that can paint a stroke wherever the encoder puts it, so poses get
+        # a useful gradient from the first step; orthogonal noise (SCAE's template init) breaks the parts' symmetry
+        r = torch.linspace(-1, 1, t)
+        blob = 6.0 * torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * 0.35**2)) - 3.0
+        self.template_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen, gain=1.0))
+        self.alpha_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen, gain=1.0))
         self.log_affinity = nn.Parameter(torch.zeros(K, M))                  # log ρ_km
         self.presence_logits = nn.Parameter(torch.zeros(K, M))               # logit γ_km
         offsets = torch.zeros(K, M, 6)
@@ -177,18 +122,9 @@ class CapsuleModel(PyroModule):
         else:
             raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
-        prior_logit = torch.logit(torch.tensor(min(cfg.expected_parents / K, 0.99)))
-        if cfg.learn_parent_prior:
-            self.parent_prior_logits = nn.Parameter(prior_logit.expand(K).clone())
-        else:
-            self.register_buffer("parent_prior_logits", prior_logit.expand(K).clone())
-        if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and (cfg.learn_parent_prior or
-                                                                       cfg.expected_parents_start <= 0)):
-            raise ValueError("CapsuleModelConfig: prior_anneal_steps needs expected_parents_start > 0 and a fixed "
-                             "prior (learn_parent_prior = false)")
-        if cfg.prior_anneal_steps:
-            # training steps seen by the annealed prior: in the state dict, so a resumed run continues the schedule
-            self.register_buffer("prior_step", torch.zeros((), dtype=torch.long))
+        if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
+            raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0, "
+                             f"got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
 
     # ---------------------------------------------------------------- parameters in their natural units
     def templates(self) -> torch.Tensor:
@@ -250,33 +186,27 @@ class CapsuleModel(PyroModule):
         image, weights = composite_layers(layers, dim=1)
         return image, (weights * layers[:, :, :1] if contributions else None)
 
-    def usage_target(self) -> float:
-        """The share of images each object should be present in: ``expected_parents / K``."""
-        return min(self.config.expected_parents / self.config.num_parents, 1.0)
-
-    def parent_prior_probs(self) -> torch.Tensor:
-        """``(K,)`` prior presence probabilities π_k (annealed, if ``prior_anneal_steps`` is set)."""
+    def parent_prior_probs(self, expected_parents: float | None = None) -> torch.Tensor:
+        """``(K,)`` prior presence probabilities π_k = ``expected_parents / K`` (at most 0.99); ``None``: the
+        config's ``expected_parents`` (the end of the training loop's anneal)."""
         cfg = self.config
-        if not cfg.prior_anneal_steps:
-            return torch.sigmoid(self.parent_prior_logits)
-        frac = self.prior_step.clamp(max=cfg.prior_anneal_steps).float() / cfg.prior_anneal_steps
-        expected = cfg.expected_parents_start + (cfg.expected_parents - cfg.expected_parents_start) * frac
-        return (expected / cfg.num_parents).clamp(max=0.99).expand(cfg.num_parents).to(self.parent_prior_logits)
+        expected = cfg.expected_parents if expected_parents is None else float(expected_parents)
+        return self.offsets.new_full((cfg.num_parents,), min(expected / cfg.num_parents, 0.99))
 
     # ---------------------------------------------------------------- the Pyro model
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, expected_parents: float | None = None):
+        """``x (B, 1, H, W)``; ``expected_parents``: the prior's objects per image at this training step (the loop's
+        anneal, as Pyro's ``examples/dmm.py`` passes its annealing factor), ``None`` for the config's final value.
+        Returns the rendered image ``(B, 1, H, W)``."""
         cfg = self.config
         x = self._check_images(x)
         B, K, M = x.shape[0], cfg.num_parents, cfg.num_parts
         tau = x.new_tensor(cfg.temperature)
         data = pyro.plate("data", B, dim=-2)
+        prior_probs = self.parent_prior_probs(expected_parents).expand(B, K)
         with data, pyro.plate("parents", K, dim=-1):
-            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs().expand(B, K)))
+            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, probs=prior_probs))
             y1 = pyro.sample("y1", dist.Normal(x.new_zeros(()), cfg.parent_pose_std).expand([B, K, 6]).to_event(1))
-        if cfg.presence_sparsity_weight > 0:
-            pyro.factor("presence_sparsity", -cfg.presence_sparsity_weight * B * presence_sparsity(z1))
-        if cfg.parent_usage_weight > 0:
-            pyro.factor("parent_usage", -cfg.parent_usage_weight * B * parent_usage_penalty(z1, self.usage_target()))
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         with data, pyro.plate("children", M, dim=-1):
             s = pyro.sample("s", dist.Categorical(logits=selection_logits), infer={"enumerate": "parallel"})
@@ -284,15 +214,13 @@ class CapsuleModel(PyroModule):
             std = self.child_pose_std(z0, select_parent(pose_var_on, s, event_dims=1))
             y0 = pyro.sample("y0", dist.Normal(select_parent(pose_mean, s, event_dims=1), std).to_event(1))
         image, _ = self.render(z0, y0, contributions=False)
-        if cfg.prior_anneal_steps and self.training:
-            self.prior_step += 1
         with data:
             pyro.sample("x", dist.Normal(image.flatten(1).unsqueeze(1), cfg.pixel_std).to_event(1),
                         obs=x.flatten(1).unsqueeze(1))
         return image
 
     # ---------------------------------------------------------------- plain-torch reference
-    def log_joint(self, x, z1, y1, z0, y0) -> torch.Tensor:
+    def log_joint(self, x, z1, y1, z0, y0, expected_parents: float | None = None) -> torch.Tensor:
         """``log p(x, z1, y1, z0, y0)`` per image ``(B,)``, with ``s`` summed out by ``logsumexp`` in plain torch.
 
         The same density the Pyro model's enumerated ELBO scores; used as the reference in tests and benchmarks.
@@ -300,7 +228,7 @@ class CapsuleModel(PyroModule):
         cfg = self.config
         x = self._check_images(x)
         tau = x.new_tensor(cfg.temperature)
-        lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs()).log_prob(z1).sum(-1)
+        lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs(expected_parents)).log_prob(z1).sum(-1)
         lp = lp + dist.Normal(y1.new_zeros(()), cfg.parent_pose_std).log_prob(y1).sum((-1, -2))
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         log_sel = selection_logits.log_softmax(-1)                                 # (B, M, K+1)
@@ -308,10 +236,6 @@ class CapsuleModel(PyroModule):
         std = self.child_pose_std(z0.unsqueeze(-1), pose_var_on)                  # (B, M, K+1, 6)
         lp_y = dist.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
         lp = lp + torch.logsumexp(log_sel + lp_z + lp_y, -1).sum(-1)
-        if cfg.presence_sparsity_weight > 0:  # the batch-level factors, shared equally by the images
-            lp = lp - cfg.presence_sparsity_weight * presence_sparsity(z1)
-        if cfg.parent_usage_weight > 0:
-            lp = lp - cfg.parent_usage_weight * parent_usage_penalty(z1, self.usage_target())
         image, _ = self.render(z0, y0, contributions=False)
         return lp + dist.Normal(image, cfg.pixel_std).log_prob(x).flatten(1).sum(-1)
 

@@ -41,9 +41,6 @@ def _model(dtype=DT, seed=0) -> CapsuleModel:
         model.presence_logits.copy_(torch.randn(K, M, generator=g))
         model.offsets.add_(0.2 * torch.randn(K, M, 6, generator=g))
         model.pose_std_raw.add_(0.5 * torch.randn(K, M, 6, generator=g))
-        # the buffer is built in float32: recompute it in the model's dtype so π is exactly expected_parents / K
-        pi = torch.tensor(HYPER["expected_parents"] / K, dtype=torch.float64)
-        model.parent_prior_logits.copy_(torch.logit(pi).expand(K))
     return model
 
 
@@ -70,7 +67,7 @@ class FixedGuide:
     def __init__(self, z1, y1, z0, y0):
         self.values = z1, y1, z0, y0
 
-    def __call__(self, x):
+    def __call__(self, x, expected_parents=None):
         z1, y1, z0, y0 = self.values
         data = pyro.plate("data", x.shape[0], dim=-2)
         with data, pyro.plate("parents", z1.shape[-1], dim=-1):
@@ -154,8 +151,8 @@ def _pose_matrix(y):
                         torch.stack([zero, zero, one])])
 
 
-def _enum_loss(model, guide, x):
-    return TraceEnum_ELBO(max_plate_nesting=2).differentiable_loss(model, guide, x)
+def _enum_loss(model, guide, x, **kwargs):
+    return TraceEnum_ELBO(max_plate_nesting=2).differentiable_loss(model, guide, x, **kwargs)
 
 
 def test_relaxed_bernoulli_first_principles_matches_pyro():
@@ -439,74 +436,33 @@ def test_logits_are_soft_bounded_so_clamped_samples_cannot_fake_entropy():
     assert -unbounded.log_prob(z.clamp(1e-4, 1 - 1e-4)).mean() > 500  # the exploit the bound removes
 
 
-def test_presence_sparsity_hand_computed_values():
-    # catches: the sign or the normalisation of SCAE's posterior sparsity (within − between entropy)
-    from probcaps.models.capsule_model import presence_sparsity
+def test_prior_anneal_is_the_loops_schedule_passed_in_and_the_model_keeps_no_step():
+    # catches: a schedule off the linear formula or not constant after its end, a model that counts steps itself
+    # (state a resumed run would have to restore), or an expected_parents argument the Pyro model ignores
+    from probcaps.inference.capsule_svi import prior_schedule
 
-    K = 4
-    one_each = torch.eye(K, dtype=DT)                         # every image one object, all objects used equally
-    assert presence_sparsity(one_each).item() == pytest.approx(-math.log(K), abs=1e-6)
-    uniform = torch.full((3, K), 0.7, dtype=DT)               # every image all objects
-    assert presence_sparsity(uniform).item() == pytest.approx(0.0, abs=1e-6)
-    same_one = torch.tensor([[1.0, 0, 0, 0]] * 3, dtype=DT)   # every image the same single object
-    assert presence_sparsity(same_one).item() == pytest.approx(0.0, abs=1e-6)
-    # two images on two objects each, disjoint: within log 2, between log 4
-    half = torch.tensor([[1.0, 1, 0, 0], [0, 0, 1, 1]], dtype=DT)
-    assert presence_sparsity(half).item() == pytest.approx(math.log(2) - math.log(4), abs=1e-6)
-
-
-def test_parent_usage_penalty_hand_computed():
-    # catches: the usage measured per image instead of per object over the batch
-    from probcaps.models.capsule_model import parent_usage_penalty
-
-    z = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
-    assert parent_usage_penalty(z, 0.25).item() == pytest.approx(0.0, abs=1e-12)     # each object in 1/4 of images
-    same = torch.tensor([[1.0, 0.0, 0.0, 0.0]]).expand(4, 4)
-    assert parent_usage_penalty(same, 0.25).item() == pytest.approx(0.75**2 + 3 * 0.25**2)
-
-
-@pytest.mark.parametrize("key", ["presence_sparsity_weight", "parent_usage_weight"])
-def test_batch_level_factor_matches_the_reference_and_changes_the_loss(key):
-    # catches: a batch-level factor missing from the Pyro model, scaled differently from log_joint, or ignored
-    from probcaps.models.capsule_model import parent_usage_penalty, presence_sparsity
-
-    model = _model()
-    z1, y1, z0, y0 = _latents(B=3, seed=7)
-    x = _images(model, z0, y0, seed=8)
-    plain = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x).item()
-    setattr(model.config, key, 5.0)
-    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
-    assert math.isclose(loss.item(), -model.log_joint(x, z1, y1, z0, y0).sum().item(), rel_tol=1e-10)
-    value = presence_sparsity(z1) if key == "presence_sparsity_weight" else parent_usage_penalty(z1,
-                                                                                                  model.usage_target())
-    assert value.item() != 0 and loss.item() - plain == pytest.approx(5.0 * 3 * value.item(), rel=1e-6)
-
-
-def test_annealed_parent_prior_moves_with_training_steps_only_and_resumes():
-    # catches: the schedule counting evaluation calls, ending at the wrong value, or restarting after a resume
     cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, expected_parents=0.5,
                              expected_parents_start=1.5, prior_anneal_steps=4)
+    schedule = prior_schedule(cfg)
+    for step in [0, 1, 3, 4, 10]:
+        assert schedule(step) == pytest.approx(1.5 + (0.5 - 1.5) * min(step, 4) / 4)
+    assert prior_schedule(CapsuleModelConfig()) is None
     model = CapsuleModel(cfg).to(DT)
+    assert list(model.buffers()) == []
     z1, y1, z0, y0 = _latents(B=2, seed=3)
     x = _images(model, z0, y0, seed=4)
     guide = FixedGuide(z1, y1, z0, y0)
-    assert torch.allclose(model.parent_prior_probs(), torch.full((K,), 0.75, dtype=DT))
-    model.eval()
-    _enum_loss(model, guide, x)
-    assert int(model.prior_step) == 0                                    # evaluation does not advance it
-    model.train()
-    for _ in range(2):
-        _enum_loss(model, guide, x)
-    assert torch.allclose(model.parent_prior_probs(), torch.full((K,), 0.5, dtype=DT))   # halfway: 2 of 4
-    resumed = CapsuleModel(cfg).to(DT)
-    resumed.load_state_dict(model.state_dict())
-    assert torch.allclose(resumed.parent_prior_probs(), model.parent_prior_probs())
-    for _ in range(5):
-        _enum_loss(resumed, guide, x)
-    assert torch.allclose(resumed.parent_prior_probs(), torch.full((K,), 0.25, dtype=DT))  # stays at the end
-    # the Pyro loss and the torch reference agree at every point of the schedule
-    assert math.isclose(_enum_loss(model.eval(), guide, x).item(), -model.log_joint(x, z1, y1, z0, y0).sum().item(),
-                        rel_tol=1e-10)
+    assert torch.allclose(model.parent_prior_probs(schedule(0)), torch.full((K,), 0.75, dtype=DT))
+    assert torch.allclose(model.parent_prior_probs(), torch.full((K,), 0.25, dtype=DT))   # None: the final value
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in [0, 2]:
+        loss = _enum_loss(model, guide, x, expected_parents=schedule(step))
+        # the Pyro loss and the torch reference agree at every point of the schedule
+        reference = -model.log_joint(x, z1, y1, z0, y0, schedule(step)).sum()
+        assert math.isclose(loss.item(), reference.item(), rel_tol=1e-10)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())      # no step state moved
+    assert _enum_loss(model, guide, x, expected_parents=schedule(0)).item() != pytest.approx(
+        _enum_loss(model, guide, x).item(), rel=1e-6)
     with pytest.raises(ValueError, match="prior_anneal_steps"):
         CapsuleModel(CapsuleModelConfig(prior_anneal_steps=10))
 
@@ -522,76 +478,6 @@ def test_part_pose_std_ceiling_bounds_sigma_on_both_sides():
     assert sigma.min().item() == pytest.approx(0.03) and sigma.max().item() == pytest.approx(0.15)
     with pytest.raises(ValueError, match="part_pose_std_max"):
         CapsuleModel(CapsuleModelConfig(part_pose_std_init=0.5, part_pose_std_max=0.15))
-
-
-def _tiny_system_loss():
-    """A tiny CapsuleSystem, a batch, the ELBO, its loss under seed 5 and the guide's object presence logits."""
-    from probcaps.inference.capsule_svi import CapsuleSystem
-    from probcaps.inference.train import make_elbo
-
-    pyro.settings.set(module_local_params=True)
-    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
-    enc = EncoderConfig(channels=[8, 8], strides=[2, 2], set_hidden=8, set_heads=2, set_inducing=2, parent_code=8,
-                        head_hidden=8, part_embedding=4, part_features=0)
-    system = CapsuleSystem(cfg, enc)
-    x = torch.rand(4, 1, S, S)
-    elbo = make_elbo()
-    torch.manual_seed(5)
-    plain = system.loss(elbo, x)
-    return system, x, elbo, plain, system.guide.last_parent_logits.detach()
-
-
-def test_guide_usage_balance_adds_the_penalty_on_presence_probabilities():
-    # catches: the balance computed on the relaxed samples (which random presences meet) instead of the guide's
-    # probabilities, a wrong scale, or no gradient reaching the encoder's object-presence head
-    from probcaps.models.capsule_model import parent_usage_penalty
-    from probcaps.distributions import bound_logits
-
-    system, x, elbo, plain, logits = _tiny_system_loss()
-    system.model.config.guide_usage_weight = 7.0
-    torch.manual_seed(5)
-    loss = system.loss(elbo, x)
-    penalty = parent_usage_penalty(torch.sigmoid(bound_logits(logits)), system.model.usage_target())
-    assert penalty.item() > 0
-    assert loss.item() - plain.item() == pytest.approx(7.0 * penalty.item(), rel=1e-4, abs=1e-4)
-    # the probabilities of a constant share everywhere meet it exactly, random on/off samples are not what is scored
-    share = torch.full((6, K), system.model.usage_target())
-    assert parent_usage_penalty(share, system.model.usage_target()).item() == pytest.approx(0.0, abs=1e-12)
-    # the penalty's own gradient (with minus without it, same latents) reaches the object-presence head
-    head = system.encoder.presence_head[-1].weight
-    (grad_with,) = torch.autograd.grad(loss, head)
-    system.model.config.guide_usage_weight = 0.0
-    torch.manual_seed(5)
-    (grad_without,) = torch.autograd.grad(system.loss(elbo, x), head)
-    assert torch.isfinite(grad_with).all() and (grad_with - grad_without).abs().sum() > 1e-6
-
-
-def test_presence_entropy_is_the_binary_entropy_and_finite_at_extreme_logits():
-    # catches: a sign error, entropy of the logits instead of the probabilities, NaN from log(0) at saturated logits
-    from probcaps.models.capsule_model import presence_entropy
-
-    p = torch.tensor([0.5, 0.1, 0.9, 0.25])
-    by_hand = -(p * p.log() + (1 - p) * (1 - p).log())
-    assert torch.allclose(presence_entropy(torch.logit(p)), by_hand, atol=1e-6)
-    logits = torch.tensor([-80.0, -30.0, 30.0, 80.0], requires_grad=True)
-    h = presence_entropy(logits)
-    (g,) = torch.autograd.grad(h.sum(), logits)
-    assert torch.isfinite(h).all() and torch.isfinite(g).all() and h.max().item() < 1e-10
-
-
-def test_guide_certainty_adds_the_entropy_of_presence_probabilities():
-    # catches: the term not added, added per object instead of summed over objects and averaged over images, or
-    # computed on the relaxed samples
-    from probcaps.models.capsule_model import presence_entropy
-    from probcaps.distributions import bound_logits
-
-    system, x, elbo, plain, logits = _tiny_system_loss()
-    system.model.config.guide_certainty_weight = 3.0
-    torch.manual_seed(5)
-    loss = system.loss(elbo, x)
-    expected = presence_entropy(bound_logits(logits)).sum(-1).mean()
-    assert 0 < expected.item() <= K * math.log(2) + 1e-6
-    assert loss.item() - plain.item() == pytest.approx(3.0 * expected.item(), rel=1e-4, abs=1e-4)
 
 
 def test_bounded_affinity_stops_an_absent_object_winning_parts_from_the_dummy():

@@ -6,7 +6,9 @@ Each test says in a comment which bug it would catch.
 from __future__ import annotations
 
 import json
+import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,13 +16,15 @@ import torch.nn as nn
 
 from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, load_images, load_trained, train_capsules
 from probcaps.inference.guides import EncoderConfig
-from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished, train_loop
+from probcaps.inference.train import TrainConfig, load_checkpoint, make_elbo, run_finished, train_loop
 from probcaps.models.capsule_model import CapsuleModelConfig
 from probcaps.data import placed_mnist
 from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
 from probcaps.io import atomic_torch_save
 
 from conftest import REAL_DATA_ROOT, requires_real_mnist
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -301,6 +305,38 @@ def test_checkpoint_missing_corrupt_or_foreign(tmp_path, trained_run):
         load_trained(foreign)
     with pytest.raises(ConfigError, match="model.bogus"):
         load_trained(trained_run, overrides=["model.bogus=1"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "checkpoints").glob("*.pt")), ids=lambda p: p.name)
+def test_every_committed_checkpoint_loads_and_scores_images(path):
+    # catches: a removed option, or state the model no longer keeps, that leaves a committed checkpoint unloadable
+    cfg, system = load_trained(path)
+    x = torch.rand(2, 1, cfg["model"].canvas_size, cfg["model"].canvas_size)
+    latents = system.encoder.encode(x)
+    assert torch.isfinite(latents.parent_logits).all() and torch.isfinite(latents.part_poses).all()
+    loss = make_elbo().loss(system.model, system.guide, x)
+    assert math.isfinite(loss)
+
+
+def test_removed_options_load_when_off_and_fail_in_one_line_when_on(trained_run, tmp_path):
+    # catches: an old checkpoint refused for carrying a removed option at its off value (or its old step counter),
+    # or one trained with the option on silently rebuilt without it
+    from probcaps.inference.capsule_svi import REMOVED_AFTER, REMOVED_OPTIONS
+
+    ckpt = torch.load(trained_run, weights_only=False)
+    for section, options in REMOVED_OPTIONS.items():
+        ckpt["metadata"]["configs"][section].update(options)
+    ckpt["module"]["model.prior_step"] = torch.tensor(7)
+    old = tmp_path / "old.pt"
+    torch.save(ckpt, old)
+    _, system = load_trained(old)
+    _assert_same_state(system.state_dict(), load_checkpoint(trained_run)["module"])
+    ckpt["metadata"]["configs"]["model"]["guide_usage_weight"] = 100.0
+    torch.save(ckpt, old)
+    with pytest.raises(CheckpointError) as exc:
+        load_trained(old)
+    msg = str(exc.value)
+    assert "\n" not in msg and "model.guide_usage_weight" in msg and REMOVED_AFTER in msg and "old.pt" in msg
 
 
 # --------------------------------------------------------------------------------------------- config errors
