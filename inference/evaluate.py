@@ -1,4 +1,11 @@
-"""Evaluate a trained capsule model the way the paper does (SPEC §1 "Evaluation")."""
+"""Evaluate a trained capsule model the way the paper does (SPEC §1 "Evaluation"), with SCAE's readout of the
+objects (Kosiorek et al. 2019, §3.1 and Table 1) in the model's own terms.
+
+SCAE scores its object capsules by their *posterior* presence: the evidence each object collects from the parts it
+explains.  Here that is the expected number of parts coupled to each object under the exact posterior over each
+part's parent ``s`` (Smith et al. 2020, §5.1, footnote), :func:`posterior_part_counts`; every probe and k-means
+score is reported on the guide's (prior) presences, on the posterior ones, on both, and on presences with poses.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +19,26 @@ from probcaps.inference.train import make_elbo
 from probcaps import plotting
 from probcaps.inference.guides import Latents
 from probcaps.data import iterate_batches, to_float
-from probcaps.metrics import LinearProbe, kmeans_accuracy
+from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
+from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_accuracy, mean_by_class
 from probcaps.provenance import provenance, write_results
 
-__all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error"]
+__all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
+           "posterior_part_counts", "readout_features", "READOUTS", "SCAE_PUBLISHED"]
+
+#: The feature sets every probe and k-means score is reported on (key -> what it is).
+READOUTS = {
+    "presence": "prior presences (the guide's)",
+    "posterior_counts": "posterior presences: expected part counts",
+    "weighted_counts": "presence × expected part counts",
+    "presence_counts": "prior ⊕ posterior presences",
+    "presence_pose": "presences + poses",
+}
+#: The feature sets whose probes get a per-class report and a confusion-matrix figure.
+REPORTED_PROBES = ("presence", "presence_pose")
+#: SCAE's MNIST scores (Kosiorek et al. 2019, Table 1): linear classifier on the object capsules (LIN-PRED) and
+#: k-means with 10 clusters matched to the classes (LIN-MATCH), test accuracy.
+SCAE_PUBLISHED = {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
 
 
 @torch.no_grad()
@@ -67,12 +90,74 @@ def plot_presence_by_class(presences: torch.Tensor, labels: torch.Tensor, path: 
                                  vmin=0, vmax=1, colorbar_label="presence")
 
 
+@torch.no_grad()
+def parent_log_posterior(model, latents: Latents) -> torch.Tensor:
+    """``(B, M, K+1)`` log q(s_m = k): the exact posterior over each part's parent (the dummy ``k = 0`` first).
+
+    ``q(s_m = k) ∝ P(s_m = k | z1) p(z0_m, y0_m | s_m = k, y1)``, normalised over ``k``; the parts are independent
+    given the objects, so this is the marginal the enumeration of ``TraceEnum_ELBO`` sums over.  The latents are
+    taken at the guide's point values: presences at ``sigmoid`` of their logits (as :meth:`CapsuleEncoder.encode`
+    passes the parts to the object encoder), clamped into the relaxed Bernoulli's support, poses as given.
+    """
+    cfg = model.config
+    ref = model.offsets
+    z1 = torch.sigmoid(latents.parent_logits.to(ref)).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)
+    z0 = torch.sigmoid(latents.part_logits.to(ref)).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)
+    y1, y0 = latents.parent_poses.to(ref), latents.part_poses.to(ref)
+    selection_logits, gamma, pose_mean, pose_var_on = model.child_tables(z1, y1)       # (B, M, K+1), ...
+    log_z0 = ClampedRelaxedBernoulli(ref.new_tensor(cfg.temperature), probs=gamma).log_prob(z0.unsqueeze(-1))
+    std = model.child_pose_std(z0.unsqueeze(-1), pose_var_on)                           # (B, M, K+1, 6)
+    log_y0 = torch.distributions.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
+    return (selection_logits + log_z0 + log_y0).log_softmax(-1)
+
+
+@torch.no_grad()
+def posterior_part_counts(model, latents: Latents, batch_size: int = 1000) -> torch.Tensor:
+    """``(B, K)`` posterior presences: each object's expected number of parts, ``Σ_m q(s_m = k)``, under the exact
+    posterior over the parts' parents (:func:`parent_log_posterior`); the dummy parent is left out, so a row sums
+    to the expected number of parts the objects explain (at most ``M``).  Computed ``batch_size`` images at a time;
+    returned on the CPU."""
+    n = latents.part_logits.shape[0]
+    chunks = [parent_log_posterior(model, Latents(*(t[i:i + batch_size] for t in latents)))[..., 1:].exp().sum(-2)
+              for i in range(0, n, batch_size)]
+    return torch.cat(chunks).cpu() if chunks else torch.zeros(0, model.config.num_parents)
+
+
+def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per :data:`READOUTS` key, ``(probe features, k-means features)``, each ``(N, D)``.
+
+    ``counts``: :func:`posterior_part_counts` of ``latents``.  The probe reads the presence logits (it standardises
+    its features); k-means reads presences as probabilities, SCAE's scale, except beside other features, where the
+    logits are kept so that the concatenation is the probe's.
+    """
+    logits = latents.parent_logits
+    presence = torch.sigmoid(logits)
+    both = torch.cat([logits, counts], 1)
+    with_poses = probe_features(latents)["presence_pose"]
+    return {
+        "presence": (logits, presence),
+        "posterior_counts": (counts, counts),
+        "weighted_counts": (presence * counts, presence * counts),
+        "presence_counts": (both, both),
+        "presence_pose": (with_poses, with_poses),
+    }
+
+
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
                         data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
                         figures: bool | None = None) -> dict:
-    """Probe accuracies, k-means accuracy, test ELBO and reconstruction error of a checkpoint.
+    """Probe and k-means accuracies on every readout of :data:`READOUTS` (train and test), the objects' class
+    purity, per-class accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a
+    checkpoint.
 
-    Writes ``results_dir/<name>.json`` (metrics + provenance) and ``<name>_*.png`` figures; returns the metrics.
+    The probes are fit on the training images' features and scored on both splits; k-means (10 clusters, matched to
+    the classes by the Hungarian algorithm) is fit on each split on its own.  Keys: ``probe_<readout>_<split>_acc``,
+    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` (per-class accuracy and confusion matrix),
+    ``object_class_purity`` (objects weighted by their expected part counts) and ``object_class_purity_presence``
+    (by their prior presences), ``published_scae``.  Writes ``results_dir/<name>.json`` (metrics + provenance) and,
+    with figures, ``<name>_*.png``: templates, reconstructions, presence by class, objects by class
+    (``<name>_objects_by_class.png``) and the probes' confusion matrices (``<name>_confusion_<readout>.png``).
+    Returns the metrics.
     """
     t0 = time.perf_counter()
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
@@ -83,17 +168,31 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     test_images, test_labels = load_images(cfg["data"], "test", data_dir)
     train_lat = encode_dataset(system.encoder, train_images, ecfg.batch_size, device, progress=progress)
     test_lat = encode_dataset(system.encoder, test_images, ecfg.batch_size, device, progress=progress)
-    train_feats, test_feats = probe_features(train_lat), probe_features(test_lat)
+    train_counts = posterior_part_counts(system.model, train_lat, ecfg.batch_size)
+    test_counts = posterior_part_counts(system.model, test_lat, ecfg.batch_size)
+    train_feats = readout_features(train_lat, train_counts)
+    test_feats = readout_features(test_lat, test_counts)
     metrics: dict = {}
-    for key in train_feats:
-        probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
-        metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_feats[key], test_labels)
-        metrics[f"probe_{key}_train_acc"] = probe.accuracy(train_feats[key], train_labels)
-    metrics["kmeans_presence_test_acc"] = kmeans_accuracy(torch.sigmoid(test_feats["presence"]), test_labels,
-                                                          n_clusters=10, n_init=ecfg.kmeans_n_init)
+    reports = {}
+    for key in READOUTS:
+        probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key][0], train_labels)
+        metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_feats[key][0], test_labels)
+        metrics[f"probe_{key}_train_acc"] = probe.accuracy(train_feats[key][0], train_labels)
+        for split, feats, labels in (("test", test_feats, test_labels), ("train", train_feats, train_labels)):
+            metrics[f"kmeans_{key}_{split}_acc"] = kmeans_accuracy(feats[key][1], labels, n_clusters=10,
+                                                                   n_init=ecfg.kmeans_n_init)
+        if key in REPORTED_PROBES:
+            reports[key] = classification_summary(test_labels, probe.predict(test_feats[key][0]),
+                                                  classes=torch.unique(torch.cat([train_labels, test_labels])))
+            metrics[f"probe_{key}_test_report"] = reports[key]
+    test_presence = torch.sigmoid(test_lat.parent_logits)
+    metrics["object_class_purity"] = class_purity(test_counts, test_labels)
+    metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
+    metrics["mean_posterior_part_count"] = float(test_counts.sum(1).mean())  # parts explained by objects, not dummy
+    metrics["published_scae"] = dict(SCAE_PUBLISHED)
     metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
     metrics["test_recon_mse"] = reconstruction_error(system.model, test_images[:2000], test_lat, device=device)
-    parent_on = torch.sigmoid(test_lat.parent_logits) > 0.5
+    parent_on = test_presence > 0.5
     metrics["mean_active_parents"] = float(parent_on.float().sum(1).mean())
     # objects on in at least 1% of the test images: the model's working vocabulary of objects
     metrics["parents_in_use"] = int((parent_on.float().mean(0) >= 0.01).sum())
@@ -103,8 +202,19 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     do_figures = ecfg.figures if figures is None else figures
     figure_paths = save_figures(system, test_images, results_dir / name, device=device) if do_figures else []
     if do_figures:
-        figure_paths.append(str(plot_presence_by_class(torch.sigmoid(test_lat.parent_logits), test_labels,
+        figure_paths.append(str(plot_presence_by_class(test_presence, test_labels,
                                                        results_dir / f"{name}_presence_by_class.png")))
+        counts_by_class, classes = mean_by_class(test_counts, test_labels)
+        presence_by_class, _ = mean_by_class(test_presence, test_labels)
+        figure_paths.append(str(plotting.plot_objects_by_class(
+            {"mean expected part count": counts_by_class, "mean presence": presence_by_class},
+            results_dir / f"{name}_objects_by_class.png", class_labels=[str(c) for c in classes],
+            title=f"objects by class (test set): class purity {metrics['object_class_purity']:.2f} by part counts, "
+                  f"{metrics['object_class_purity_presence']:.2f} by presences")))
+        for key, report in reports.items():
+            figure_paths.append(str(plotting.plot_confusion_matrix(
+                report["confusion"], results_dir / f"{name}_confusion_{key}.png", class_labels=report["classes"],
+                title=f"linear probe on {READOUTS[key]}: test accuracy {100 * report['accuracy']:.1f}%")))
     state = cfg.get("train_state", {})
     prov = provenance(seed=cfg["train"].seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,

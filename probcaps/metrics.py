@@ -1,4 +1,4 @@
-"""Evaluation metrics: linear probes, cluster accuracy, R^2 and reconstruction error.
+"""Evaluation metrics: linear probes, cluster accuracy, per-class reports, class purity, R^2 and reconstruction error.
 
 Every function accepts numpy arrays or torch tensors (anything ``np.asarray`` understands,
 plus tensors on any device / with gradients) and returns plain Python floats or numpy arrays.
@@ -16,6 +16,10 @@ __all__ = [
     "probe_accuracy",
     "hungarian_accuracy",
     "kmeans_accuracy",
+    "classification_summary",
+    "mean_by_class",
+    "object_class_shares",
+    "class_purity",
     "r2_scores",
     "r2_score",
     "reconstruction_mse",
@@ -234,6 +238,81 @@ def kmeans_accuracy(
     km = KMeans(n_clusters=int(n_clusters), random_state=seed, n_init=int(n_init))
     ids = km.fit_predict(X)
     return hungarian_accuracy(ids, y)
+
+
+# --------------------------------------------------------------------------- per-class reports and purity
+
+
+def classification_summary(true_labels: Any, predicted: Any, classes: Any = None) -> dict:
+    """Per-class accuracy and the confusion matrix of a classifier's predictions.
+
+    ``classes``: the label values, in the order of the matrix's rows and columns (default: every value in
+    ``true_labels`` or ``predicted``, sorted).  Returns ``{"classes": [...], "accuracy": float,
+    "per_class_accuracy": {str(c): float}, "confusion": [[int]]}``: ``confusion[i][j]`` counts the images of class
+    ``classes[i]`` predicted as ``classes[j]`` (scikit-learn's ``confusion_matrix``); the accuracy of class ``c`` is
+    its recall, the share of its images predicted as ``c`` (``classification_report``), given only for classes
+    with images in ``true_labels``.
+    """
+    from sklearn.metrics import classification_report, confusion_matrix
+
+    y = _labels(true_labels, "true_labels")
+    p = _labels(predicted, "predicted")
+    _check_same_length(y, "true_labels", p, "predicted")
+    values = np.union1d(y, p) if classes is None else _labels(classes, "classes")
+    if classes is not None and not np.isin(np.union1d(y, p), values).all():
+        raise ValueError("classes must hold every value of true_labels and predicted")
+    matrix = confusion_matrix(y, p, labels=values)
+    report = classification_report(y, p, labels=values, output_dict=True, zero_division=0)
+    present = matrix.sum(1) > 0
+    return {
+        "classes": [v.item() for v in values],
+        "accuracy": float(np.mean(y == p)),
+        "per_class_accuracy": {str(v.item()): float(report[str(v.item())]["recall"])
+                               for v, ok in zip(values, present) if ok},
+        "confusion": matrix.tolist(),
+    }
+
+
+def _weights_and_labels(weights: Any, labels: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    W = _features(weights, "weights")
+    y = _labels(labels, "labels")
+    _check_same_length(W, "weights", y, "labels")
+    classes, idx = np.unique(y, return_inverse=True)
+    return W, idx.ravel(), classes
+
+
+def mean_by_class(values: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(means (D, C), classes (C,))``: the mean of each column of ``values (N, D)`` over the images of each class,
+    columns in the order of ``classes`` (the sorted label values): an object-by-class table."""
+    V, idx, classes = _weights_and_labels(values, labels)
+    sums = np.zeros((V.shape[1], classes.size))
+    np.add.at(sums.T, idx, V)
+    return sums / np.bincount(idx, minlength=classes.size), classes
+
+
+def object_class_shares(weights: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(shares (K, C), classes (C,))``: for each object (a column of the non-negative ``weights (N, K)``, e.g.
+    its expected part count per image), the share of its total weight that falls on the images of each class.
+    An object with no weight at all gets a row of NaNs."""
+    W, idx, classes = _weights_and_labels(weights, labels)
+    if (W < 0).any():
+        raise ValueError("weights must be non-negative")
+    totals = np.zeros((W.shape[1], classes.size))
+    np.add.at(totals.T, idx, W)
+    mass = totals.sum(1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mass > 0, totals / mass, np.nan), classes
+
+
+def class_purity(weights: Any, labels: Any) -> float:
+    """Mean over objects of the largest class share of each object's weight (:func:`object_class_shares`).
+
+    1.0: every object explains the images of one class only; ``1 / C`` for objects spread evenly over ``C``
+    balanced classes (0.1 on MNIST: no specialisation).  Objects with no weight are left out; NaN if all are.
+    """
+    shares, _ = object_class_shares(weights, labels)
+    used = ~np.isnan(shares[:, 0])
+    return float(shares[used].max(1).mean()) if used.any() else float("nan")
 
 
 # --------------------------------------------------------------------------- regression / reconstruction

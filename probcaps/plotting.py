@@ -31,6 +31,8 @@ __all__ = [
     "plot_curve_panels",
     "plot_predicted_vs_true",
     "plot_heatmap",
+    "plot_confusion_matrix",
+    "plot_objects_by_class",
     "plot_image_grid",
 ]
 
@@ -451,6 +453,82 @@ def plot_heatmap(
         ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.05, label=colorbar_label)
     fig.tight_layout(rect=(0.0, legend_in / height_in, 1.0, 1.0))
+    return _save(fig, path)
+
+
+def plot_confusion_matrix(
+    confusion: Any,
+    path: str | os.PathLike,
+    class_labels: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Confusion matrix ``(C, C)`` (row: true class, column: predicted class, as scikit-learn's
+    ``confusion_matrix``), coloured by each row's share (the true class's recall on the diagonal) and annotated
+    with the counts."""
+    M = _to_numpy(confusion, "confusion")
+    if M.ndim != 2 or M.shape[0] != M.shape[1] or M.size == 0:
+        raise ValueError(f"confusion must be a non-empty square (C, C) array, got shape {M.shape}")
+    if (M < 0).any():
+        raise ValueError("confusion must hold non-negative counts")
+    C = M.shape[0]
+    if class_labels is not None and len(class_labels) != C:
+        raise ValueError(f"class_labels has {len(class_labels)} entries but confusion has {C} classes")
+    labels = [str(c) for c in (class_labels if class_labels is not None else range(C))]
+    rows = M.sum(1, keepdims=True)
+    shares = np.divide(M, rows, out=np.zeros_like(M), where=rows > 0)
+    side = max(3.5, 0.45 * C + 1.8)
+    fig = _new_figure(side + 0.8, side)
+    ax = fig.add_subplot(1, 1, 1)
+    im = ax.imshow(shares, vmin=0.0, vmax=1.0, cmap="Blues", interpolation="nearest")
+    for i in range(C):
+        for j in range(C):
+            if M[i, j]:
+                ax.text(j, i, f"{M[i, j]:g}", ha="center", va="center", fontsize=6,
+                        color="white" if shares[i, j] > 0.5 else "black")
+    ax.set_xticks(range(C), labels, fontsize=7)
+    ax.set_yticks(range(C), labels, fontsize=7)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.05, label="share of the true class")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_objects_by_class(
+    panels: Mapping[str, Any],
+    path: str | os.PathLike,
+    class_labels: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Side-by-side heat maps, one per entry of ``panels`` (its title -> an ``(K, C)`` table: rows objects,
+    columns classes, e.g. the mean expected part count or the mean presence of each object on each class's
+    images), each with its own colour bar.  A class-specific object shows as a row with one bright cell."""
+    if not panels:
+        raise ValueError("panels must hold at least one table")
+    tables = {str(k): _to_numpy(v, f"panels[{k!r}]") for k, v in panels.items()}
+    shapes = {t.shape for t in tables.values()}
+    if len(shapes) != 1 or any(t.ndim != 2 or t.size == 0 for t in tables.values()):
+        raise ValueError(f"panels must be non-empty 2-D tables of one shape (objects, classes), got {sorted(shapes)}")
+    K, C = shapes.pop()
+    if class_labels is not None and len(class_labels) != C:
+        raise ValueError(f"class_labels has {len(class_labels)} entries but the tables have {C} columns")
+    labels = [str(c) for c in (class_labels if class_labels is not None else range(C))]
+    n = len(tables)
+    fig = _new_figure(n * max(3.2, 0.3 * C + 1.8), max(3.0, 0.25 * K + 1.4))
+    for i, (name, table) in enumerate(tables.items()):
+        ax = fig.add_subplot(1, n, i + 1)
+        im = ax.imshow(table, vmin=0.0, cmap="viridis", aspect="auto", interpolation="nearest")
+        ax.set_xticks(range(C), labels, fontsize=7)
+        ax.set_yticks(range(K), [str(k) for k in range(K)], fontsize=7)
+        ax.set_xlabel("class")
+        ax.set_ylabel("object capsule")
+        ax.set_title(name, fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.06)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
     return _save(fig, path)
 
 

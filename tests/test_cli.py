@@ -75,7 +75,8 @@ def test_train_resume_evaluate(tiny_toml, tmp_path, capsys):
         assert key in prov, key
     assert prov["steps"] == 5 and prov["checkpoint"] == str(out / "final.pt")
     pngs = sorted(p.name for p in results.glob("*.png"))
-    assert pngs == ["tiny_presence_by_class.png", "tiny_reconstructions.png", "tiny_templates.png"]
+    assert pngs == ["tiny_confusion_presence.png", "tiny_confusion_presence_pose.png", "tiny_objects_by_class.png",
+                    "tiny_presence_by_class.png", "tiny_reconstructions.png", "tiny_templates.png"]
     assert all((results / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "probe_presence_test_acc" in capsys.readouterr().out
 

@@ -1,0 +1,173 @@
+"""SCAE's readout in the model's terms (posterior part counts, class purity) and the classification report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pyro.poutine as poutine
+import pytest
+import torch
+
+from probcaps.distributions import RELAXED_CLAMP
+from probcaps.inference.evaluate import (
+    READOUTS, REPORTED_PROBES, evaluate_checkpoint, parent_log_posterior, posterior_part_counts,
+)
+from probcaps.inference.guides import Latents
+from probcaps.metrics import class_purity, classification_summary, mean_by_class, object_class_shares
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
+from probcaps.plotting import plot_confusion_matrix, plot_objects_by_class
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _tiny_model_and_latents(B=2, K=2, M=3, seed=0):
+    """A small model with random parameters (so that every parent has a different claim on every part) and
+    latents whose parts sit near their parents' predictions, in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    model = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=M, template_size=5, canvas_size=12,
+                                            part_pose_std_init=0.3)).double()
+    with torch.no_grad():
+        model.log_affinity.copy_(torch.randn(K, M, generator=gen, dtype=torch.float64))
+        model.presence_logits.copy_(2 * torch.randn(K, M, generator=gen, dtype=torch.float64))
+        model.offsets.add_(0.2 * torch.randn(K, M, 6, generator=gen, dtype=torch.float64))
+    parent_poses = 0.3 * torch.randn(B, K, 6, generator=gen, dtype=torch.float64)
+    # each part near the prediction of a random parent, so that the posterior is neither flat nor one-hot
+    from probcaps.geometry import compose_pose6
+
+    predicted = compose_pose6(parent_poses.unsqueeze(-2), model.offsets.detach())          # (B, K, M, 6)
+    owner = torch.randint(K, (B, M), generator=gen)
+    near = predicted.gather(1, owner[:, None, :, None].expand(B, 1, M, 6)).squeeze(1)
+    part_poses = near + 0.2 * torch.randn(B, M, 6, generator=gen, dtype=torch.float64)
+    latents = Latents(part_logits=2 * torch.randn(B, M, generator=gen, dtype=torch.float64), part_poses=part_poses,
+                      parent_logits=torch.randn(B, K, generator=gen, dtype=torch.float64), parent_poses=parent_poses)
+    return model, latents
+
+
+def _brute_force_counts(model, latents):
+    """Expected part counts from the Pyro model's joint: every assignment ``s`` of the parts to parents scored by
+    conditioning the model on it and the latents, normalised over all ``(K+1)^M`` assignments."""
+    B, M = latents.part_logits.shape
+    K = latents.parent_logits.shape[1]
+    clamp = lambda t: torch.sigmoid(t).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)  # noqa: E731
+    values = {"z1": clamp(latents.parent_logits), "y1": latents.parent_poses, "z0": clamp(latents.part_logits),
+              "y0": latents.part_poses}
+    x = torch.zeros(B, 1, 12, 12, dtype=torch.float64)
+    log_joints, assignments = [], list(itertools.product(range(K + 1), repeat=M))
+    for s in assignments:
+        data = {**values, "s": torch.tensor(s).expand(B, M)}
+        trace = poutine.trace(poutine.condition(model, data=data)).get_trace(x)
+        trace.compute_log_prob()
+        log_joints.append(sum(trace.nodes[name]["log_prob"].reshape(B, -1).sum(1)
+                              for name in ("z1", "y1", "s", "z0", "y0", "x")))
+    posterior = torch.stack(log_joints, 1).softmax(1)                                     # (B, (K+1)^M)
+    members = torch.tensor([[sum(sm == k for sm in s) for k in range(1, K + 1)] for s in assignments],
+                           dtype=torch.float64)                                          # (assignments, K)
+    return posterior @ members
+
+
+def test_posterior_part_counts_match_brute_force_enumeration():
+    # catches: a wrong factor (presence density, pose spread, selection prior) or normalisation in q(s)
+    model, latents = _tiny_model_and_latents()
+    expected = _brute_force_counts(model, latents)
+    counts = posterior_part_counts(model, latents, batch_size=1)  # one image per chunk: chunks concatenated in order
+    assert counts.shape == (2, 2)
+    torch.testing.assert_close(counts, expected, rtol=1e-7, atol=1e-9)
+    # the counts are neither trivial nor the prior's: the brute force separates the objects
+    assert (expected.max(1).values - expected.min(1).values > 0.05).all()
+    # every part goes to exactly one parent, the dummy included
+    log_q = parent_log_posterior(model, latents)
+    torch.testing.assert_close(log_q.exp().sum(-1), torch.ones(2, 3, dtype=torch.float64))
+    torch.testing.assert_close(counts.sum(1) + log_q[..., 0].exp().sum(1), torch.full((2,), 3.0, dtype=torch.float64))
+
+
+def test_posterior_part_counts_follow_the_parts_poses():
+    # catches: counts that ignore the part poses (e.g. the selection prior alone)
+    model, latents = _tiny_model_and_latents(B=1, K=2, M=3, seed=1)
+    from probcaps.geometry import compose_pose6
+
+    predicted = compose_pose6(latents.parent_poses.unsqueeze(-2), model.offsets.detach())  # (1, K, M, 6)
+    with torch.no_grad():
+        model.log_affinity.zero_()
+        model.presence_logits.zero_()
+    on = dict(part_logits=torch.full((1, 3), 4.0, dtype=torch.float64),
+              parent_logits=torch.full((1, 2), 4.0, dtype=torch.float64), parent_poses=latents.parent_poses)
+    at_first = posterior_part_counts(model, Latents(part_poses=predicted[:, 0], **on))
+    at_second = posterior_part_counts(model, Latents(part_poses=predicted[:, 1], **on))
+    assert at_first[0, 0] > 2.5 and at_second[0, 1] > 2.5
+
+
+def test_class_purity_hand_cases():
+    labels = np.repeat(np.arange(10), 5)                       # 10 balanced classes
+    specialised = np.eye(10)[labels] * 3.0                     # object k explains class k's images only
+    assert class_purity(specialised, labels) == pytest.approx(1.0)
+    assert class_purity(np.full((50, 4), 2.5), labels) == pytest.approx(0.1)   # every object on every image alike
+    # object 0: weight 3 on class 0, 1 on class 1 -> 0.75; object 1: no weight (left out); object 2: class 2 only
+    weights = np.zeros((50, 3))
+    weights[labels == 0, 0], weights[labels == 1, 0] = 0.6, 0.2
+    weights[labels == 2, 2] = 1.0
+    assert class_purity(weights, labels) == pytest.approx((0.75 + 1.0) / 2)
+    shares, classes = object_class_shares(weights, labels)
+    assert np.isnan(shares[1]).all() and shares[0, :2] == pytest.approx([0.75, 0.25])
+    assert np.isnan(class_purity(np.zeros((50, 2)), labels))
+    with pytest.raises(ValueError, match="non-negative"):
+        class_purity(-specialised, labels)
+
+
+def test_mean_by_class_is_objects_by_classes():
+    values = np.array([[1.0, 0.0], [3.0, 0.0], [0.0, 5.0]])
+    means, classes = mean_by_class(values, [7, 7, 2])
+    assert classes.tolist() == [2, 7]
+    assert means.tolist() == [[0.0, 2.0], [5.0, 0.0]]
+
+
+def test_classification_summary_hand_case(tmp_path):
+    summary = classification_summary([0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 2, 0], classes=[0, 1, 2, 3])
+    assert summary["classes"] == [0, 1, 2, 3]
+    assert summary["per_class_accuracy"] == {"0": 0.5, "1": 1.0, "2": 0.5}      # class 3 has no images
+    assert summary["confusion"] == [[1, 1, 0, 0], [0, 2, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]]
+    assert summary["accuracy"] == pytest.approx(4 / 6)
+    json.dumps(summary)  # goes into the results JSON as it is
+    with pytest.raises(ValueError, match="classes"):
+        classification_summary([0, 5], [0, 0], classes=[0, 1])
+    path = plot_confusion_matrix(summary["confusion"], tmp_path / "cm.png", class_labels=summary["classes"],
+                                 title="hand case")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with pytest.raises(ValueError, match="square"):
+        plot_confusion_matrix(np.ones((2, 3)), tmp_path / "bad.png")
+
+
+def test_plot_objects_by_class(tmp_path):
+    path = plot_objects_by_class({"counts": np.random.rand(4, 10) * 5, "presence": np.random.rand(4, 10)},
+                                 tmp_path / "obj.png", class_labels=list("0123456789"), title="t")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with pytest.raises(ValueError, match="one shape"):
+        plot_objects_by_class({"a": np.ones((4, 10)), "b": np.ones((3, 10))}, tmp_path / "bad.png")
+
+
+def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_clean, seed):
+    # catches: a readout, split or per-class report missing from the results, or figures not written
+    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
+
+    cfg = load_experiment_config(tiny_toml, ["train.steps=2"])
+    train_capsules(cfg, tmp_path / "run", progress=False)
+    results = tmp_path / "results"
+    metrics = evaluate_checkpoint(tmp_path / "run" / "final.pt", name="tiny", results_dir=results, progress=False,
+                                  figures=True)
+    for key in READOUTS:
+        for kind in ("probe", "kmeans"):
+            for split in ("train", "test"):
+                assert 0.0 <= metrics[f"{kind}_{key}_{split}_acc"] <= 1.0, (kind, key, split)
+    for key in REPORTED_PROBES:
+        report = metrics[f"probe_{key}_test_report"]
+        assert report["accuracy"] == pytest.approx(metrics[f"probe_{key}_test_acc"])
+        assert sum(map(sum, report["confusion"])) == metrics["n_test"]
+        assert (results / f"tiny_confusion_{key}.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert 0.0 < metrics["object_class_purity"] <= 1.0
+    assert 0.0 < metrics["mean_posterior_part_count"] <= cfg["model"].num_parts
+    assert metrics["published_scae"] == {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
+    assert (results / "tiny_objects_by_class.png").is_file()
+    record = json.loads((results / "tiny.json").read_text())
+    assert record["metrics"]["probe_presence_test_report"]["per_class_accuracy"] == \
+        metrics["probe_presence_test_report"]["per_class_accuracy"]
