@@ -29,7 +29,9 @@ from probcaps.inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
 from probcaps.models.cnn_classifier import ConvClassifier  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, non_negative_int, positive_int, launch, one_line_errors,
+)
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -108,14 +110,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     p.add_argument("--affnist-mat", default=None, help="score on an original affNIST .mat file instead of the recipe")
-    p.add_argument("--recipe-seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="use only the first N out-of-distribution images")
-    p.add_argument("--probe-train-limit", type=int, default=None,
+    p.add_argument("--recipe-seed", type=non_negative_int, default=0)
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N out-of-distribution images")
+    p.add_argument("--probe-train-limit", type=non_negative_int, default=None,
                    help="fit the probe on the first N MNIST training images (default: the checkpoint's eval config)")
-    p.add_argument("--ttvi-limit", type=int, default=0, help="also probe after test-time VI on the first N images")
-    p.add_argument("--ttvi-steps", type=int, default=200)
-    p.add_argument("--cnn-steps", type=int, default=1500)
-    p.add_argument("--cnn-seeds", type=int, nargs="*", default=[0])
+    p.add_argument("--ttvi-limit", type=non_negative_int, default=0, help="also probe after test-time VI on the first N images")
+    p.add_argument("--ttvi-steps", type=positive_int, default=200)
+    p.add_argument("--cnn-steps", type=positive_int, default=1500)
+    p.add_argument("--cnn-seeds", type=non_negative_int, nargs="*", default=[0])
     p.add_argument("--out", default="runs/affnist", help="run folder of the CNN baseline")
     p.add_argument("--name", default="affnist")
     add_common_args(p, results_dir=ROOT / "results")

@@ -26,7 +26,9 @@ from probcaps.inference.capsule_svi import load_experiment_config, train_capsule
 from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, non_negative_int, launch, one_line_errors,
+)
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
 
@@ -66,7 +68,7 @@ def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default="runs/mnist_probe", help="run folders (one per seed)")
     p.add_argument("--checkpoint-out", default=None,
                    help="export the first seed's model here (default: checkpoints/<name>.pt; '' for none)")

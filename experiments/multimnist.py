@@ -35,7 +35,9 @@ from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, non_negative_int, launch, one_line_errors,
+)
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -238,7 +240,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
     p.add_argument("--out", default=None, help="run folders, one per seed (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")

@@ -44,7 +44,9 @@ from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator
 from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split  # noqa: E402
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb  # noqa: E402
 from probcaps.data.transforms import standardise_per_image  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, non_negative_int, launch, one_line_errors,
+)
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std, load_result  # noqa: E402
@@ -366,7 +368,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--out", default="runs/norb_viewpoints", help="run folders (<out>/seed<S>/<model>)")
     p.add_argument("--name", default=None, help="results name (default: the config's name)")

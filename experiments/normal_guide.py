@@ -25,7 +25,9 @@ from probcaps.experiments.mnist_probe import checkpoint_out_path, export_checkpo
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules  # noqa: E402
 from probcaps.inference.evaluate import test_elbo  # noqa: E402
 from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, finite_positive_float, non_negative_int, positive_int, launch, one_line_errors,
+)
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -73,15 +75,15 @@ def readme_table(results_dir: Path) -> str | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="the delta-trained starting point")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--init-scale", type=float, default=0.02, help="starting pose scale")
-    p.add_argument("--min-scale", type=float, default=1e-3, help="floor on the pose scales")
-    p.add_argument("--scale-lr-multiplier", type=float, default=30.0, help="learning-rate multiplier of the scales")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-elbo-images", type=int, default=2000)
-    p.add_argument("--elbo-samples", type=int, default=3)
-    p.add_argument("--probe-train-limit", type=int, default=10000)
+    p.add_argument("--steps", type=positive_int, default=400)
+    p.add_argument("--lr", type=finite_positive_float, default=3e-4)
+    p.add_argument("--init-scale", type=finite_positive_float, default=0.02, help="starting pose scale")
+    p.add_argument("--min-scale", type=finite_positive_float, default=1e-3, help="floor on the pose scales")
+    p.add_argument("--scale-lr-multiplier", type=finite_positive_float, default=30.0, help="learning-rate multiplier of the scales")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--n-elbo-images", type=positive_int, default=2000)
+    p.add_argument("--elbo-samples", type=positive_int, default=3)
+    p.add_argument("--probe-train-limit", type=non_negative_int, default=10000, help="0: all")
     p.add_argument("--out", default="runs/normal_guide")
     p.add_argument("--checkpoint-out", default=None,
                    help="export the trained model here (default: checkpoints/<name>.pt; '' for none)")

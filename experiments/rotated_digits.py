@@ -27,7 +27,9 @@ from probcaps.inference.guides import Latents  # noqa: E402
 from probcaps.inference.ttvi import ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, finite_float, finite_positive_float, non_negative_int, positive_int, launch, one_line_errors,
+)
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import load_result, provenance_line  # noqa: E402
@@ -97,14 +99,14 @@ def readme_table(results_dir: Path, name: str = "rotated_digits") -> str | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
-    p.add_argument("--angles", type=float, nargs="+", default=[float(a) for a in range(0, 181, 15)])
-    p.add_argument("--n-images", type=int, default=100, help="test digits per angle (the first N of the test set)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=0.03)
-    p.add_argument("--batch-size", type=int, default=250, help="images optimised together")
+    p.add_argument("--angles", type=finite_float, nargs="+", default=[float(a) for a in range(0, 181, 15)])
+    p.add_argument("--n-images", type=positive_int, default=100, help="test digits per angle (the first N of the test set)")
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--lr", type=finite_positive_float, default=0.03)
+    p.add_argument("--batch-size", type=positive_int, default=250, help="images optimised together")
     p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
-    p.add_argument("--example", type=int, default=0, help="index of the digit shown across angles")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--example", type=non_negative_int, default=0, help="index of the digit shown across angles")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--name", default="rotated_digits")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)

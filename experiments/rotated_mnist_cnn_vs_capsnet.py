@@ -37,7 +37,9 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, place_on_canvas, random_offsets, rotate, to_float  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.loaders import seeded_generator  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, non_negative_int, launch, one_line_errors,
+)
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std, load_result  # noqa: E402
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
     p.add_argument("--out", default=str(ROOT / "runs" / NAME), help="run folders (one per model and seed)")
     p.add_argument("--resume", action="store_true", help="continue (or reuse) each model's run")
     p.add_argument("--probcaps-checkpoint", default=None,

@@ -31,7 +31,9 @@ from probcaps.inference.capsule_svi import (  # noqa: E402
 )
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, finite_non_negative_float, non_negative_int, launch, one_line_errors,
+)
 from probcaps.io import write_json  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -133,8 +135,8 @@ def readme_table(results_dir: Path) -> str | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--thetas", type=float, nargs="+", default=[0, 45, 90, 180])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--thetas", type=finite_non_negative_float, nargs="+", default=[0, 45, 90, 180])
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1])
     p.add_argument("--out", default="runs/rotated_training")
     p.add_argument("--name", default="rotated_training")
     p.add_argument("--resume", action="store_true", help="continue interrupted runs; reuse finished ones")

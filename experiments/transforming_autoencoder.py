@@ -39,7 +39,9 @@ from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, seeded_generator  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, non_negative_int, launch, one_line_errors,
+)
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
@@ -667,7 +669,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--modes", nargs="+", default=list(MODES), help="translation and/or affine")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--out", default=str(ROOT / "runs" / NAME), help="run folders (<out>/<mode>/seed<S>)")
     p.add_argument("--name", default=NAME, help="prefix of the results files")

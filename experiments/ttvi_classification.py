@@ -23,7 +23,9 @@ from probcaps.inference.capsule_svi import encode_dataset, load_images, load_tra
 from probcaps.inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
-from probcaps.cli import add_common_args, launch, one_line_errors  # noqa: E402
+from probcaps.cli import (  # noqa: E402
+    add_common_args, finite_float, finite_positive_float, non_negative_int, positive_int, launch, one_line_errors,
+)
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import load_result, provenance_line  # noqa: E402
@@ -54,14 +56,14 @@ def readme_table(results_dir: Path, name: str = "ttvi_classification") -> str | 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
-    p.add_argument("--n-test", type=int, default=1000, help="the first N test digits")
-    p.add_argument("--probe-train-limit", type=int, default=None,
+    p.add_argument("--n-test", type=positive_int, default=1000, help="the first N test digits")
+    p.add_argument("--probe-train-limit", type=non_negative_int, default=None,
                    help="fit the probe on the first N training images (default: the checkpoint's eval config)")
-    p.add_argument("--rotate", type=float, default=0.0, help="rotate the test digits by this many degrees")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=0.03)
-    p.add_argument("--batch-size", type=int, default=250)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rotate", type=finite_float, default=0.0, help="rotate the test digits by this many degrees")
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--lr", type=finite_positive_float, default=0.03)
+    p.add_argument("--batch-size", type=positive_int, default=250)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--name", default="ttvi_classification")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)

@@ -2,17 +2,25 @@
 
     probcaps train --config experiments/configs/mnist.toml --out runs/mnist [--resume] [--set train.steps=100]
     probcaps evaluate --checkpoint runs/mnist/final.pt [--name mnist] [--results-dir results]
+    probcaps ttvi --checkpoint runs/mnist/final.pt [--limit 1000] [--out results/ttvi_mnist.json]
+    probcaps run <experiment> [its arguments]   # any experiment script, e.g. probcaps run mnist_probe --seeds 0
     probcaps demo                      # a few minutes of training on real MNIST, then the probe report
     probcaps download [--data-dir D]   # fetch MNIST (needs a network)
     probcaps report                    # regenerate the README tables from results/*.json
 
-Errors in input (files, configs, checkpoints) are printed as one line, exit status 2.
+Errors in input (files, configs, checkpoints, arguments, unreadable or unwritable paths) are printed as one line,
+exit status 2; nothing is written by a command refused for its input.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
+import importlib.util
+import math
 import os
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -32,10 +40,21 @@ def reexec_with_allocator_settings(args: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, *args], env)
 
 
+def os_error_message(e: OSError) -> str:
+    """``PATH: reason`` of an unreadable or unwritable path (permissions, a full disk, a file where a folder
+    should be, ...); the reason alone when the error names no path."""
+    reason = e.strerror or str(e)
+    if e.filename is None:
+        return reason
+    path = str(e.filename) if e.filename2 is None else f"{e.filename} -> {e.filename2}"
+    return f"{path}: {reason}"
+
+
 def one_line_errors(name: str):
     """Decorate an entry point ``main(argv) -> int``: a :class:`ProbcapsError` (bad input, missing file, bad config
-    key) prints one line ``NAME: error: ...`` to stderr and returns 2 instead of a traceback; Ctrl-C or SIGTERM
-    (the training loop has already said where its checkpoint is) returns the shell's 130 or 143."""
+    key) or an ``OSError`` (a path that cannot be read or written: permissions, a full disk) prints one line
+    ``NAME: error: ...`` to stderr and returns 2 instead of a traceback; Ctrl-C or SIGTERM (the training loop has
+    already said where its checkpoint is) returns the shell's 130 or 143."""
     import functools
 
     def decorate(main):
@@ -45,6 +64,9 @@ def one_line_errors(name: str):
                 return main(argv) or 0
             except ProbcapsError as e:
                 print(f"{name}: error: {e}", file=sys.stderr)
+                return 2
+            except OSError as e:
+                print(f"{name}: error: {os_error_message(e)}", file=sys.stderr)
                 return 2
             except KeyboardInterrupt as e:
                 return interrupted_exit_code(e)
@@ -63,17 +85,146 @@ def launch(main) -> None:
     sys.exit(main())
 
 
+# ------------------------------------------------------------------------------------- argument types
+# argparse turns the ArgumentTypeError of a type into "usage: ..." plus one "error: argument --x: ..." line, exit 2.
+
+
+def _number(text: str, kind: type, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (counts, steps, batch sizes, thread counts, image limits)."""
+    value = _number(text, int, "an integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (seeds; limits where 0 means all or none, as each option's help says)."""
+    value = _number(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """Any finite number (angles)."""
+    return _number(text, float, "a number")
+
+
+def finite_positive_float(text: str) -> float:
+    """A finite number > 0 (learning rates, scales)."""
+    value = _number(text, float, "a number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+def finite_non_negative_float(text: str) -> float:
+    """A finite number >= 0 (maximum angles)."""
+    value = _number(text, float, "a number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value
+
+
+def device_arg(text: str) -> str:
+    """A torch device this machine has: ``cpu``, ``cuda``, ``cuda:1``, ``mps``, ..."""
+    if text == "cpu":
+        return text
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise argparse.ArgumentTypeError(f"{text}: MPS is not available on this machine")
+    elif device.type not in ("cuda", "mps", "cpu"):
+        raise argparse.ArgumentTypeError(f"{text}: unsupported device type (use cpu, cuda or mps)")
+    return text
+
+
+def folder_arg(text: str) -> str:
+    """A folder to write into: absent (it is created) or a folder, not a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"{text}: {parent} is not a folder")
+            break
+    return text
+
+
+def output_file_arg(text: str) -> str:
+    """A file to write: absent or a file (it is replaced), not a folder, and not under a file."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a folder (name a file, e.g. {path / 'results.json'})")
+    folder_arg(str(path.parent))
+    return text
+
+
 def add_common_args(p: argparse.ArgumentParser, results_dir=None, threads: int | None = None) -> None:
     """The options every command and experiment shares: ``--device``, ``--data-dir``, ``--threads``, ``--quiet``
     (and ``--results-dir`` when ``results_dir`` is given)."""
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--device", type=device_arg, default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument("--data-dir", default=None, help="data root holding mnist/ (default: $PROBCAPS_DATA, else the "
                                                     "user cache)")
-    p.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: "
-                                                                f"{threads or 'torch' + chr(39) + 's choice'})")
+    p.add_argument("--threads", type=positive_int, default=threads,
+                   help=f"torch CPU threads (default: {threads or 'torch' + chr(39) + 's choice'})")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     if results_dir is not None:
-        p.add_argument("--results-dir", default=str(results_dir), help="where the results JSON and figures go")
+        p.add_argument("--results-dir", type=folder_arg, default=str(results_dir),
+                       help="where the results JSON and figures go")
+
+
+# ------------------------------------------------------------------------------------------- experiments
+
+
+def experiments() -> dict[str, str]:
+    """``{name: first line of its docstring}`` of the modules of ``probcaps.experiments`` that define
+    ``main(argv)``, read from their source (importing every experiment would take seconds)."""
+    import probcaps.experiments
+
+    found = {}
+    for info in pkgutil.iter_modules(probcaps.experiments.__path__):
+        spec = importlib.util.find_spec(f"probcaps.experiments.{info.name}")
+        if info.ispkg or spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+        if any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
+            found[info.name] = (ast.get_docstring(tree) or "").strip().split("\n", 1)[0]
+    return dict(sorted(found.items()))
+
+
+def run_experiment(name: str, argv: list[str]) -> int:
+    """``probcaps.experiments.<name>.main(argv)``: the experiment as its own script would run it."""
+    module = importlib.import_module(f"probcaps.experiments.{name}")
+    program = sys.argv[0]
+    sys.argv[0] = f"probcaps run {name}"  # the experiment's argparse names itself after sys.argv[0]
+    try:
+        return module.main(argv) or 0
+    finally:
+        sys.argv[0] = program
+
+
+# ------------------------------------------------------------------------------------------- the commands
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,22 +233,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train the generative capsule model with SVI")
     p.add_argument("--config", default=None, help="experiment TOML (default: built-in defaults)")
-    p.add_argument("--out", required=True, help="run folder for checkpoints and the log")
+    p.add_argument("--out", type=folder_arg, required=True, help="run folder for checkpoints and the log")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--seed", type=int, default=None, help="training seed (overrides train.seed)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (overrides train.steps)")
+    p.add_argument("--force", action="store_true", help="start afresh in a run folder that holds an earlier run")
+    p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files into OUT")
+    p.add_argument("--seed", type=non_negative_int, default=None, help="training seed (overrides train.seed)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps (overrides train.steps)")
     p.add_argument("--jit", action="store_true", help="use JitTraceEnum_ELBO")
     p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--validate", action="store_true", help="turn on Pyro's validation checks")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--evaluate", action="store_true", help="evaluate the final checkpoint afterwards")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--results-dir", type=folder_arg, default="results")
     add_common_args(p)
 
     p = sub.add_parser("evaluate", help="probe accuracies, k-means accuracy and figures of a checkpoint")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--name", default=None, help="results/<name>.json (default: the run's config name)")
-    p.add_argument("--results-dir", default="results")
+    p.add_argument("--results-dir", type=folder_arg, default="results")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--no-figures", action="store_true")
     add_common_args(p)
@@ -105,22 +258,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ttvi", help="free-form test-time VI on test images with a trained checkpoint")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--split", default="test", choices=["train", "test"])
-    p.add_argument("--limit", type=int, default=1000, help="number of images (the first N of the split)")
-    p.add_argument("--rotate", type=float, default=0.0, help="rotate every image by this many degrees first")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=0.03)
-    p.add_argument("--batch-size", type=int, default=250, help="images optimised together")
+    p.add_argument("--limit", type=positive_int, default=1000, help="number of images (the first N of the split; "
+                                                                   ">= 1)")
+    p.add_argument("--rotate", type=finite_float, default=0.0, help="rotate every image by this many degrees first")
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--lr", type=finite_positive_float, default=0.03)
+    p.add_argument("--batch-size", type=positive_int, default=250, help="images optimised together")
     p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results JSON (default: results/ttvi_<run name>.json)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--out", type=output_file_arg, default=None,
+                   help="results JSON file (default: results/ttvi_<run name>.json)")
     add_common_args(p)
 
     p = sub.add_parser("demo", help="train a small model on real MNIST for a few minutes and report the probes")
-    p.add_argument("--out", default="runs/demo")
-    p.add_argument("--results-dir", default="runs/demo/results")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--out", type=folder_arg, default="runs/demo")
+    p.add_argument("--results-dir", type=folder_arg, default="runs/demo/results")
+    p.add_argument("--steps", type=positive_int, default=None)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     add_common_args(p)
+
+    found = experiments()
+    width = max(map(len, found), default=0)
+    p = sub.add_parser("run", help="run an experiment script (probcaps run <experiment> --help for its options)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run an experiment as `python -m probcaps.experiments.<experiment>` would.",
+                       epilog="experiments:\n" + "\n".join(f"  {n:{width}s}  {doc}" for n, doc in found.items()))
+    p.add_argument("experiment", choices=list(found), metavar="experiment", help="one of: " + ", ".join(found))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the experiment's own arguments")
 
     p = sub.add_parser("download", help="download MNIST into the data root (needs a network)")
     p.add_argument("--data-dir", default=None)
@@ -136,8 +300,6 @@ def _setup_torch(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ProbcapsError(f"--device {args.device}: CUDA is not available on this machine")
 
 
 def _train(args) -> None:
@@ -155,8 +317,10 @@ def _train(args) -> None:
     if args.validate:
         overrides.append("train.validate=true")
     cfg = load_experiment_config(args.config, overrides)
+    # only the options asked for: the training loop's defaults stand otherwise
+    loop_options = {key: True for key in ("force", "tensorboard") if getattr(args, key)}
     state = train_capsules(cfg, args.out, resume=args.resume, device=args.device, data_dir=args.data_dir,
-                           progress=not args.quiet)
+                           progress=not args.quiet, **loop_options)
     print(f"trained {state.step} steps in {state.wall_time_s:.0f} s; checkpoint: {Path(args.out) / 'final.pt'}")
     if args.evaluate:
         _print_metrics(_evaluate_path(Path(args.out) / "final.pt", args, name=cfg["name"]))
@@ -199,6 +363,9 @@ def _ttvi(args) -> None:
     from probcaps.provenance import provenance, write_results
 
     cfg, system = load_trained(args.checkpoint, device=args.device)
+    out = Path(args.out or Path("results") / f"ttvi_{cfg['name']}.json")
+    if out.is_dir():  # refused before the optimisation, not after it
+        raise ProbcapsError(f"--out {out}: is a folder (name the results JSON file)")
     images, _ = load_images(cfg["data"], args.split, args.data_dir, limit=args.limit)
     x = to_float(images)
     if args.rotate:
@@ -221,7 +388,6 @@ def _ttvi(args) -> None:
         "cpu_time_s": result.cpu_time_s, "threads": torch.get_num_threads(),
         "elbo_trace": result.elbo_trace,
     }
-    out = Path(args.out or Path("results") / f"ttvi_{cfg['name']}.json")
     write_results(out, metrics, provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s,
                                            device=args.device, checkpoint=str(args.checkpoint)))
     _print_metrics({k: v for k, v in metrics.items() if k != "elbo_trace"})
@@ -231,8 +397,10 @@ def _ttvi(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.command in ("train", "demo", "evaluate", "ttvi"):
+    if args.command in ("train", "demo", "evaluate", "ttvi", "run"):
         reexec_with_allocator_settings(["-m", "probcaps", *argv])
+    if args.command == "run":  # the experiment prints its own one-line errors
+        return run_experiment(args.experiment, args.args)
     try:
         if args.command == "download":
             from probcaps.data import download_mnist, resolve_data_root
@@ -255,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                 _ttvi(args)
     except ProbcapsError as e:
         print(f"probcaps {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"probcaps {args.command}: error: {os_error_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         return interrupted_exit_code(e)
