@@ -140,11 +140,12 @@ class CapsuleSystem(nn.Module):
 
 
 def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, device: str = "cpu", data_dir=None,
-                   progress: bool = True, system: CapsuleSystem | None = None) -> TrainState:
+                   progress: bool = True, system: CapsuleSystem | None = None, **loop_options) -> TrainState:
     """Train the model of ``cfg`` (a :func:`load_experiment_config` dict), checkpointing into ``out_dir``.
 
     ``system``: continue training this (e.g. a delta-trained system switched to Normal poses with
     :meth:`CapsuleSystem.use_normal_poses`) instead of a fresh one built from ``cfg``.
+    ``loop_options``: passed on to :func:`~probcaps.inference.train.train_loop` (e.g. ``force``, ``tensorboard``).
     """
     pyro.settings.set(module_local_params=True)
     pyro.clear_param_store()
@@ -168,7 +169,7 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
                 "kind": "capsule_model", "guide": system.guide_spec}
     schedule = prior_schedule(cfg["model"])
     return train_loop(system, lambda x, **scheduled: system.loss(elbo, x, **scheduled), batches, tcfg, out_dir,
-                      resume=resume, metadata=metadata, progress=progress,
+                      resume=resume, metadata=metadata, progress=progress, **loop_options,
                       **({"schedules": {"expected_parents": schedule}} if schedule else {}))
 
 
@@ -191,13 +192,13 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
             known = {k: v for k, v in section.items() if k in cls.__dataclass_fields__}
             cfg[key] = cls(**known)
     if overrides:
-        from probcaps.config import parse_override
+        from probcaps.config import parse_override, replace_checked
 
         for item in overrides:
             section, key, value = parse_override(item)
             if section not in cfg or not hasattr(cfg[section], key):
                 raise ConfigError(f"--set {item}: unknown key '{section}.{key}'")
-            setattr(cfg[section], key, value)
+            cfg[section] = replace_checked(cfg[section], {key: value}, f"--set {item}: {section}")
     system = CapsuleSystem(cfg["model"], cfg["encoder"], guide=meta.get("guide")).to(device)
     state = {k: v for k, v in ckpt["module"].items() if k not in _LEGACY_STATE}
     load_module_state(system, state, checkpoint)
