@@ -18,18 +18,82 @@ routing iterations.  Two implementations of the same procedure:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["squash", "capsule_predictions", "dynamic_routing", "linear_dynamic_routing"]
 
+_HALF = (torch.float16, torch.bfloat16)
 
-def squash(s: torch.Tensor, dim: int = -1, eps: float = 1e-8) -> torch.Tensor:
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision tensors are routed in float32 (their squared norms and agreements leave float16's range
+    near ``|x| ~ 256``) and the results cast back; float32 and float64 are routed in their own dtype."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def _max_length(dim_size: int, compute: torch.dtype, out: torch.dtype) -> float:
+    """The largest capsule length :func:`squash` returns: ``1`` less a margin that covers the rounding of the
+    direction (a norm, a division and a product in ``compute``, about ``(D + 6)`` units in the last place) and
+    of the cast to ``out``, so that even the stored, rounded output has a norm below 1."""
+    margin = (dim_size + 6) * torch.finfo(compute).eps / 2
+    if out != compute:
+        margin += torch.finfo(out).eps
+    return 1.0 - margin
+
+
+def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`squash` of ``scale * s`` (``scale`` a constant broadcastable to ``s`` reduced over ``dim``, e.g. the
+    power of two that routing divided its votes by); returns ``s``'s dtype."""
+    out_dtype = s.dtype
+    s = s.to(_compute_dtype(out_dtype))
+    finfo = torch.finfo(s.dtype)
+    # |s| from s / max|s_d|: the scaled vector's norm lies in [1, sqrt(D)], so neither its square overflows
+    # (|s| >~ 1e19 in float32) nor underflows; the scale is a constant, so the gradient is exact
+    peak = torch.linalg.vector_norm(s.detach(), ord=math.inf, dim=dim, keepdim=True)
+    peak = torch.where(peak > 0, peak, torch.ones_like(peak))  # s = 0 -> t = 0
+    t = s / peak
+    t_norm = torch.linalg.vector_norm(t, dim=dim, keepdim=True)  # gradient 0 (not NaN) at t = 0
+    # |s| = peak * |t|, capped where |s|^2 / (1 + |s|^2) rounds to 1 anyway, so that |s|^2 stays finite
+    big = math.sqrt(finfo.max) / 2
+    factor = peak if scale is None else (peak * scale.to(s.dtype)).clamp(max=big)
+    n = (factor * t_norm).clamp(max=big)
+    n2 = n * n
+    length = (n2 / (1 + n2)).clamp(max=_max_length(s.shape[dim], s.dtype, out_dtype))
+    v = t * (length / torch.where(t_norm > 0, t_norm, torch.ones_like(t_norm)))
+    return v.to(out_dtype)
+
+
+def squash(s: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``v = |s|^2 / (1 + |s|^2) * s / |s|`` along ``dim`` (paper eq. 1): norms in ``[0, 1)``, direction kept.
 
-    Written as ``s * n2 / ((1 + n2) sqrt(n2 + eps))`` so that ``s = 0`` maps to 0 with a finite gradient.
+    Stable for every finite input of float16, bfloat16, float32 and float64 (half precision is computed in
+    float32 and cast back): the norm is taken of ``s`` divided by its largest component, so it neither overflows
+    nor underflows; ``s = 0`` maps to 0 with gradient 0.  Very long inputs map to unit vectors shortened by a few
+    units in the last place (see :func:`_max_length`), so that every returned norm is below 1.
     """
-    n2 = (s * s).sum(dim, keepdim=True)
-    return s * (n2 / ((1.0 + n2) * torch.sqrt(n2 + eps)))
+    return _squash(s, dim)
+
+
+def _pow2_exponent(peak: torch.Tensor) -> torch.Tensor:
+    """The integer ``e`` with ``2^e <= peak < 2^(e + 1)`` (``e = -1`` for ``peak = 0``): dividing by ``2^e`` is
+    exact, so routing in units of ``2^e`` changes no rounding."""
+    return torch.frexp(peak)[1] - 1
+
+
+def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2^e`` in ``dtype`` (exact; 0 below its range)."""
+    return torch.exp2(e.to(dtype))
+
+
+def _coupling(logits: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """Softmax over the parents ``dim`` of ``scale * logits`` (``logits`` in units of the votes' scale).
+
+    The logits are shifted to a maximum of 0 before scaling: the scaled ones are then in ``[-inf, 0]``, never
+    ``+inf``, and the softmax neither overflows nor produces NaN however large the votes are.
+    """
+    return torch.softmax(scale * (logits - logits.amax(dim, keepdim=True)), dim=dim)
 
 
 def capsule_predictions(u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -60,20 +124,29 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
     Returns:
         ``v`` ``(B, J, D)`` squashed parent capsules, and ``c`` ``(B, J, I)`` the final coupling coefficients
         (softmax over the parents ``J``: ``c.sum(1) == 1`` for every child).
+
+    Finite for every finite ``u_hat`` of float16, bfloat16, float32 or float64 (half precision is routed in
+    float32): each example's votes are divided by the power of two ``2^e <= max |u_hat|`` (exact), so the
+    weighted sums and agreements cannot overflow, and the logits are kept in those units (see :func:`_coupling`).
     """
     if iterations < 1:
         raise ValueError(f"dynamic_routing: iterations must be >= 1, got {iterations}")
+    out_dtype = u_hat.dtype
+    u_hat = u_hat.to(_compute_dtype(out_dtype))
     B, J, I, D = u_hat.shape
-    logits = u_hat.new_zeros(B, J, I)
+    peak = torch.linalg.vector_norm(u_hat.detach().reshape(B, -1), ord=math.inf, dim=1)
+    scale = _pow2(_pow2_exponent(peak), u_hat.dtype).view(B, 1, 1)  # (B, 1, 1); a constant for autograd
+    u_hat = u_hat / scale.unsqueeze(-1)
+    logits = u_hat.new_zeros(B, J, I)  # agreement in units of the scale
     u_inner = u_hat.detach() if detach else u_hat
     for r in range(iterations):
-        c = torch.softmax(logits, dim=1)  # (B, J, I): each child splits its vote over the parents
+        c = _coupling(logits, scale, dim=1)  # (B, J, I): each child splits its vote over the parents
         u = u_hat if r == iterations - 1 else u_inner
-        s = torch.matmul(c.unsqueeze(2), u).squeeze(2)  # (B, J, D)
-        v = squash(s)
+        s = torch.matmul(c.unsqueeze(2), u).squeeze(2)  # (B, J, D), in units of the scale
+        v = _squash(s, scale=scale)
         if r < iterations - 1:
             logits = logits + torch.matmul(u, v.unsqueeze(-1)).squeeze(-1)  # agreement (B, J, I)
-    return v, c
+    return v.to(out_dtype), c.to(out_dtype)
 
 
 def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: int = 3, detach: bool = False
@@ -88,6 +161,10 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
             ``weight`` in every iteration but the last).
     Returns:
         ``v`` ``(B, J, D)`` and the coupling coefficients ``c`` ``(B, J, I)`` (sum to 1 over ``J``).
+
+    Scaled like :func:`dynamic_routing`: ``u`` by a power of two per example and ``weight`` by one power of two,
+    the votes' scale being their product.  Where that product exceeds the dtype's range (predictions that could
+    not be stored either) it is capped at the largest power of two, which keeps every output finite.
     """
     if iterations < 1:
         raise ValueError(f"linear_dynamic_routing: iterations must be >= 1, got {iterations}")
@@ -95,21 +172,28 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
     J, I2, P2, D = weight.shape
     if (I2, P2) != (I, P):
         raise ValueError(f"linear_dynamic_routing: weight {tuple(weight.shape)} does not fit children {tuple(u.shape)}")
+    out_dtype = u.dtype
+    dtype = _compute_dtype(out_dtype)
+    u, weight = u.to(dtype), weight.to(dtype)
+    e_u = _pow2_exponent(torch.linalg.vector_norm(u.detach().reshape(B, -1), ord=math.inf, dim=1))  # (B,)
+    e_w = _pow2_exponent(torch.linalg.vector_norm(weight.detach(), ord=math.inf))
+    e_max = _pow2_exponent(torch.tensor(torch.finfo(dtype).max, dtype=dtype))
+    scale = _pow2((e_u + e_w).clamp(max=e_max), dtype).view(1, B, 1, 1)  # the votes' scale, per example
     # children-last layouts: every elementwise product below then runs over a contiguous innermost axis of
     # length I (with P innermost, the broadcasts over 8-element rows were several times slower)
-    u_t = u.transpose(1, 2).contiguous()  # (B, P, I)
-    w_flat = weight.permute(0, 2, 1, 3).reshape(J, P * I, D)  # rows ordered (p, i)
+    u_t = (u.transpose(1, 2) / _pow2(e_u, dtype).view(B, 1, 1)).contiguous()  # (B, P, I)
+    w_flat = weight.permute(0, 2, 1, 3).reshape(J, P * I, D) / _pow2(e_w, dtype)  # rows ordered (p, i)
     u_in, w_in = (u_t.detach(), w_flat.detach()) if detach else (u_t, w_flat)
-    logits = u.new_zeros(J, B, 1, I)
+    logits = u.new_zeros(J, B, 1, I)  # agreement in units of the scale
     for r in range(iterations):
         last = r == iterations - 1
         uu, ww = (u_t, w_flat) if last else (u_in, w_in)
-        c = torch.softmax(logits, dim=0)  # (J, B, 1, I)
+        c = _coupling(logits, scale, dim=0)  # (J, B, 1, I)
         weighted = (c * uu).reshape(J, B, P * I)  # c_ij u_i
         s = torch.bmm(weighted, ww)  # (J, B, D)
-        v = squash(s)
+        v = _squash(s, scale=scale.view(1, B, 1))
         if not last:
             q = torch.bmm(v, ww.transpose(1, 2)).view(J, B, P, I)  # W_ij^T v_j
             logits = logits + (q * uu).sum(2, keepdim=True)
     c = c.squeeze(2)
-    return v.transpose(0, 1), c.transpose(0, 1)
+    return v.transpose(0, 1).to(out_dtype), c.transpose(0, 1).to(out_dtype)
