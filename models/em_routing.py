@@ -16,6 +16,13 @@ voting at that position, ``H = 16`` pose entries):
 Everything is held as logarithms (``log a``, ``log R``, log-normalised weights), so no activation or assignment
 underflows to an exact zero that a later ``log`` would turn into ``-inf``.  Variances have a floor.
 
+Range: votes whose squares could overflow (largest entry above ``2^(emax/4)``, about ``4e9`` in float32 and
+``1e77`` in float64; poses and transforms above ``2^(emax/8)`` for the convolutional votes) are routed in units
+of a power of two per row ``n`` (an exact division), the variances' logarithms carrying the scale; smaller votes
+are routed exactly as given.  Half-precision inputs are routed in float32 and the results cast back.  So the
+outputs stay finite for every finite input of float16, bfloat16, float32 and float64; ``var`` saturates at the
+dtype's largest value where the votes' spread squared exceeds it.
+
 Speed: the votes are stored once, centred per (n, j), with their squares next to them, as ``VV`` of shape
 ``(N, J, I, 2H)`` (contiguous).  Every M-step is then one batched product ``w @ VV`` over the ``N*J`` parents
 (weighted first and second moments) and every E-step one batched ``x @ VV^T`` (the Gaussian's quadratic form
@@ -45,6 +52,7 @@ __all__ = ["EMConfig", "em_routing", "em_routing_conv", "votes_cache", "conv_vot
            "log_softmax_parents", "weighted_moments", "pose_transform_matrix"]
 
 _LOG_2PI = math.log(2 * math.pi)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -200,31 +208,38 @@ def log_softmax_parents(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=1)
 
 
-def _log_gaussian(cache: VoteCache, mu: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
-    """``log N(V_i; mu, diag(var))`` for the cached centred votes, ``mu, var (N, J, H)`` -> ``(N, J, I)``.
+def _log_gaussian(cache: VoteCache, mu: torch.Tensor, var: torch.Tensor, log_scale2=0.0) -> torch.Tensor:
+    """``log N(V_i; mu, diag(var))`` for the cached centred votes, ``mu, var (N, J, H)`` -> ``(N, J, I)``, all in
+    units of the votes' scale, whose squared logarithm ``log_scale2`` (``(N, 1, 1)`` or 0) restores the density's
+    normaliser (it matters where assignments are normalised across rows of different scales).
 
     The quadratic form is expanded so that it is one multiply-and-sum with the cached votes and squares.
     """
     inv = 1.0 / var
     quad = _dot_h(cache.VV, torch.cat([-2 * mu * inv, inv], -1))  # pairs with [V, V^2]
     quad = (quad + (mu * mu * inv).sum(-1, keepdim=True)).clamp_min(0)  # >= 0 up to rounding
-    return -0.5 * quad - 0.5 * (torch.log(var) + _LOG_2PI).sum(-1, keepdim=True)
+    return -0.5 * quad - 0.5 * (torch.log(var) + log_scale2 + _LOG_2PI).sum(-1, keepdim=True)
 
 
-def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_floor: float, standardise: bool):
+def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_floor, standardise: bool,
+            log_scale2=0.0):
     """One M-step from log weights ``log r_ij = log R_ij + log a_i`` ``(N, J, I)``.
 
-    Returns centred ``mu (N, J, H)``, ``var (N, J, H)`` and ``log a_out (N, J)``.
+    ``var_floor`` and ``log_scale2`` (floats, or ``(N, 1, 1)`` for rescaled votes) are the variance floor in units
+    of the votes' scale and the logarithm of that scale squared.
+    Returns centred ``mu (N, J, H)``, ``var (N, J, H)`` (both in units of the scale) and ``log a_out (N, J)``.
     """
     wn = torch.softmax(log_w, dim=-1)                      # r_ij / S_j, stable however small the r_ij
     moments = moments_fn(wn)
     H = moments.shape[-1] // 2
     mu, second = moments[..., :H], moments[..., H:]
-    var = (second - mu * mu).clamp_min(0) + var_floor
+    # a variance below eps^2 (in units of the votes' scale) is below the votes' own resolution; this second floor
+    # only acts where the scale has pushed var_floor below it, and keeps 1 / var and the quadratic form finite
+    var = ((second - mu * mu).clamp_min(0) + var_floor).clamp_min(torch.finfo(mu.dtype).eps ** 2)
     log_S = torch.logsumexp(log_w, dim=-1)                 # log sum_i r_ij
     # S_j relative to its mean over the J parents: the cost's scale does not grow with the number of inputs
     S_rel = torch.exp(log_S - (torch.logsumexp(log_S, -1, keepdim=True) - math.log(log_S.shape[-1])))
-    cost = S_rel * (beta_v + 0.5 * torch.log(var)).sum(-1)
+    cost = S_rel * (beta_v + 0.5 * (torch.log(var) + log_scale2)).sum(-1)
     if standardise:
         # the cost standardised over the J parents at each position: activations say which parents explain their
         # inputs better than the others do, whatever the cost's overall scale
@@ -235,12 +250,21 @@ def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_flo
 
 
 def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor, cfg: EMConfig,
-           normalise: Callable[[torch.Tensor], torch.Tensor]):
+           normalise: Callable[[torch.Tensor], torch.Tensor], scale_exp: torch.Tensor | None = None):
+    """EM routing of cached votes in units of ``2^scale_exp`` ``(N,)`` (``None``: the votes as given).
+
+    Returns ``mu`` (including the centre), ``var`` (both still in those units), ``log a_out`` and ``log R``.
+    """
     N, J, I, _ = cache.shape
     if log_a_in.shape != (N, I):
         raise ValueError(f"em_routing: log activations must be {(N, I)}, got {tuple(log_a_in.shape)}")
     if cfg.iterations < 1:
         raise ValueError(f"em_routing: iterations must be >= 1, got {cfg.iterations}")
+    var_floor, log_scale2 = cfg.var_floor, 0.0
+    if scale_exp is not None:
+        e = scale_exp.to(log_a_in.dtype).view(N, 1, 1)
+        var_floor = cfg.var_floor * torch.exp2(-2 * e)
+        log_scale2 = (2 * math.log(2)) * e
     log_a_in = log_a_in.clamp_min(cfg.log_a_floor)
     bv, ba = beta_v.view(1, J, 1), beta_a.view(1, J)
     T = cfg.iterations
@@ -249,13 +273,53 @@ def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_
         for t in range(T - 1):
             log_w = log_R + log_a_in[:, None, :]
             mu, var, log_a = _m_step(log_w, lambda wn: _moments(wn, cache), bv.detach(), ba.detach(),
-                                     cfg.inverse_temperature * (t + 1) / T, cfg.var_floor, cfg.standardise_cost)
-            log_R = normalise(_log_gaussian(cache, mu, var) + log_a[..., None])
+                                     cfg.inverse_temperature * (t + 1) / T, var_floor, cfg.standardise_cost,
+                                     log_scale2)
+            log_R = normalise(_log_gaussian(cache, mu, var, log_scale2) + log_a[..., None])
     # the last M-step carries the gradient (the assignments log_R are constants here)
     log_w = log_R + log_a_in[:, None, :]
     mu, var, log_a = _m_step(log_w, lambda wn: weighted_moments(wn, cache), bv, ba, cfg.inverse_temperature,
-                             cfg.var_floor, cfg.standardise_cost)
+                             var_floor, cfg.standardise_cost, log_scale2)
     return mu + cache.center, var, log_a, log_R
+
+
+def _scale_exponent(x: torch.Tensor, above: float) -> torch.Tensor:
+    """``(N,)`` per row of ``x`` ``(N, ...)``: the ``e`` with ``2^e <= max |x_n| < 2^(e + 1)`` where that maximum
+    exceeds ``2^above``, else 0 (rows of ordinary magnitude are left exactly as they are)."""
+    peak = torch.linalg.vector_norm(x.detach().reshape(x.shape[0], -1), ord=math.inf, dim=1)
+    e = torch.frexp(peak)[1] - 1
+    return torch.where(e >= above, e, torch.zeros_like(e))
+
+
+def _max_exponent(dtype: torch.dtype) -> int:
+    """``emax`` with ``finfo(dtype).max < 2^emax`` (128 for float32, 1024 for float64)."""
+    return math.frexp(torch.finfo(dtype).max)[1]
+
+
+def _times_pow2(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``x * 2^e`` for ``0 <= e <= 2 emax`` (``e`` ``(N,)`` per row), saturated at the dtype's largest values:
+    two factors, each a representable power of two."""
+    big = torch.finfo(x.dtype).max
+    e = e.view(-1, *([1] * (x.dim() - 1)))
+    half = torch.div(e, 2, rounding_mode="floor")
+    return (x * torch.exp2(half.to(x.dtype)) * torch.exp2((e - half).to(x.dtype))).clamp(-big, big)
+
+
+def _unscaled(outputs, scale_exp: torch.Tensor | None, out_dtype: torch.dtype):
+    """``mu``, ``var`` back from units of ``2^scale_exp`` and every output cast to ``out_dtype``, saturated at its
+    largest finite values (``var`` of votes spread beyond the dtype's range, log activations of half inputs)."""
+    mu, var, log_a, log_R = outputs
+    if scale_exp is not None:
+        mu, var = _times_pow2(mu, scale_exp), _times_pow2(_times_pow2(var, scale_exp), scale_exp)
+    if out_dtype == mu.dtype:
+        return mu, var, log_a, log_R
+    finfo = torch.finfo(out_dtype)
+    return tuple(t.clamp(finfo.min, finfo.max).to(out_dtype) for t in (mu, var, log_a, log_R))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half precision is routed in float32 (squared votes leave float16's range near 256)."""
+    return torch.float32 if dtype in _HALF else dtype
 
 
 def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor,
@@ -268,9 +332,19 @@ def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor
         beta_v, beta_a: ``(J,)`` per parent type.
         normalise: maps E-step logits ``(N, J, I)`` to ``log R`` (default: log-softmax over ``J``).
     Returns:
-        ``mu (N, J, H)``, ``var (N, J, H)``, ``log a_out (N, J)`` and the last assignments ``log R (N, J, I)``.
+        ``mu (N, J, H)``, ``var (N, J, H)``, ``log a_out (N, J)`` and the last assignments ``log R (N, J, I)``, in
+        ``votes``' dtype (computed in float32 for half-precision votes).
     """
-    return _route(votes_cache(votes), log_a_in, beta_v, beta_a, cfg, normalise)
+    out_dtype = votes.dtype
+    dtype = _compute_dtype(votes.dtype)
+    votes, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (votes, log_a_in, beta_v, beta_a))
+    scale_exp = _scale_exponent(votes, _max_exponent(dtype) / 4)
+    if bool((scale_exp != 0).any()):
+        votes = votes / torch.exp2(scale_exp.to(dtype)).view(-1, 1, 1, 1)
+    else:
+        scale_exp = None
+    return _unscaled(_route(votes_cache(votes), log_a_in, beta_v, beta_a, cfg, normalise, scale_exp),
+                     scale_exp, out_dtype)
 
 
 def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor,
@@ -281,4 +355,16 @@ def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, be
     Args:
         M: ``(N, I, 4, 4)`` input poses per output position; W: ``(I, J, 4, 4)``. Otherwise as :func:`em_routing`.
     """
-    return _route(conv_votes_cache(M, W), log_a_in, beta_v, beta_a, cfg, normalise)
+    out_dtype = M.dtype
+    dtype = _compute_dtype(M.dtype)
+    M, W, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (M, W, log_a_in, beta_v, beta_a))
+    above = _max_exponent(dtype) / 8
+    e_M = _scale_exponent(M, above)                                     # (N,)
+    e_W = _scale_exponent(W.reshape(1, -1), above)                      # (1,)
+    scale_exp = None
+    if bool((e_M != 0).any() or (e_W != 0).any()):
+        M = M / torch.exp2(e_M.to(dtype)).view(-1, 1, 1, 1)
+        W = W / torch.exp2(e_W.to(dtype))
+        scale_exp = e_M + e_W
+    return _unscaled(_route(conv_votes_cache(M, W), log_a_in, beta_v, beta_a, cfg, normalise, scale_exp),
+                     scale_exp, out_dtype)
