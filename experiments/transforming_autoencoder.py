@@ -1,18 +1,21 @@
 """Transforming auto-encoders (Hinton, Krizhevsky & Wang 2011) on MNIST pairs: translation and full affine.
 
-    python experiments/transforming_autoencoder.py                          # both modes, seeds 0 1 2
-    python experiments/transforming_autoencoder.py --modes translation --seeds 0
+    python experiments/transforming_autoencoder.py                          # both recipes, seeds 0 1 2
+    python experiments/transforming_autoencoder.py --config experiments/configs/transforming_autoencoder_translation.toml --seeds 0
     python experiments/transforming_autoencoder.py --resume                 # continue / re-evaluate finished runs
     python experiments/transforming_autoencoder.py --set train.steps=5 --set data.dataset=synthetic   # smoke test
 
 A pair is one MNIST digit warped onto the canvas twice: by a random jitter ``A`` (the input) and by ``T ∘ A`` (the
-target), with ``T`` a known transformation drawn from the mode's range (``[translation]`` / ``[affine]`` in the
-config).  The network sees the input and ``T`` and must output the target.  Held-out pairs are built the same way
-from MNIST *test* digits; the transformation is then predicted from the recognition outputs of the two images
-alone (:func:`models.transforming_autoencoder.estimate_transform`), and scored with R² per component.
+target), with ``T`` a known transformation drawn from the config's ``[range]`` (the mode is ``model.mode``).  The
+network sees the input and ``T`` and must output the target.  Held-out pairs are built the same way from MNIST
+*test* digits; the transformation is then predicted from the recognition outputs of the two images alone
+(:func:`models.transforming_autoencoder.estimate_transform`), and scored with R² per component.
 
-Writes ``results/<name>_<mode>.json`` (per-seed metrics, mean and std, provenance) and the figures of the first
-seed, ``results/<name>_<mode>_{scatter,reconstructions,presence,templates,training,r2_curve}.png``.
+Each config is one recipe: ``experiments/configs/transforming_autoencoder_translation.toml`` and
+``transforming_autoencoder_affine.toml`` (the second a diff on the first).  Writes ``results/<name>.json``
+(per-seed metrics, mean and std, provenance; ``name`` from the config unless ``--name``) and the figures of the
+first seed, ``results/<name>_{scatter,reconstructions,presence,templates,training,r2_curve}.png``; runs go to
+``runs/<name>/seed<S>`` unless ``--out``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import argparse
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,9 +35,9 @@ import torch  # noqa: E402
 from probcaps.inference.train import (  # noqa: E402
     TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
 )
-from probcaps.models.transforming_autoencoder import (CONSISTENCY_FRAMES, MODES, TransformingAutoencoder,  # noqa: E402
-                                             TransformingAutoencoderConfig, estimate_transform,
-                                             pose_consistency, transform_components)
+from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder,  # noqa: E402
+                                                      TransformingAutoencoderConfig, estimate_transform,
+                                                      pose_consistency, transform_components)
 from probcaps import plotting  # noqa: E402
 from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, seeded_generator  # noqa: E402
@@ -49,14 +52,8 @@ from probcaps.metrics import r2_scores  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.render import warp  # noqa: E402
 
-NAME = "transforming_autoencoder"
-WEIGHTINGS = ("presence", "uniform")
-
-
-def capsule_weights(p1: torch.Tensor, p2: torch.Tensor, weighting: str) -> torch.Tensor:
-    """``(B, M)`` weights of the capsules of a pair of images: ``p1 · p2`` (present in both) or all ones."""
-    return p1 * p2 if weighting == "presence" else torch.ones_like(p1)
-DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
+NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams
+RECIPES = [ROOT / "experiments" / "configs" / f"{NAME}_{mode}.toml" for mode in MODES]
 DIGIT_WINDOW = 22  # the write-up scores its MSE on a 22x22 crop: the same window, centred on the target digit
 
 # write-up anchors (numpy reproduction, translation only, 28x28 canvas): seeds/000_bf86ff5c704eb41c.txt
@@ -80,8 +77,8 @@ class PairDataConfig:
 
 @dataclass
 class TransformRange:
-    """The input jitter ``A`` and the known transformation ``T`` of one mode: every number is drawn uniformly
-    from ``[-v, v]`` (scales from ``[1 - v, 1 + v]``), independently per pair."""
+    """The input jitter ``A`` and the known transformation ``T``: every number is drawn uniformly from ``[-v, v]``
+    (scales from ``[1 - v, 1 + v]``), independently per pair."""
 
     jitter_translation_px: float = 5.0
     jitter_rotation_deg: float = 0.0
@@ -91,7 +88,6 @@ class TransformRange:
     rotation_deg: float = 0.0
     scale: float = 0.0
     shear: float = 0.0
-    overrides: list = field(default_factory=list)  # "section.key=value" applied to this mode (before --set)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -105,7 +101,6 @@ class TAEEvalConfig:
     presence_threshold: float = 0.1  # "active" capsule (the write-up's threshold)
     curve_pairs: int = 500        # held-out pairs scored at every checkpoint (the R² training curve)
     figures: bool = True
-    transform_weighting: str = "presence"  # read T back from capsules weighted by "presence" (p1·p2) or "uniform"
     test_time_warps: int = 0      # > 0: recognition averaged over this many known warps of each image (the identity
                                   # and draws from the jitter range; TransformingAutoencoder.recognise_averaged)
 
@@ -116,12 +111,10 @@ class TAEEvalConfig:
 @dataclass
 class TAELossConfig:
     """The training loss: MSE of the reconstructed target, plus ``consistency_weight`` times
-    :func:`models.transforming_autoencoder.pose_consistency` of the two images' poses (0: the paper's loss)."""
+    :func:`models.transforming_autoencoder.pose_consistency` of the two images' poses, capsules weighted by
+    ``p1 · p2`` held fixed (0: the paper's loss)."""
 
     consistency_weight: float = 0.0
-    consistency_frame: str = "template"  # "template" or "split" (see pose_consistency)
-    consistency_weighting: str = "presence"  # "presence": capsules weighted by p1·p2 (held fixed); "uniform": every
-                                             # capsule's pose must move with T, present or not
     consistency_cap: float = 0.0  # > 0: each capsule's mismatch c counts as cap·c/(cap + c) (see pose_consistency)
 
     def to_dict(self) -> dict:
@@ -135,26 +128,22 @@ SCHEMA = {
     "loss": TAELossConfig,
     "train": TrainConfig,
     "eval": TAEEvalConfig,
-    "translation": TransformRange,
-    "affine": TransformRange,
+    "range": TransformRange,
 }
 
 
-def load_config(path: str | Path | None, mode: str, overrides: list[str] = ()) -> dict:
-    """The config of one mode: the file's shared sections, then the mode's ``overrides``, then ``--set`` items.
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """The config of one recipe (its mode is ``model.mode``), then the ``--set`` items.
 
-    ``model.mode`` is set to ``mode``.  Returns ``{"name", "mode", "data", "model", "loss", "train", "eval", "range"}``.
+    Returns ``{"name", "mode", "data", "model", "loss", "train", "eval", "range"}``.
     """
-    if mode not in MODES:
-        raise ConfigError(f"--modes: unknown mode {mode!r} (known: {', '.join(MODES)})")
-    base = load_sections(path, SCHEMA, overrides)
-    mode_items = [str(item) for item in base[mode].overrides]
-    cfg = load_sections(path, SCHEMA, [*mode_items, *overrides, f"model.mode={mode}"])
+    cfg = load_sections(path, SCHEMA, overrides)
     label = path or "<defaults>"
-    rng: TransformRange = cfg[mode]
+    mode, rng = cfg["model"].mode, cfg["range"]
     if mode == "translation" and any(getattr(rng, k) for k in ("jitter_rotation_deg", "jitter_scale", "jitter_shear",
                                                                "rotation_deg", "scale", "shear")):
-        raise ConfigError(f"{label}: [translation] takes translations only (rotation, scale and shear must be 0)")
+        raise ConfigError(f"{label}: model.mode = 'translation' takes translations only ([range] rotation, scale "
+                          f"and shear must be 0)")
     if cfg["data"].dataset not in ("mnist", "synthetic"):
         raise ConfigError(f"{label}: data.dataset must be 'mnist' or 'synthetic', got {cfg['data'].dataset!r}")
     try:
@@ -163,19 +152,13 @@ def load_config(path: str | Path | None, mode: str, overrides: list[str] = ()) -
         raise ConfigError(f"{label}: {e}") from None
     if cfg["loss"].consistency_weight < 0:
         raise ConfigError(f"{label}: loss.consistency_weight must be >= 0, got {cfg['loss'].consistency_weight}")
-    for key, value in (("loss.consistency_weighting", cfg["loss"].consistency_weighting),
-                       ("eval.transform_weighting", cfg["eval"].transform_weighting)):
-        if value not in WEIGHTINGS:
-            raise ConfigError(f"{label}: {key} must be one of {WEIGHTINGS}, got {value!r}")
     if cfg["eval"].test_time_warps < 0:
         raise ConfigError(f"{label}: eval.test_time_warps must be >= 0, got {cfg['eval'].test_time_warps}")
     if not cfg["loss"].consistency_cap >= 0:
         raise ConfigError(f"{label}: loss.consistency_cap must be >= 0, got {cfg['loss'].consistency_cap}")
-    if cfg["loss"].consistency_frame not in CONSISTENCY_FRAMES:
-        raise ConfigError(f"{label}: loss.consistency_frame must be one of {CONSISTENCY_FRAMES}, got "
-                          f"{cfg['loss'].consistency_frame!r}")
-    return {"name": cfg["name"] or NAME, "mode": mode, "data": cfg["data"], "model": cfg["model"],
-            "loss": cfg["loss"], "train": cfg["train"], "eval": cfg["eval"], "range": rng}
+    name = cfg["name"] or (Path(path).stem if path else f"{NAME}_{mode}")
+    return {"name": name, "mode": mode, "data": cfg["data"], "model": cfg["model"], "loss": cfg["loss"],
+            "train": cfg["train"], "eval": cfg["eval"], "range": rng}
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -290,8 +273,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
 
     def loss_fn(batch):
         images, transforms, targets = batch
-        return transforming_loss(model, images, transforms, targets, lcfg.consistency_weight, lcfg.consistency_frame,
-                                 lcfg.consistency_weighting, lcfg.consistency_cap)
+        return transforming_loss(model, images, transforms, targets, lcfg.consistency_weight, lcfg.consistency_cap)
 
     curve_path = out_dir / "r2_curve.jsonl"
     curve_time = [0.0]
@@ -300,7 +282,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
         t0 = time.perf_counter()
         was_training = model.training
         model.eval()
-        scores = score_pairs(model, curve_set, cfg["eval"].batch_size, cfg["eval"].transform_weighting)
+        scores = score_pairs(model, curve_set, cfg["eval"].batch_size)
         model.train(was_training)
         with open(curve_path, "a") as f:
             f.write(json.dumps({"step": state.step, **{f"r2_{k}": v for k, v in scores["r2"].items()},
@@ -325,21 +307,19 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
 
 
 def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, transforms: torch.Tensor,
-                      targets: torch.Tensor, consistency_weight: float = 0.0, frame: str = "template",
-                      weighting: str = "presence", cap: float = 0.0) -> torch.Tensor:
+                      targets: torch.Tensor, consistency_weight: float = 0.0, cap: float = 0.0) -> torch.Tensor:
     """The reconstruction loss of the target from the input's capsules moved by ``T`` (the paper's MSE, or the
     mixture's, see :meth:`TransformingAutoencoder.reconstruction_loss`), plus, if
     ``consistency_weight > 0``, that weight times the pose consistency of input and target (both images
-    recognised in one batched call), its capsules weighted by ``p1 · p2`` held fixed (``weighting="presence"``)
-    or equally (``"uniform"``)."""
+    recognised in one batched call), its capsules weighted by ``p1 · p2`` held fixed."""
     if consistency_weight <= 0:
         presence, poses = model.recognise(images)
         return model.reconstruction_loss(presence, model.apply_transform(poses, transforms), targets)
     B = images.shape[0]
     presence, poses = model.recognise(torch.cat([images, targets]))
     recon_loss = model.reconstruction_loss(presence[:B], model.apply_transform(poses[:B], transforms), targets)
-    weights = capsule_weights(presence[:B], presence[B:], weighting).detach()
-    return recon_loss + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms, weights, frame, cap)
+    weights = (presence[:B] * presence[B:]).detach()
+    return recon_loss + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms, weights, cap)
 
 
 def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAutoencoder, dict]:
@@ -356,10 +336,10 @@ def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAu
 
 
 @torch.no_grad()
-def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weighting: str = "presence",
-              warps: torch.Tensor | None = None) -> dict:
+def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, warps: torch.Tensor | None = None
+              ) -> dict:
     """Recognise both images of every pair (averaged over ``warps (K, 3, 3)`` if given), read ``T`` back
-    (capsules weighted by ``weighting``, see :func:`capsule_weights`), reconstruct the target: CPU tensors."""
+    (capsules weighted by ``p1 · p2``, present in both), reconstruct the target: CPU tensors."""
     mode, canvas = model.config.mode, model.config.canvas_size
     out: dict[str, list] = {k: [] for k in ("pred", "true", "p1", "sq_err", "win_err", "win_zero", "recon",
                                             "contrib")}
@@ -369,7 +349,7 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weig
         x1, T, x2 = (pairs[k][s:s + batch_size] for k in ("input", "transform", "target"))
         p1, P1 = recognise(x1)
         p2, P2 = recognise(x2)
-        T_hat = estimate_transform(P1, P2, capsule_weights(p1, p2, weighting), mode)
+        T_hat = estimate_transform(P1, P2, p1 * p2, mode)
         recon, contributions = model.render(p1, model.apply_transform(P1, T))
         mask = window_mask(pairs["placement"][s:s + batch_size], canvas).float()
         err = (recon - x2) ** 2
@@ -385,9 +365,9 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weig
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def score_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, weighting: str = "presence") -> dict:
+def score_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> dict:
     """R² per component of the raw estimate and the reconstruction MSE (for the training curve)."""
-    res = run_pairs(model, pairs, batch_size, weighting)
+    res = run_pairs(model, pairs, batch_size)
     names = transform_components(pairs["transform"][:1], model.config.mode, model.config.canvas_size)[1]
     r2 = r2_scores(res["pred"], res["true"])
     return {"r2": dict(zip(names, map(float, r2))), "recon_mse": float(res["sq_err"].mean())}
@@ -438,9 +418,9 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
     pairs = heldout_pairs(test_digits, ecfg.pairs, rng, canvas, cfg["data"].seed, "heldout", device)
     warps = test_time_warp_maps(ecfg.test_time_warps, rng, canvas, cfg["data"].seed).to(device) \
         if ecfg.test_time_warps > 0 else None
-    res = run_pairs(model, pairs, ecfg.batch_size, ecfg.transform_weighting, warps)
+    res = run_pairs(model, pairs, ecfg.batch_size, warps)
     fit_pairs = heldout_pairs(train_digits, ecfg.readout_pairs, rng, canvas, cfg["data"].seed, "readout", device)
-    fit = run_pairs(model, fit_pairs, ecfg.batch_size, ecfg.transform_weighting, warps)
+    fit = run_pairs(model, fit_pairs, ecfg.batch_size, warps)
     readout = fit_readout(fit["pred"], fit["true"])
     pred_linear = torch.from_numpy(readout.predict(res["pred"].double().numpy()))
     names = transform_components(pairs["transform"][:1], mode, canvas)[1]
@@ -535,14 +515,15 @@ def summarise(runs: list[dict]) -> dict:
     return summary
 
 
-def run_mode(mode: str, args) -> Path:
-    """Train (or resume / reuse) every seed of one mode, evaluate, write the results JSON and figures."""
+def run_recipe(config: str | Path, args) -> Path:
+    """Train (or resume / reuse) every seed of one config, evaluate, write the results JSON and figures."""
     results_dir = Path(args.results_dir)
     runs, run_dirs, first = [], [], None
-    cfg = None
+    name = args.name or load_config(config, args.set)["name"]
     for seed in args.seeds:
-        cfg = load_config(args.config, mode, [*args.set, f"train.seed={seed}"])
-        out = Path(args.out) / mode / f"seed{seed}"
+        cfg = load_config(config, [*args.set, f"train.seed={seed}"])
+        mode = cfg["mode"]
+        out = Path(args.out or ROOT / "runs" / name) / f"seed{seed}"
         run_dirs.append(out)
         if args.resume and run_finished(out, cfg["train"].steps):
             model, timing = load_trained(cfg, out, args.device)
@@ -563,14 +544,13 @@ def run_mode(mode: str, args) -> Path:
               f"{metrics['active_capsules_mean']:.1f}; training {wall if wall is None else round(wall)} s")
     summary = summarise(runs)
     summary["mode"] = mode
-    prefix = f"{args.name}_{mode}"
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                       wall_time_s=sum(r["train_wall_time_s"] or 0.0 for r in runs),
                       batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
                       configs={k: cfg[k].to_dict() for k in ("data", "model", "loss", "train", "eval", "range")})
-    path = write_results(results_dir / f"{prefix}.json", summary, prov)
+    path = write_results(results_dir / f"{name}.json", summary, prov)
     if cfg["eval"].figures and first is not None:
-        write_figures(first[0], first[1], results_dir, prefix, run_dirs)
+        write_figures(first[0], first[1], results_dir, name, run_dirs)
     print(f"wrote {path}")
     return path
 
@@ -579,7 +559,9 @@ def run_mode(mode: str, args) -> Path:
 
 
 def readme_table(results_dir: Path) -> str | None:
-    """Ours (mean ± std over seeds) against the write-up's numbers, built only from ``results/<name>_<mode>.json``."""
+    """Ours (mean ± std over seeds) against the write-up's numbers, built only from the shipped recipes' results,
+    ``results/transforming_autoencoder_<mode>.json`` (and ``..._<mode>_tta.json``, the same models re-scored with
+    ``eval.test_time_warps > 0``, when present)."""
     from probcaps.report import fmt_mean_std
 
     results_dir = Path(results_dir)
@@ -611,9 +593,9 @@ def readme_table(results_dir: Path) -> str | None:
                   f"~{WRITEUP['wall_s']} (M-series Mac)")]
         for label, key, digits, target, anchor in rows:
             lines.append(f"| {mode} | {label} | {fmt_mean_std(col(key), 1.0, digits)} | {target} | {anchor} |")
-        # the same models re-scored with eval.test_time_warps > 0 (--resume --name <NAME>_tta), if that was run
+        # the same models re-scored with eval.test_time_warps > 0 (--resume --name <name>_tta), if that was run
         tta_note = []
-        if (tta_path := results_dir / f"{NAME}_tta_{mode}.json").is_file():
+        if (tta_path := results_dir / f"{NAME}_{mode}_tta.json").is_file():
             tta_data = json.loads(tta_path.read_text())
             tta = tta_data["metrics"]["per_seed"]
             for c in tta[0]["components"]:
@@ -633,8 +615,8 @@ def readme_table(results_dir: Path) -> str | None:
                  + (f" ({model_cfg.get('keypoints')} keypoint(s) per capsule)" if recognition == "conv" else "")
                  + f", {model_cfg.get('num_capsules')} capsules, combine {model_cfg.get('combine', 'sum')!r}, "
                  f"pose-consistency weight {loss_cfg.get('consistency_weight', 0.0)}"
-                 + (f" ({loss_cfg.get('consistency_frame', 'template')} frame"
-                    + (f", capped at {loss_cfg['consistency_cap']}" if loss_cfg.get("consistency_cap") else "") + ")"
+                 + (" (template frame" + (f", capped at {loss_cfg['consistency_cap']}"
+                                         if loss_cfg.get("consistency_cap") else "") + ")"
                     if loss_cfg.get('consistency_weight') else ""))
         footer.append(f"{mode}: {ranges}; {setup}; seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps "
                       f"of batch {prov.get('batch_size', '?')}; {runs[0].get('threads')} torch thread(s); device: "
@@ -667,19 +649,21 @@ def _error_note(mode: str, runs: list[dict]) -> list[str]:
 @one_line_errors("transforming_autoencoder")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--modes", nargs="+", default=list(MODES), help="translation and/or affine")
+    p.add_argument("--config", nargs="+", default=[str(path) for path in RECIPES],
+                   help="one or more recipes (default: the translation and the affine one)")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--out", default=str(ROOT / "runs" / NAME), help="run folders (<out>/<mode>/seed<S>)")
-    p.add_argument("--name", default=NAME, help="prefix of the results files")
+    p.add_argument("--out", default=None, help="run folders (<out>/seed<S>; default: runs/<name>)")
+    p.add_argument("--name", default=None, help="names the results files (default: the config's name)")
     p.add_argument("--resume", action="store_true", help="continue unfinished runs, re-evaluate finished ones")
     add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    for mode in args.modes:
-        run_mode(mode, args)
+    if len(args.config) > 1 and (args.name or args.out):
+        raise ConfigError("--name and --out take one --config (each recipe writes its own files)")
+    for config in args.config:
+        run_recipe(config, args)
     return 0
 
 

@@ -5,8 +5,7 @@ Every capsule ``m`` has its own recognition units, which look at the image and o
 input (given to the network) is applied to every pose, ``P'_m = T ∘ P_m``, and the capsule's generative side
 renders its learned template at ``P'_m`` with the package's one affine warp (:func:`probcaps.render.render_templates`).
 The output is the presence-weighted sum of the rendered capsules (the paper's rule, ``combine = "sum"``, the
-default), their "over" composite (:func:`probcaps.render.composite_over`, ``combine = "over"``), or a mixture
-(``combine = "mixture"``, not in the paper): presences are a softmax over capsules and each capsule must explain
+default), or a mixture (``combine = "mixture"``, not in the paper): presences are a softmax over capsules and each capsule must explain
 the whole image on its own (:meth:`TransformingAutoencoder.reconstruction_loss`).
 
 Two modes:
@@ -48,13 +47,13 @@ import torch.nn.functional as F
 from probcaps.encoders import PartEncoder
 from probcaps.geometry import (compose, constrained_pose, invert, matrix_to_pose6, pose6_to_matrix,
                                translation_matrix)
-from probcaps.render import composite_over, extract_glimpses, render_templates, warp
+from probcaps.render import render_templates, warp
 
 __all__ = ["MODES", "COMBINES", "RECOGNITIONS", "TransformingAutoencoderConfig", "TransformingAutoencoder",
-           "estimate_transform", "transform_components", "pose_consistency", "CONSISTENCY_FRAMES"]
+           "estimate_transform", "transform_components", "pose_consistency"]
 
 MODES = ("translation", "affine")
-COMBINES = ("sum", "over", "mixture")
+COMBINES = ("sum", "mixture")
 RECOGNITIONS = ("mlp", "conv")
 _POSE_DIMS = {"translation": 2, "affine": 6}
 
@@ -76,18 +75,13 @@ class TransformingAutoencoderConfig:
     keypoint_offset_gain: float = 1.0  # "conv", >= 3 keypoints: a keypoint is its attention centre plus an offset
                                      # bounded by this times max_translation; below 1 the triangle has to come from
                                      # where the keypoints look (equivariant), not from the regressed offsets
-    recognition_activation: str = "sigmoid"  # "sigmoid" (the paper's) or "relu"
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
     template_init: str = "blob"      # "blob": a soft round brush plus noise; "data": training images (see
                                      # init_templates_from), so templates start asymmetric and their poses identifiable
-    combine: str = "sum"             # "sum": presence-weighted sum (the paper); "over": alpha compositing;
-                                     # "mixture": presences sum to 1 over capsules and one capsule explains the image
+    combine: str = "sum"             # "sum": presence-weighted sum (the paper); "mixture": presences sum to 1 over
+                                     # capsules and one capsule explains the image
     mixture_pixel_std: float = 0.1   # "mixture": pixel noise of each capsule's likelihood (sharpness of the choice)
     presence_bias_init: float = 0.0  # initial presence logit of every capsule
-    refine_steps: int = 0            # affine mode: inverse-compositional refinements of every pose (see refine)
-    refine_glimpse: int = 16         # a refinement looks at a g x g glimpse of the image in the capsule's frame
-    refine_hidden: int = 64          # per-capsule hidden units of the refinement
-    refine_range: float = 0.2        # one refinement changes scale by at most ±range, shear and translation by range
     min_scale: float = 0.5           # affine mode: pose scales squashed into [min_scale, max_scale]
     max_scale: float = 1.5
     max_shear: float = 0.5
@@ -117,15 +111,7 @@ class TransformingAutoencoderConfig:
             raise ValueError(f"model.keypoint_offset_gain must be in [0, 1], got {self.keypoint_offset_gain}")
         if self.template_init not in ("blob", "data"):
             raise ValueError(f"model.template_init must be 'blob' or 'data', got {self.template_init!r}")
-        if self.recognition_activation not in ("sigmoid", "relu"):
-            raise ValueError(f"model.recognition_activation must be 'sigmoid' or 'relu', got "
-                             f"{self.recognition_activation!r}")
-        if self.refine_steps < 0 or (self.refine_steps and self.mode != "affine"):
-            raise ValueError(f"model.refine_steps must be >= 0, and 0 outside the affine mode, got {self.refine_steps}")
-        if not 0 < self.refine_range < 1:
-            raise ValueError(f"model.refine_range must be in (0, 1), got {self.refine_range}")
-        for key in ("canvas_size", "num_capsules", "recognition_hidden", "template_size", "refine_glimpse",
-                    "refine_hidden"):
+        for key in ("canvas_size", "num_capsules", "recognition_hidden", "template_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.min_scale < self.max_scale:
@@ -162,12 +148,6 @@ class TransformingAutoencoder(nn.Module):
         D = cfg.canvas_size ** 2
         out_dim = 1 + _POSE_DIMS[cfg.mode]  # presence logit, then the pose numbers
         gen = torch.Generator().manual_seed(cfg.seed)
-        if cfg.refine_steps:
-            g2 = cfg.refine_glimpse ** 2
-            self.refine_weight = nn.Parameter(torch.randn(M, g2, cfg.refine_hidden, generator=gen) / math.sqrt(g2))
-            self.refine_bias = nn.Parameter(torch.zeros(M, cfg.refine_hidden))
-            # zero output layer: every refinement starts as the identity
-            self.refine_out = nn.Parameter(torch.zeros(M, cfg.refine_hidden, 6))
         if cfg.recognition == "conv":
             self._init_conv_recognition()
             self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
@@ -240,16 +220,15 @@ class TransformingAutoencoder(nn.Module):
         cfg = self.config
         B = images.shape[0]
         if cfg.recognition == "conv":
-            presence, pose = self._recognise_conv(images)
-            return presence, self.refine(images, pose)
+            return self._recognise_conv(images)
         x = images.reshape(B, -1)
         if x.shape[1] != self.hidden_weight.shape[0]:
             raise ValueError(f"recognise: expected images of {cfg.canvas_size}x{cfg.canvas_size} pixels, got "
                              f"{tuple(images.shape)}")
         pre = torch.addmm(self.hidden_bias, x, self.hidden_weight).view(B, cfg.num_capsules, cfg.recognition_hidden)
-        hidden = torch.sigmoid(pre) if cfg.recognition_activation == "sigmoid" else torch.relu(pre)
+        hidden = torch.sigmoid(pre)
         out = torch.einsum("bmh,mho->bmo", hidden, self.output_weight) + self.output_bias  # (B, M, 1 + pose)
-        return self.presence(out[..., 0]), self.refine(images, self.pose_matrix(out[..., 1:]))
+        return self.presence(out[..., 0]), self.pose_matrix(out[..., 1:])
 
     def recognise_averaged(self, images: torch.Tensor, warps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Recognition averaged over known warps of each image (test-time augmentation): presences ``(B, M)`` and
@@ -271,25 +250,6 @@ class TransformingAutoencoder(nn.Module):
         """Presence logits ``(B, M)`` -> presences: independent sigmoids, or for ``combine = "mixture"`` a softmax
         over the capsules (the mixture weights, which sum to 1)."""
         return logits.softmax(-1) if self.config.combine == "mixture" else torch.sigmoid(logits)
-
-    def refine(self, images: torch.Tensor, poses: torch.Tensor) -> torch.Tensor:
-        """``refine_steps`` inverse-compositional corrections of poses ``(B, M, 3, 3)``: each capsule looks at the
-        image in its own frame (:func:`probcaps.render.extract_glimpses`) and its own units output a small affine
-        correction ``D``, applied in that frame, ``P <- P D``.
-
-        If ``P`` is off by an affine ``E`` (in the template frame) the glimpse is the canonical view warped by
-        ``E``: the correction only has to undo a small, centred deviation, which is much easier to get right than
-        the whole pose (the idea of inverse-compositional spatial transformers).  The same units serve every step.
-        """
-        cfg = self.config
-        r = cfg.refine_range
-        for _ in range(cfg.refine_steps):
-            g = extract_glimpses(images, poses, cfg.template_size, cfg.refine_glimpse).flatten(2)  # (B, M, g²)
-            hidden = torch.sigmoid(torch.einsum("bmi,mih->bmh", g, self.refine_weight) + self.refine_bias)
-            raw = torch.einsum("bmh,mho->bmo", hidden, self.refine_out)
-            correction = constrained_pose(raw, min_scale=1 - r, max_scale=1 + r, max_shear=r, max_translation=r)
-            poses = compose(poses, pose6_to_matrix(correction))
-        return poses
 
     def _recognise_conv(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
@@ -362,22 +322,17 @@ class TransformingAutoencoder(nn.Module):
             presence: ``(B, M)``.
             poses: ``(B, M, 3, 3)`` template -> canvas maps.
         Returns:
-            ``(image (B, 1, H, W), contributions (B, M, 1, H, W))``: what each capsule adds to the image (its
-            presence-weighted layer for ``"sum"``, its composited share for ``"over"``).
+            ``(image (B, 1, H, W), contributions (B, M, 1, H, W))``: each capsule's presence-weighted layer, and
+            their sum (for ``"mixture"``: the mixture's mean image).
         """
         layers = render_templates(self.templates(), poses, self.config.canvas_size)  # (B, M, 1, H, W)
-        p = presence[..., None, None, None]
-        if self.config.combine != "over":  # "mixture": the mixture's mean image
-            contributions = p * layers
-            return contributions.sum(1), contributions
-        # "over": white ink whose coverage (alpha) is the presence-weighted template, capsule 0 at the back
-        image, weights = composite_over(torch.ones_like(layers), p * layers, dim=1)
-        return image, weights
+        contributions = presence[..., None, None, None] * layers
+        return contributions.sum(1), contributions
 
     def reconstruction_loss(self, presence: torch.Tensor, poses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss of the capsules ``presence (B, M)`` at ``poses (B, M, 3, 3)`` for ``targets (B, 1, H, W)``.
 
-        ``"sum"`` / ``"over"``: the mean squared error of the combined image (the paper's loss).  ``"mixture"``: the
+        ``"sum"``: the mean squared error of the combined image (the paper's loss).  ``"mixture"``: the
         negative log-likelihood of a mixture in which capsule ``m`` (weight ``π_m``, the presence) renders the whole
         image with Gaussian pixel noise ``σ`` (``mixture_pixel_std``), scaled by ``2σ²/D`` (``D`` pixels) so that
         it reads as a squared error: ``-(2σ²/D) log Σ_m π_m exp(-SSE_m / 2σ²)``, which tends to the error of the
@@ -463,11 +418,8 @@ def transform_components(T: torch.Tensor, mode: str, canvas_size: int) -> tuple[
     return comps, ["m11", "m12", "tx", "m21", "m22", "ty"]
 
 
-CONSISTENCY_FRAMES = ("template", "split")
-
-
 def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch.Tensor, weights: torch.Tensor,
-                     frame: str = "template", cap: float = 0.0) -> torch.Tensor:
+                     cap: float = 0.0) -> torch.Tensor:
     """How far the poses of two images are from being related by their known transformation: a scalar.
 
     With ``E_bm = P2_bm⁻¹ T_b P1_bm`` (the identity exactly when the capsule's pose moved with the image,
@@ -479,36 +431,21 @@ def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch
     makes the known ``T`` matter for the recognition units, whereas the reconstruction loss alone is blind to it
     with an exactly equivariant renderer.
 
-    In the template frame the translation mismatch is the canvas one divided by the pose's scale, so growing poses
-    hide it (measured: capsule scales drifting to 3x and beyond in one of three seeds).  ``frame = "split"`` keeps the
-    linear blocks in the template frame (``‖E_lin − I‖² + ‖E_lin⁻¹ − I‖²``, unchanged by scaling both poses) and
-    measures the translations on the canvas (``‖t(P2) − t(T P1)‖² + ‖t(P1) − t(T⁻¹ P2)‖²``): no pose size is
-    favoured, and at unit scale both frames agree.
-
     Args:
         pose1, pose2: ``(B, M, 3, 3)`` poses recognised in the first and the second image.
         transforms: ``(B, 3, 3)``, the second image is the first transformed by it.
         weights: ``(B, M)`` non-negative, e.g. ``p1 * p2`` (detach them to keep presences out of it).
-        frame: ``"template"`` or ``"split"``.
         cap: if ``> 0``, each capsule's mismatch ``c`` counts as ``cap · c / (cap + c)`` (about ``c`` while small,
             at most ``cap``).  A keypoint triangle that collapses makes ``E⁻¹`` and the plain term explode (it
             wrecked one seed's training); capped, such a capsule's gradient falls to zero instead of swamping
             every other capsule's.
     """
-    if frame not in CONSISTENCY_FRAMES:
-        raise ValueError(f"pose_consistency: frame must be one of {CONSISTENCY_FRAMES}, got {frame!r}")
     if not cap >= 0:
         raise ValueError(f"pose_consistency: cap must be >= 0, got {cap}")
     eye = torch.eye(3, dtype=pose1.dtype, device=pose1.device)
     T = transforms.unsqueeze(1)
     E = compose(invert(pose2), compose(T, pose1))                            # (B, M, 3, 3)
-    if frame == "template":
-        mismatch = (E - eye).square().sum((-1, -2)) + (invert(E) - eye).square().sum((-1, -2))  # (B, M)
-    else:
-        lin = (E - eye)[..., :2, :2].square().sum((-1, -2)) + (invert(E) - eye)[..., :2, :2].square().sum((-1, -2))
-        forward = (pose2 - compose(T, pose1))[..., :2, 2].square().sum(-1)
-        backward = (pose1 - compose(invert(T), pose2))[..., :2, 2].square().sum(-1)
-        mismatch = lin + forward + backward
+    mismatch = (E - eye).square().sum((-1, -2)) + (invert(E) - eye).square().sum((-1, -2))  # (B, M)
     if cap > 0:
         mismatch = cap * mismatch / (cap + mismatch)
     w = weights.clamp_min(0)

@@ -199,7 +199,7 @@ def test_rendered_capsule_moves_by_whole_pixels_exactly():
     assert before.sum() > 1.0
 
 
-@pytest.mark.parametrize("combine", ["sum", "over"])
+@pytest.mark.parametrize("combine", ["sum", "mixture"])
 def test_rendering_at_T_compose_P_is_the_image_transformed_by_T(combine):
     # the equivariance the whole method rests on: template at T∘P = (template at P) warped by T, for a rotation,
     # scaling and shear as well as a translation (bilinear sampling twice vs once: a small tolerance)
@@ -218,14 +218,16 @@ def test_rendering_at_T_compose_P_is_the_image_transformed_by_T(combine):
     assert (image_at_TP - image_at_P).abs().max() > 0.3  # the transform did move things
 
 
-def test_combine_rules_by_hand():
-    # "sum": p1 t1 + p2 t2; "over" with white ink: coverage 1 − (1 − p1 t1)(1 − p2 t2)
+def test_combine_rule_by_hand():
+    # the image is the presence-weighted sum p1 t1 + p2 t2 (for "mixture": the mixture's mean image), and each
+    # capsule's contribution its own weighted layer
     ones = torch.ones(2, 1, 16, 16)
-    for combine, expected in (("sum", 0.5 * 0.4 + 1.0 * 0.3), ("over", 1 - (1 - 0.5 * 0.4) * (1 - 1.0 * 0.3))):
+    for combine in ("sum", "mixture"):
         model = _model("translation", canvas=16, M=2, t=16, combine=combine)
         _set_templates(model, ones * torch.tensor([0.4, 0.3]).view(2, 1, 1, 1))
-        image, _ = model.render(torch.tensor([[0.5, 1.0]]), torch.eye(3).expand(1, 2, 3, 3))
-        assert torch.allclose(image[0, 0, 8, 8], torch.tensor(expected), atol=1e-5)
+        image, contributions = model.render(torch.tensor([[0.5, 1.0]]), torch.eye(3).expand(1, 2, 3, 3))
+        assert torch.allclose(image[0, 0, 8, 8], torch.tensor(0.5 * 0.4 + 1.0 * 0.3), atol=1e-5)
+        assert torch.allclose(contributions[0, :, 0, 8, 8], torch.tensor([0.5 * 0.4, 1.0 * 0.3]), atol=1e-5)
 
 
 def test_mixture_loss_by_hand():
@@ -385,51 +387,6 @@ def test_capped_consistency_by_hand_and_bounded_at_a_collapsing_pose():
         pose_consistency(I1, P2, T, torch.ones(1, 1), cap=-1.0)
 
 
-def test_split_frame_consistency_ignores_pose_size_and_agrees_at_unit_scale():
-    # a 0.1 shift that the poses ignore: 2 · 0.01 in the split frame whatever the pose size (template frame: 2 (0.1/s)²)
-    shift = translation_matrix(torch.tensor([0.1]), torch.tensor([0.0]))
-    for s_ in (1.0, 0.1, 5.0):
-        P = torch.diag(torch.tensor([s_, s_, 1.0])).expand(1, 1, 3, 3)
-        assert pose_consistency(P, P, shift, torch.ones(1, 1), "split").item() == pytest.approx(0.02, rel=1e-4)
-    # scaling both poses by the same factor leaves the split mismatch unchanged; at unit scale the frames agree
-    g = torch.Generator().manual_seed(0)
-    P1 = affine_matrix(*(0.8 + 0.4 * torch.rand(6, 2, 3, generator=g)))
-    P2 = affine_matrix(*(0.8 + 0.4 * torch.rand(6, 2, 3, generator=g)))
-    T = rotation_matrix(torch.tensor([0.3, -0.2]))
-    w = torch.rand(2, 3, generator=g)
-    S = torch.diag(torch.tensor([3.0, 3.0, 1.0]))
-    assert torch.allclose(pose_consistency(P1 @ S, P2 @ S, T, w, "split"), pose_consistency(P1, P2, T, w, "split"))
-    P1t, P2t = P1.clone(), P2.clone()
-    P1t[..., :2, :2] = torch.eye(2)
-    P2t[..., :2, :2] = torch.eye(2)
-    assert torch.allclose(pose_consistency(P1t, P2t, T, w, "split"), pose_consistency(P1t, P2t, T, w, "template"))
-    with pytest.raises(ValueError, match="frame"):
-        pose_consistency(P1, P2, T, w, "canvas")
-
-
-def test_refinement_starts_as_the_identity_and_corrects_in_the_capsule_frame():
-    # catches: a refinement that moves poses before it has learned anything, or that applies its correction on
-    # the canvas side (D P) instead of in the capsule's frame (P D)
-    torch.manual_seed(0)
-    cfg = dict(mode="affine", canvas_size=16, num_capsules=3, template_size=6, recognition="conv",
-               conv_channels=[4, 8], conv_strides=[2, 2], refine_glimpse=4, refine_hidden=5)
-    plain = TransformingAutoencoder(TransformingAutoencoderConfig(**cfg))
-    refined = TransformingAutoencoder(TransformingAutoencoderConfig(**cfg, refine_steps=2))
-    refined.load_state_dict(plain.state_dict(), strict=False)
-    x = torch.rand(2, 1, 16, 16)
-    assert torch.allclose(refined.recognise(x)[1], plain.recognise(x)[1])
-    # a correction that only translates by (0.1, 0) in the capsule's frame: P <- P D twice, D = T(0.1 r, 0)
-    with torch.no_grad():
-        refined.refine_out.zero_()
-        refined.refine_bias.fill_(50.0)                      # hidden units saturate at 1 whatever the glimpse
-        refined.refine_out[:, :, 4] = math.atanh(0.5) / 5    # tx = range · tanh(Σ_h 1 · w) = 0.5 · range
-    P0 = plain.recognise(x)[1]
-    D = translation_matrix(torch.tensor(0.5 * 0.2), torch.tensor(0.0))
-    assert torch.allclose(refined.recognise(x)[1], P0 @ D @ D, atol=1e-5)
-    with pytest.raises(ValueError, match="refine_steps"):
-        TransformingAutoencoderConfig(mode="translation", refine_steps=1).validate()
-
-
 def test_transforming_loss_is_the_mse_plus_weighted_consistency():
     exp = _experiment()
     torch.manual_seed(0)
@@ -442,13 +399,12 @@ def test_transforming_loss_is_the_mse_plus_weighted_consistency():
     p2, P2 = model.recognise(x2)
     expected = mse + 2.5 * pose_consistency(P1, P2, T, p1 * p2)
     assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5), expected, atol=1e-6)
-    with torch.no_grad():  # capsules of unequal presence, so that the two weightings differ
+    with torch.no_grad():  # capsules of unequal presence, so that weighting them by p1 · p2 matters
         model.encoder.head.bias.view(3, model.config.keypoints, -1)[..., 6] = torch.tensor([-3.0, 0.0, 3.0])[:, None]
     mse = torch.nn.functional.mse_loss(model(x1, T), x2)
     (p1, P1), (p2, P2) = model.recognise(x1), model.recognise(x2)
     expected = mse + 2.5 * pose_consistency(P1, P2, T, p1 * p2)
     uniform = mse + 2.5 * pose_consistency(P1, P2, T, torch.ones_like(p1))
-    assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5, weighting="uniform"), uniform, atol=1e-6)
     assert torch.allclose(exp.transforming_loss(model, x1, T, x2, 2.5), expected, atol=1e-6)
     assert not torch.allclose(uniform, expected)
     # "mixture": the reconstruction term is the mixture's, presences a softmax
@@ -517,30 +473,39 @@ def test_window_mask_is_22_by_22_around_the_digit_centre():
     assert torch.equal(shifted, torch.roll(mask, 2, dims=3))
 
 
-def test_config_modes_overrides_and_errors(tmp_path):
+def test_shipped_recipes_name_their_files_and_the_affine_one_is_a_diff_on_the_translation_one():
+    # catches: a recipe whose name is not its file stem (two configs writing one results file), or the affine
+    # recipe losing a key of its base
+    exp = _experiment()
+    translation, affine = (exp.load_config(path) for path in exp.RECIPES)
+    assert [c["name"] for c in (translation, affine)] == [p.stem for p in exp.RECIPES]
+    assert (translation["mode"], affine["mode"]) == ("translation", "affine")
+    assert affine["model"].num_capsules == translation["model"].num_capsules == 12
+    assert affine["train"].lr == translation["train"].lr and affine["train"].steps == 12000
+    assert affine["model"].combine == "mixture" and affine["loss"].consistency_cap == 1.0
+
+
+def test_config_errors(tmp_path):
     exp = _experiment()
     path = tmp_path / "c.toml"
-    path.write_text('[train]\nsteps = 50\n[affine]\nrotation_deg = 10.0\noverrides = ["train.steps=7", '
-                    '"model.num_capsules=4"]\n')
-    translation = exp.load_config(path, "translation")
-    affine = exp.load_config(path, "affine")
-    assert translation["train"].steps == 50 and translation["model"].mode == "translation"
-    assert affine["train"].steps == 7 and affine["model"].num_capsules == 4 and affine["model"].mode == "affine"
-    assert exp.load_config(path, "affine", ["train.steps=3"])["train"].steps == 3  # --set wins over the mode
+    path.write_text('[train]\nsteps = 50\n[model]\nmode = "affine"\n[range]\nrotation_deg = 10.0\n')
+    cfg = exp.load_config(path)
+    assert cfg["mode"] == "affine" and cfg["range"].rotation_deg == 10.0 and cfg["name"] == "c"
+    assert exp.load_config(path, ["train.steps=3"])["train"].steps == 3
     with pytest.raises(ConfigError, match="translations only"):
-        exp.load_config(path, "translation", ["translation.rotation_deg=5"])
+        exp.load_config(path, ["model.mode=translation"])
     with pytest.raises(ConfigError, match="combine"):
-        exp.load_config(path, "affine", ["model.combine=add"])
+        exp.load_config(path, ["model.combine=over"])
     with pytest.raises(ConfigError, match="unknown key"):
-        exp.load_config(path, "affine", ["model.capsules=3"])
+        exp.load_config(path, ["model.refine_steps=2"])
     with pytest.raises(ConfigError, match="recognition"):
-        exp.load_config(path, "affine", ["model.recognition=cnn"])
+        exp.load_config(path, ["model.recognition=cnn"])
     with pytest.raises(ConfigError, match="consistency_weight"):
-        exp.load_config(path, "affine", ["loss.consistency_weight=-1"])
+        exp.load_config(path, ["loss.consistency_weight=-1"])
     with pytest.raises(ConfigError, match="consistency_cap"):
-        exp.load_config(path, "affine", ["loss.consistency_cap=-1"])
+        exp.load_config(path, ["loss.consistency_cap=-1"])
     with pytest.raises(ConfigError, match="test_time_warps"):
-        exp.load_config(path, "affine", ["eval.test_time_warps=-2"])
+        exp.load_config(path, ["eval.test_time_warps=-2"])
 
 
 # ------------------------------------------------------------------------------------------ entry point
@@ -548,23 +513,23 @@ def test_config_modes_overrides_and_errors(tmp_path):
 
 TINY = ["--set", "data.dataset=synthetic", "--set", "data.train_limit=32", "--set", "data.test_limit=16",
         "--set", "model.canvas_size=32", "--set", "model.num_capsules=3", "--set", "model.recognition_hidden=4",
-        "--set", "model.template_size=5", "--set", "model.template_init=data", "--set", "train.steps=4", "--set", "train.batch_size=8",
-        "--set", "train.warmup_steps=1", "--set", "train.log_every=1", "--set", "train.checkpoint_every=2",
-        "--set", "eval.pairs=24", "--set", "eval.readout_pairs=24", "--set", "eval.batch_size=10",
-        "--set", "eval.curve_pairs=8",
-        # affine: the shipped set-up (conv recognition, mixture, capped pose consistency), a tiny trunk
-        "--set", 'affine.overrides=["model.recognition=conv", "model.conv_channels=[4, 4]", '
-                 '"model.conv_strides=[2, 2]", "loss.consistency_weight=1.0", "loss.consistency_cap=1.0", '
-                 '"model.combine=mixture"]', "--set", "translation.translation_px=2.0",
-        "--set", "translation.jitter_translation_px=1.0", "--set", "affine.translation_px=1.0",
-        "--set", "affine.jitter_translation_px=1.0"]
+        "--set", "model.template_size=5", "--set", "model.template_init=data", "--set", "train.steps=4",
+        "--set", "train.batch_size=8", "--set", "train.warmup_steps=1", "--set", "train.log_every=1",
+        "--set", "train.checkpoint_every=2", "--set", "eval.pairs=24", "--set", "eval.readout_pairs=24",
+        "--set", "eval.batch_size=10", "--set", "eval.curve_pairs=8", "--set", "range.translation_px=1.0",
+        "--set", "range.jitter_translation_px=1.0"]
+# the affine recipe as shipped (conv recognition, mixture, capped pose consistency) with a tiny trunk
+TINY_CONV = ["--set", "model.conv_channels=[4, 4]", "--set", "model.conv_strides=[2, 2]"]
 
 
-def test_entry_point_runs_both_modes_on_tiny_data_and_resumes(tmp_path):
+def test_entry_point_runs_both_recipes_on_tiny_data_and_resumes(tmp_path):
     exp = _experiment()
+    translation, affine = (str(path) for path in exp.RECIPES)
     results, runs = tmp_path / "results", tmp_path / "runs"
-    args = ["--seeds", "0", "1", "--out", str(runs), "--results-dir", str(results), "--quiet", *TINY]
-    assert exp.main(args) == 0
+    common = ["--seeds", "0", "1", "--results-dir", str(results), "--quiet"]
+    for config, extra in ((translation, []), (affine, TINY_CONV)):
+        out = runs / Path(config).stem
+        assert exp.main(["--config", config, "--out", str(out), *common, *TINY, *extra]) == 0
     for mode, comps in (("translation", ["dx", "dy"]), ("affine", ["m11", "m12", "tx", "m21", "m22", "ty"])):
         data = json.loads((results / f"transforming_autoencoder_{mode}.json").read_text())
         m = data["metrics"]
@@ -575,7 +540,7 @@ def test_entry_point_runs_both_modes_on_tiny_data_and_resumes(tmp_path):
         assert all(math.isfinite(r["recon_mse"]) for r in m["per_seed"])
         for fig in ("scatter", "reconstructions", "presence", "templates", "training", "r2_curve"):
             assert (results / f"transforming_autoencoder_{mode}_{fig}.png").is_file(), fig
-        assert (runs / mode / "seed1" / "final.pt").is_file()
+        assert (runs / f"transforming_autoencoder_{mode}" / "seed1" / "final.pt").is_file()
         assert m["per_seed"][0]["test_time_warps"] == 0
         breakdown = m["per_seed"][0]["error_breakdown"]
         assert set(breakdown["worst_error_share"]) == set(comps) and breakdown["r2_by_digit"]
@@ -583,24 +548,29 @@ def test_entry_point_runs_both_modes_on_tiny_data_and_resumes(tmp_path):
     assert "R²(dx)" in table and "R²(m12)" in table and "0.78" in table
     assert "the worst 2% of held-out pairs hold" in table
     # the affine models re-scored with recognition averaged over 3 warps: their own rows in the table
-    assert exp.main([*args[:-len(TINY)], "--modes", "affine", "--resume", "--name", "transforming_autoencoder_tta",
-                     *TINY, "--set", "eval.figures=false", "--set", "eval.test_time_warps=3"]) == 0
-    tta = json.loads((results / "transforming_autoencoder_tta_affine.json").read_text())["metrics"]["per_seed"]
+    affine_out = str(runs / "transforming_autoencoder_affine")
+    assert exp.main(["--config", affine, "--out", affine_out, "--resume", "--name", "transforming_autoencoder_affine_tta",
+                     *common, *TINY, *TINY_CONV, "--set", "eval.figures=false", "--set", "eval.test_time_warps=3"]) == 0
+    tta = json.loads((results / "transforming_autoencoder_affine_tta.json").read_text())["metrics"]["per_seed"]
     assert tta[0]["test_time_warps"] == 3 and tta[0]["steps"] == 4
     assert "R²(m11), recognition averaged over 3 known warps" in exp.readme_table(results)
     # --resume on finished runs re-evaluates without training: identical metrics
+    translation_out = str(runs / "transforming_autoencoder_translation")
     before = json.loads((results / "transforming_autoencoder_translation.json").read_text())["metrics"]
-    assert exp.main([*args[:-len(TINY)], "--modes", "translation", "--resume", *TINY,
+    assert exp.main(["--config", translation, "--out", translation_out, "--resume", *common, *TINY,
                      "--set", "eval.figures=false"]) == 0
     after = json.loads((results / "transforming_autoencoder_translation.json").read_text())["metrics"]
     assert after["per_seed"][1]["r2_dx"] == pytest.approx(before["per_seed"][1]["r2_dx"])
     # --resume with more steps than a finished run has trains on from its last checkpoint
     more = tmp_path / "more"
-    assert exp.main(["--seeds", "1", "--out", str(runs), "--results-dir", str(more), "--quiet", "--modes",
-                     "translation", "--resume", *TINY, "--set", "eval.figures=false", "--set", "train.steps=6"]) == 0
+    assert exp.main(["--config", translation, "--seeds", "1", "--out", translation_out, "--results-dir", str(more),
+                     "--quiet", "--resume", *TINY, "--set", "eval.figures=false", "--set", "train.steps=6"]) == 0
     assert json.loads((more / "transforming_autoencoder_translation.json").read_text())["metrics"]["per_seed"][0][
         "steps"] == 6
-    assert run_finished(runs / "translation" / "seed1", 6) and not run_finished(runs / "translation" / "seed1", 7)
+    seed1 = runs / "transforming_autoencoder_translation" / "seed1"
+    assert run_finished(seed1, 6) and not run_finished(seed1, 7)
+    # --name / --out with several recipes would send both to one place
+    assert exp.main(["--config", translation, affine, "--name", "x", "--quiet"]) == 2
 
 
 def test_entry_point_bad_config_is_one_line(tmp_path, capsys):
