@@ -1,14 +1,15 @@
-"""Headline result: train the generative capsule model on MNIST (40x40, SCAE placement) over several seeds and
-report the linear probes and k-means accuracy (paper §5, Table 1; SCAE's anchors).
+"""Train the generative capsule model on MNIST (40x40, SCAE placement) over several seeds and report the linear
+probes and k-means accuracy (paper §5, Table 1; SCAE's anchors).
 
-    python experiments/mnist_probe.py --seeds 0 1 2                    # the headline run (configs/mnist_probe.toml)
+    python experiments/mnist_probe.py --seeds 0 1 2                    # the recommended recipe (configs/mnist.toml)
     python experiments/mnist_probe.py --seeds 0 --resume               # continue interrupted runs
     python experiments/mnist_probe.py --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
-Writes ``results/mnist_probe_seed<S>.json`` per seed, ``results/mnist_probe.json`` (per-seed metrics, mean and
-std), the figures of the first seed, and ``checkpoints/mnist_probe.pt`` (the first seed's final model, without
-optimiser state) so the result can be evaluated without training:
-``probcaps evaluate --checkpoint checkpoints/mnist_probe.pt``.
+With the config's ``name`` (``mnist`` for configs/mnist.toml; ``--name`` to run it under another), writes
+``results/<name>_seed<S>.json`` per seed, ``results/<name>.json`` (per-seed metrics, mean and std), the figures of
+the first seed, and ``checkpoints/<name>.pt`` (the first seed's final model, without optimiser state) so the
+result can be evaluated without training: ``probcaps evaluate --checkpoint checkpoints/mnist.pt``.  Runs go to
+``runs/<name>/seed<S>``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from probcaps.cli import (  # noqa: E402
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
 
-DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist_probe.toml"
+DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
 
 
 def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
@@ -69,10 +70,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--out", default="runs/mnist_probe", help="run folders (one per seed)")
+    p.add_argument("--out", default=None, help="run folders, <out>/seed<S> (default: runs/<name>)")
     p.add_argument("--checkpoint-out", default=None,
                    help="export the first seed's model here (default: checkpoints/<name>.pt; '' for none)")
-    p.add_argument("--name", default="mnist_probe")
+    p.add_argument("--name", default=None, help="names the results, runs and checkpoint (default: the config's name)")
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--jit", action="store_true")
@@ -83,6 +84,8 @@ def main(argv=None) -> int:
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
+    args.name = args.name or load_experiment_config(args.config)["name"]
+    args.out = args.out or str(ROOT / "runs" / args.name)
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = []

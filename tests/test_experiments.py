@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
-    # catches: the headline script failing to train, evaluate, aggregate seeds or export the checkpoint
+    # catches: the MNIST script failing to train, evaluate, aggregate seeds or export the checkpoint, or naming
+    # its files after anything but the config's name
     from probcaps.experiments import mnist_probe
 
     results, ckpt = tmp_path / "results", tmp_path / "ck.pt"
@@ -22,13 +23,13 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
                            "--results-dir", str(results), "--checkpoint-out", str(ckpt), "--quiet",
                            "--set", "train.steps=3"])
     assert rc == 0
-    summary = json.loads((results / "mnist_probe.json").read_text())
+    summary = json.loads((results / "tiny.json").read_text())
     per_seed = summary["metrics"]["per_seed"]
     assert [r["seed"] for r in per_seed] == [0, 1]
     accs = [r["probe_presence_pose_test_acc"] for r in per_seed]
     assert summary["metrics"]["probe_presence_pose_test_acc_mean"] == pytest.approx(sum(accs) / 2)
-    assert (results / "mnist_probe_seed0_templates.png").is_file()
-    assert (results / "mnist_probe_training.png").is_file()
+    assert (results / "tiny_seed0_templates.png").is_file()
+    assert (results / "tiny_training.png").is_file()
     # the exported checkpoint evaluates without training and holds no optimiser state
     exported = torch.load(ckpt, weights_only=False)
     assert "optimiser" not in exported and exported["metadata"]["kind"] == "capsule_model"
@@ -39,11 +40,11 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
 
 
 def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
-    # catches: a pilot under another --name silently overwriting the committed checkpoints/mnist_probe.pt
+    # catches: a pilot under another --name silently overwriting the committed checkpoints/mnist.pt
     from probcaps.experiments import mnist_probe
 
     monkeypatch.setattr(mnist_probe, "ROOT", tmp_path)
-    assert mnist_probe.checkpoint_out_path(None, "mnist_probe") == tmp_path / "checkpoints" / "mnist_probe.pt"
+    assert mnist_probe.checkpoint_out_path(None, "mnist") == tmp_path / "checkpoints" / "mnist.pt"
     assert mnist_probe.checkpoint_out_path(None, "pilot") == tmp_path / "checkpoints" / "pilot.pt"
     assert mnist_probe.checkpoint_out_path("elsewhere/x.pt", "pilot") == Path("elsewhere/x.pt")
     assert mnist_probe.checkpoint_out_path("", "pilot") is None
