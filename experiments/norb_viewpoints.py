@@ -1,19 +1,18 @@
 """Novel viewpoints on (synthetic) smallNORB: matrix capsules with EM routing against a CNN, matched on familiar
 viewpoints (Hinton, Sabour & Frosst 2018, section 5.1).
 
-    python experiments/norb_viewpoints.py --seeds 0 1 2                  # headline (configs/norb_viewpoints.toml)
+    python experiments/norb_viewpoints.py --seeds 0 1 2                  # the azimuth split (configs/norb_azimuth.toml)
     python experiments/norb_viewpoints.py --seeds 0 --resume             # continue interrupted runs
-    python experiments/norb_viewpoints.py --seeds 0 --set data.split="elevation"   # the elevation split
-    python experiments/norb_viewpoints.py --seeds 0 --set data.dataset="smallnorb" # the real files, if present
-    python experiments/norb_viewpoints.py --config experiments/configs/norb_viewpoints_asymmetric.toml \
-        --seeds 0 1 2 --out runs/norb_asym                               # toys with a distinct front and back
+    python experiments/norb_viewpoints.py --config experiments/configs/norb_elevation.toml --seeds 0 1 2
+    python experiments/norb_viewpoints.py --seeds 0 --set data.dataset="smallnorb" --name norb_azimuth_smallnorb
 
 Protocol (the paper's matched comparison): both models train on the training instances at the familiar
 viewpoints only (azimuths {300, .., 40} or the 3 lowest elevations); every ``train.checkpoint_every`` steps each is
 evaluated on fixed subsets of the test instances at familiar and at novel viewpoints (``eval.jsonl`` in its run
 folder).  Per seed, the target is the lower of the two models' best familiar accuracies; each model is read at
 the first evaluation where its familiar accuracy reaches the target, and the novel-viewpoint accuracies there
-are compared.  Writes ``results/<name>.json`` and the figures ``results/<name>_*.png``.
+are compared.  Writes ``results/<name>.json`` and the figures ``results/<name>_*.png`` (``name`` from the config
+unless ``--name``); runs go to ``runs/<name>/seed<S>/<model>`` unless ``--out``.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std, load_result  # noqa: E402
 
-DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_viewpoints.toml"
+DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_azimuth.toml"
 MODELS = ("caps", "cnn")
 
 
@@ -370,7 +369,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--out", default="runs/norb_viewpoints", help="run folders (<out>/seed<S>/<model>)")
+    p.add_argument("--out", default=None, help="run folders (<out>/seed<S>/<model>; default: runs/<name>)")
     p.add_argument("--name", default=None, help="results name (default: the config's name)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
@@ -380,6 +379,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
     name = args.name or cfg["name"]
+    args.out = args.out or str(ROOT / "runs" / name)
     t0 = time.perf_counter()
     sets = load_sets(cfg["data"], args.data_dir)
     for seed in args.seeds:
