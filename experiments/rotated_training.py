@@ -35,7 +35,8 @@ from probcaps.cli import (  # noqa: E402
     add_common_args, finite_non_negative_float, non_negative_int, launch, one_line_errors,
 )
 from probcaps.io import write_json  # noqa: E402
-from probcaps.metrics import LinearProbe  # noqa: E402
+from probcaps.inference.evaluate import posterior_part_counts  # noqa: E402
+from probcaps.metrics import LinearProbe, class_purity  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
 
@@ -60,13 +61,12 @@ def probe_rotated(checkpoint: Path, theta_max: float, data_dir=None, device: str
         probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
         metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_feats[key], test_labels)
     # how class-specific the parents are: mean over parents of the largest class share of the images where that
-    # parent is present (1 = each parent fires for one class only); the paper's "specialise less" made measurable
+    # parent is present (1 = each parent fires for one class only); the paper's "specialise less" made measurable.
+    # The same with each image weighted by the parent's expected part count (SCAE's posterior presence)
     present = (torch.sigmoid(test_lat.parent_logits) > 0.5).float()            # (N, K)
-    onehot = torch.nn.functional.one_hot(test_labels.long(), 10).float()        # (N, 10)
-    counts = present.T @ onehot                                                 # (K, 10)
-    used = counts.sum(1) > 0
-    purity = (counts.max(1).values / counts.sum(1).clamp_min(1))[used]
-    metrics["parent_class_purity"] = float(purity.mean()) if used.any() else float("nan")
+    metrics["parent_class_purity"] = class_purity(present, test_labels)
+    metrics["parent_class_purity_posterior"] = class_purity(
+        posterior_part_counts(system.model, test_lat, ecfg.batch_size), test_labels)
     metrics["mean_active_parents"] = float(present.sum(1).mean())
     return metrics
 

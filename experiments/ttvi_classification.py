@@ -8,6 +8,19 @@ Two readings of "latents after test-time VI" are scored: the free-form object la
 capsules re-encoded by the set transformer from the optimised part capsules (the parts are what the image
 constrains; re-encoding keeps the object features in the distribution the probe was fit on).  Writes
 ``results/ttvi_classification.json`` and ``results/ttvi_classification_elbo.png`` (the ELBO trace).
+
+**The fair protocol** (``--n-train-ttvi N``, default 1000; 0: off): a probe fit on the encoder's features of training
+images and scored on test-time-VI'd test features compares two distributions.  Here the same test-time VI is also
+applied to the first ``N`` training images and the probe is refit on them, for every reading: VI → VI.  Beside
+the two readings above, a third test-time VI keeps the objects' meaning throughout: only the parts are free, and the
+objects are inferred from the sampled parts by the amortised encoder (the set transformer) at every step
+(:class:`PartsGuide`).  Every reading is also scored on its posterior presences, the expected number of parts
+each object explains under the exact posterior over the parts' parents
+(:func:`probcaps.inference.evaluate.posterior_part_counts`).  The encoder → encoder probe is given twice: fit on all
+training images and on the same ``N``.
+
+    python experiments/ttvi_classification.py --checkpoint checkpoints/mnist.pt \
+        --name ttvi_classification_fair --threads 1                 # the fair protocol's committed run
 """
 
 from __future__ import annotations
@@ -17,10 +30,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+import time  # noqa: E402
+
+import pyro  # noqa: E402
+import pyro.distributions as dist  # noqa: E402
 import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features  # noqa: E402
+from probcaps.inference.evaluate import posterior_part_counts, readout_features  # noqa: E402
+from probcaps.inference.guides import Latents  # noqa: E402
+from probcaps.inference.train import make_elbo  # noqa: E402
 from probcaps.inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
+from probcaps.distributions import ClampedRelaxedBernoulli  # noqa: E402
+from probcaps.errors import TrainingDiverged  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
 from probcaps.cli import (  # noqa: E402
@@ -34,6 +58,13 @@ DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}
+
+
+#: the readings of the fair protocol: LATENTS and the test-time VI of the parts alone
+READINGS = {**LATENTS, "ttvi_parts": "test-time VI of the parts, objects from the encoder at every step"}
+#: the feature sets of the fair protocol (keys of ``probcaps.inference.evaluate.READOUTS``)
+FAIR_FEATURES = {"presence_pose": "presences + poses", "presence": "presences",
+                 "posterior_counts": "posterior presences", "presence_counts": "presences ⊕ posterior presences"}
 
 
 def readme_table(results_dir: Path, name: str = "ttvi_classification") -> str | None:
@@ -52,6 +83,128 @@ def readme_table(results_dir: Path, name: str = "ttvi_classification") -> str | 
     return "\n".join(lines)
 
 
+def fair_table(results_dir: Path, name: str = "ttvi_classification_fair") -> str | None:
+    """The table of the fair protocol from ``results_dir/<name>.json`` (a run with ``--n-train-ttvi`` > 0): probe
+    test accuracy per reading (rows) and feature set (columns), fit on the encoder's features (encoder → ·) or on
+    the same reading of the training images (VI → VI)."""
+    loaded = load_result(results_dir, name)
+    if loaded is None:
+        return None
+    m, prov = loaded
+    if not m.get("n_train_ttvi"):
+        return None
+    cols = " | ".join(f"probe, {label} (%)" for label in FAIR_FEATURES.values())
+    lines = [f"| latents of the test digits | probe fit on | {cols} |", "| --- | --- |" + " --- |" * len(FAIR_FEATURES)]
+
+    def row(label: str, fit: str, prefix: str) -> str:
+        return f"| {label} | {fit} | " + " | ".join(f"{100 * m[f'{prefix}_{k}_acc']:.1f}" for k in FAIR_FEATURES) + " |"
+
+    n, n_all = m["n_train_ttvi"], m["n_train"]
+    lines.append(row("encoder", f"encoder, {n_all} training digits", "encoder"))
+    lines.append(row("encoder", f"encoder, first {n} training digits", "fair_encoder"))
+    for key, label in READINGS.items():
+        if key != "encoder":
+            lines.append(row(label, f"encoder, {n_all} training digits", key))
+    for key, label in READINGS.items():
+        if key != "encoder":
+            lines.append(row(f"**fair**: {label}", f"the same, first {n} training digits", f"fair_{key}"))
+    lines += ["", f"{m['n_test']} MNIST test digits and the first {n} training digits (rotated {m['rotation_deg']:g}°), "
+              f"{m['steps']} steps of test-time VI (lr {m['lr']:g}; ELBO per test image {m['elbo_encoder']:.0f} → "
+              f"{m['elbo_ttvi']:.0f} free-form, one-sample estimate {m['elbo_trace_parts_start']:.0f} → "
+              f"{m['elbo_trace_parts_end']:.0f} for the parts alone); posterior presences: the expected number of parts "
+              f"each object explains under the exact posterior over the parts' parents; checkpoint "
+              f"`{prov.get('checkpoint')}`; {provenance_line(prov)}"]
+    return "\n".join(lines)
+
+
+def table_text(results_dir: Path, name: str) -> str | None:
+    """The table of ``results_dir/<name>.json``: :func:`fair_table` for a run of the fair protocol, else
+    :func:`readme_table`."""
+    return fair_table(results_dir, name) or readme_table(results_dir, name)
+
+
+class PartsGuide(nn.Module):
+    """Test-time VI of the parts alone: free-form part presence logits ``(B, M)`` and pose locations ``(B, M, 6)``
+    for each of ``B`` images; the objects are inferred from the sampled parts by the amortised encoder's set
+    transformer, exactly as :class:`probcaps.inference.guides.DeltaGuide` infers them, so they keep the meaning the
+    model was trained with.  Sites and plates match the model's; poses are point masses (the delta guide's)."""
+
+    def __init__(self, encoder, init: Latents, temperature: float):
+        super().__init__()
+        self.encoder, self.temperature = encoder, float(temperature)
+        self.part_logits = nn.Parameter(init.part_logits.detach().clone())
+        self.part_locs = nn.Parameter(init.part_poses.detach().clone())
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        B, M = self.part_logits.shape
+        tau = self.part_logits.new_tensor(self.temperature)
+        data = pyro.plate("data", B, dim=-2)
+        with data, pyro.plate("children", M, dim=-1):
+            z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=self.part_logits))
+            y0 = pyro.sample("y0", dist.Delta(self.part_locs).to_event(1))
+        parent_logits, parent_poses = self.encoder.encode_parents(y0, z0)
+        with data, pyro.plate("parents", parent_logits.shape[-1], dim=-1):
+            pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
+            pyro.sample("y1", dist.Delta(parent_poses).to_event(1))
+
+    @torch.no_grad()
+    def latents(self) -> Latents:
+        """The optimised parts with their objects encoded at the parts' mean presences (as ``encoder.encode``)."""
+        parent_logits, parent_poses = self.encoder.encode_parents(self.part_locs, torch.sigmoid(self.part_logits))
+        return Latents(self.part_logits.detach().clone(), self.part_locs.detach().clone(), parent_logits, parent_poses)
+
+
+def ttvi_parts_batches(model, encoder, images: torch.Tensor, batch_size: int = 250, steps: int = 200,
+                       lr: float = 0.03, device: str = "cpu", progress: bool = True, seed: int = 0):
+    """Test-time VI of the parts alone (:class:`PartsGuide`), ``batch_size`` images at a time, each chunk ``i``
+    under the torch seed ``seed + i``; the model and the encoder are frozen.  ``images``: ``(N, H, W)`` uint8 or
+    floats in [0, 1].  Returns ``(latents (on the CPU), elbo_trace, wall_time_s)``: the trace is the mean over
+    images of each step's one-sample ``TraceEnum_ELBO`` estimate, taken before the step's update."""
+    from probcaps.data import iterate_batches
+
+    t0 = time.perf_counter()
+    frozen = [(p, p.requires_grad) for p in list(model.parameters()) + list(encoder.parameters())]
+    n_chunks = -(-len(images) // batch_size)
+    bar = tqdm(total=steps * n_chunks, disable=not progress, desc="ttvi parts", unit="step", dynamic_ncols=True)
+    chunks, traces, sizes = [], [], []
+    labels = torch.zeros(len(images), dtype=torch.long)
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        for i, (x, _) in enumerate(iterate_batches(images, labels, batch_size, shuffle=False, device=device)):
+            with torch.random.fork_rng(devices=[]), pyro.settings.context(module_local_params=True):
+                torch.manual_seed(seed + i)
+                guide = PartsGuide(encoder, encoder.encode(x), temperature=model.config.temperature)
+                opt = torch.optim.Adam([guide.part_logits, guide.part_locs], lr=lr)
+                elbo, trace = make_elbo(max_plate_nesting=2), []
+                for step in range(steps):
+                    opt.zero_grad(set_to_none=True)
+                    loss = elbo.differentiable_loss(model, guide, x)
+                    if not torch.isfinite(loss):
+                        raise TrainingDiverged(f"test-time VI of the parts, step {step}: the loss is {loss.item()} "
+                                               f"(lr {lr}); try a smaller lr")
+                    loss.backward()
+                    opt.step()
+                    trace.append(-loss.item() / len(x))
+                    bar.update(1)
+                chunks.append([t.cpu() for t in guide.latents()])
+                traces.append(trace)
+                sizes.append(len(x))
+    finally:
+        bar.close()
+        for p, requires_grad in frozen:
+            p.requires_grad_(requires_grad)
+    weights = torch.tensor(sizes, dtype=torch.float64)
+    trace = ((torch.tensor(traces, dtype=torch.float64) * weights[:, None]).sum(0) / weights.sum()).tolist()
+    return Latents(*(torch.cat(parts) for parts in zip(*chunks))), trace, time.perf_counter() - t0
+
+
+def reading_features(model, latents: Latents, batch_size: int = 500) -> dict[str, torch.Tensor]:
+    """The probe features of :data:`FAIR_FEATURES` for ``latents`` (posterior presences computed from them)."""
+    feats = readout_features(latents, posterior_part_counts(model, latents, batch_size))
+    return {key: feats[key][0] for key in FAIR_FEATURES}
+
+
 @one_line_errors("ttvi_classification")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +218,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=positive_int, default=250)
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--name", default="ttvi_classification")
+    p.add_argument("--n-train-ttvi", type=int, default=1000,
+                   help="the fair protocol: test-time VI on the first N training images too, probes refit on them "
+                        "(0: off)")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     if args.threads:
@@ -78,8 +234,7 @@ def main(argv=None) -> int:
     x = to_float(test_images)
     if args.rotate:
         x = rotate(x, args.rotate).clamp(0, 1)
-    train_feats = probe_features(encode_dataset(system.encoder, train_images, ecfg.batch_size, args.device,
-                                                progress))
+    train_lat = encode_dataset(system.encoder, train_images, ecfg.batch_size, args.device, progress)
     result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps,
                           lr=args.lr, device=args.device, progress=progress, seed=args.seed)
     latents = {"encoder": encode_dataset(system.encoder, x, ecfg.batch_size, args.device),
@@ -87,11 +242,45 @@ def main(argv=None) -> int:
                "ttvi_reencoded": reencode_parents(system.encoder, result.latents, ecfg.batch_size, args.device)}
     metrics = {"n_train": len(train_images), "n_test": len(x), "rotation_deg": args.rotate, "steps": args.steps,
                "lr": args.lr, "elbo_encoder": float(result.elbo_start.mean()),
-               "elbo_ttvi": float(result.elbo_end.mean()), "ttvi_wall_time_s": result.wall_time_s}
-    for key in FEATURES:
+               "elbo_ttvi": float(result.elbo_end.mean()), "ttvi_wall_time_s": result.wall_time_s,
+               "n_train_ttvi": min(args.n_train_ttvi, len(train_images))}
+    fair_train = {}
+    n_fair = metrics["n_train_ttvi"]
+    if n_fair:
+        # the fair protocol: the probe's training images go through the same inference as the test images
+        x_train = to_float(train_images[:n_fair])
+        if args.rotate:
+            x_train = rotate(x_train, args.rotate).clamp(0, 1)
+        train_seed = args.seed + 10_000  # chunk seeds of its own, apart from the test images'
+        train_result = ttvi_batches(system.model, system.guide, x_train, batch_size=args.batch_size, steps=args.steps,
+                                    lr=args.lr, device=args.device, progress=progress, seed=train_seed)
+        parts_test, trace_test, wall_test = ttvi_parts_batches(
+            system.model, system.encoder, x, args.batch_size, args.steps, args.lr, args.device, progress, args.seed)
+        parts_train, _, wall_train = ttvi_parts_batches(
+            system.model, system.encoder, x_train, args.batch_size, args.steps, args.lr, args.device, progress,
+            train_seed)
+        latents["ttvi_parts"] = parts_test
+        fair_train = {"encoder": encode_dataset(system.encoder, x_train, ecfg.batch_size, args.device),
+                      "ttvi_objects": train_result.latents,
+                      "ttvi_reencoded": reencode_parents(system.encoder, train_result.latents, ecfg.batch_size,
+                                                         args.device),
+                      "ttvi_parts": parts_train}
+        metrics.update(elbo_ttvi_train=float(train_result.elbo_end.mean()),
+                       elbo_encoder_train=float(train_result.elbo_start.mean()),
+                       elbo_trace_parts_start=trace_test[0], elbo_trace_parts_end=trace_test[-1],
+                       elbo_trace_objects_start=result.elbo_trace[0], elbo_trace_objects_end=result.elbo_trace[-1],
+                       ttvi_train_wall_time_s=train_result.wall_time_s, ttvi_parts_wall_time_s=wall_test + wall_train)
+    train_feats = reading_features(system.model, train_lat, ecfg.batch_size)
+    test_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in latents.items()}
+    fair_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in fair_train.items()}
+    fair_labels = train_labels[:n_fair]
+    for key in FAIR_FEATURES:
         probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
-        for name, lat in latents.items():
-            metrics[f"{name}_{key}_acc"] = probe.accuracy(probe_features(lat)[key], test_labels)
+        for name, feats in test_feats.items():  # encoder -> each reading
+            metrics[f"{name}_{key}_acc"] = probe.accuracy(feats[key], test_labels)
+        for name, feats in fair_feats.items():  # the same reading -> the same reading
+            fair_probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(feats[key], fair_labels)
+            metrics[f"fair_{name}_{key}_acc"] = fair_probe.accuracy(test_feats[name][key], test_labels)
     results = Path(args.results_dir)
     plotting.plot_curves({"test-time VI": (list(range(len(result.elbo_trace))), result.elbo_trace)},
                          results / f"{args.name}_elbo.png", xlabel="step", ylabel="ELBO per image (nats)",
@@ -99,9 +288,7 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
                       checkpoint=str(args.checkpoint))
     write_results(results / f"{args.name}.json", metrics, prov)
-    for name in LATENTS:
-        print(f"{name}: probe presence+pose {metrics[f'{name}_presence_pose_acc']:.4f}, presence "
-              f"{metrics[f'{name}_presence_acc']:.4f}")
+    print(table_text(results, args.name))
     print(f"wrote {results / (args.name + '.json')}")
     return 0
 

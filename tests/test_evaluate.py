@@ -171,3 +171,63 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     record = json.loads((results / "tiny.json").read_text())
     assert record["metrics"]["probe_presence_test_report"]["per_class_accuracy"] == \
         metrics["probe_presence_test_report"]["per_class_accuracy"]
+
+
+# --------------------------------------------------------------------------- test-time VI under the fair protocol
+
+
+@pytest.fixture
+def tiny_run(tiny_toml, tmp_path, pyro_clean, seed):
+    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
+
+    cfg = load_experiment_config(tiny_toml, ["train.steps=2"])
+    train_capsules(cfg, tmp_path / "run", progress=False)
+    return tmp_path / "run" / "final.pt"
+
+
+def test_ttvi_of_the_parts_keeps_the_encoders_objects(tiny_run):
+    # catches: objects of the parts-only test-time VI that are not the encoder's reading of the optimised parts,
+    # or a run that changes (or unfreezes) the model or the encoder
+    from probcaps.experiments.ttvi_classification import ttvi_parts_batches
+    from probcaps.inference.capsule_svi import load_images, load_trained
+
+    cfg, system = load_trained(tiny_run)
+    images, _ = load_images(cfg["data"], "test", limit=6)
+    before = {k: v.clone() for k, v in system.state_dict().items()}
+    x = images.float().div(255).unsqueeze(1)
+    same, trace0, _ = ttvi_parts_batches(system.model, system.encoder, images, batch_size=4, steps=0, progress=False)
+    for got, want in zip(same, system.encoder.encode(x)):
+        torch.testing.assert_close(got, want)
+    moved, trace, _ = ttvi_parts_batches(system.model, system.encoder, images, batch_size=4, steps=5, lr=0.1,
+                                         progress=False)
+    assert trace0 == [] and len(trace) == 5
+    assert not torch.allclose(moved.part_poses, same.part_poses)
+    logits, poses = system.encoder.encode_parents(moved.part_poses, torch.sigmoid(moved.part_logits))
+    torch.testing.assert_close(moved.parent_logits, logits)
+    torch.testing.assert_close(moved.parent_poses, poses)
+    for k, v in system.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.requires_grad for p in system.parameters())
+
+
+def test_ttvi_classification_fair_protocol(tiny_run, tmp_path):
+    # catches: the fair probes missing a reading or feature set, or the table not naming the fair rows
+    from probcaps.experiments import ttvi_classification as tc
+
+    rc = tc.main(["--checkpoint", str(tiny_run), "--n-test", "8", "--n-train-ttvi", "12", "--steps", "2",
+                  "--batch-size", "8", "--name", "fair", "--results-dir", str(tmp_path), "--quiet"])
+    assert rc == 0
+    m = json.loads((tmp_path / "fair.json").read_text())["metrics"]
+    assert m["n_train_ttvi"] == 12
+    for reading in tc.READINGS:
+        for key in tc.FAIR_FEATURES:
+            assert 0.0 <= m[f"fair_{reading}_{key}_acc"] <= 1.0, (reading, key)
+            assert 0.0 <= m[f"{reading}_{key}_acc"] <= 1.0, (reading, key)
+    table = (tmp_path / "fair.md").read_text()
+    assert table.count("**fair**") == len(tc.READINGS) - 1 and "posterior presences" in table
+    assert tc.fair_table(tmp_path, "fair") is not None
+    # without the fair protocol the run writes the encoder-fit table alone
+    rc = tc.main(["--checkpoint", str(tiny_run), "--n-test", "8", "--n-train-ttvi", "0", "--steps", "2",
+                  "--name", "plain", "--results-dir", str(tmp_path), "--quiet"])
+    assert rc == 0 and tc.fair_table(tmp_path, "plain") is None
+    assert "re-encoded" in (tmp_path / "plain.md").read_text()
