@@ -4,27 +4,38 @@
 ``torch.optim`` optimiser (for Pyro models: ``pyro.settings.set(module_local_params=True)`` and
 ``loss_fn = lambda x: elbo.differentiable_loss(model, guide, x)``).  It gives every model the same guarantees:
 
-- a progress bar and a JSON-lines log (``log.jsonl``);
+- a progress bar and a JSON-lines log (``log.jsonl``), optionally mirrored to TensorBoard;
 - periodic and final checkpoints written atomically (a crash never leaves a half-written file);
-- exact resume: the data order is a pure function of (seed, epoch), and the RNG states are checkpointed;
-- a NaN guard: a non-finite loss or gradient stops training with a message, and nothing from the broken state
-  is written;
-- Ctrl-C, or a SIGTERM (a job scheduler's or `kill`'s), writes a checkpoint of the last completed step before
-  stopping;
+- exact resume after any stop (kill -9, SIGTERM, Ctrl-C, at any moment): the data order is a pure function of
+  (seed, epoch), a checkpoint always holds one step boundary's parameters, optimiser, scheduler, RNG states and
+  data position, and the log is cut back to the checkpoint's step;
+- Ctrl-C or SIGTERM only sets a flag; the loop honours it at the next step boundary with a checkpoint of that
+  step, however early the signal came (during start-up: a checkpoint of step 0 or of the resumed step) and
+  never inside a file write;
+- a NaN guard: a non-finite loss or gradient stops training before the update, parameters made non-finite by
+  an update stop it after, and no checkpoint is ever written holding a non-finite tensor;
+- a run folder is used by one run at a time (``OUT/.lock``), and a finished or started run is never replaced
+  unless asked to (``force``);
 - ``on_checkpoint(state)`` (evaluations, curves) runs exactly once at each scheduled checkpoint, however the run
   is cut and resumed: it runs before the checkpoint is written, so a checkpoint of step N means N's callback
-  finished, and a Ctrl-C during the callback marks the checkpoint so that the resumed run finishes it first.
+  finished, and a Ctrl-C during the callback marks the checkpoint so that the resumed run finishes it first;
+- ``schedules`` (e.g. an annealing factor, as in Pyro's ``examples/dmm.py``) evaluated at every step and passed to
+  the loss as keyword arguments;
+- data parallelism with ``torch.distributed`` under ``torchrun`` (see :mod:`probcaps.inference.distributed`).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
+import os
 import random
+import shutil
 import signal
+import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,13 +45,16 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.errors import CheckpointError, TrainingDiverged
-from probcaps.io import atomic_torch_save, atomic_write
-from probcaps.encoders import use_compiled_part_cnn
-from probcaps.render import use_compiled_compositing
+from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
+from probcaps.io import (INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, atomic_torch_save, read_jsonl,
+                         truncate_log)
+from probcaps.inference import distributed
 
-__all__ = ["TrainConfig", "TrainState", "train_loop", "make_optimiser", "load_checkpoint", "make_elbo", "read_jsonl",
-           "truncate_log"]
+__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "load_checkpoint",
+           "make_elbo", "read_jsonl", "truncate_log", "run_finished", "load_module_state"]
+
+# keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
+LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes")
 
 
 @dataclass
@@ -62,16 +76,89 @@ class TrainConfig:
     # travel much further from their initial values than the network weights
     lr_multipliers: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> "TrainConfig":
+        """Refuse values the loop cannot honour, in one line naming the key (``train.steps: must be >= 1, got 0``)."""
+        def bad(key, rule, value):
+            raise ConfigError(f"train.{key}: must be {rule}, got {value!r}")
+
+        for key in ("steps", "batch_size", "log_every", "checkpoint_every"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(key, ">= 1", value)
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            bad("warmup_steps", ">= 0", self.warmup_steps)
+        for key in ("lr", "grad_clip"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                bad(key, "finite and > 0", value)
+        if not (isinstance(self.final_lr_fraction, (int, float)) and 0 <= self.final_lr_fraction <= 1):
+            bad("final_lr_fraction", "in [0, 1]", self.final_lr_fraction)
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
+                and self.weight_decay >= 0):
+            bad("weight_decay", "finite and >= 0", self.weight_decay)
+        for prefix, mult in self.lr_multipliers.items():
+            if not (isinstance(mult, (int, float)) and math.isfinite(mult) and mult > 0):
+                bad(f"lr_multipliers.{prefix}", "finite and > 0", mult)
+        return self
+
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 @dataclass
 class TrainState:
+    """Where training is.  ``summary_writer`` (not a field: never checkpointed) is the run's TensorBoard
+    ``SummaryWriter`` when ``train_loop(..., tensorboard=True)``, else None, for ``on_checkpoint`` to add images."""
+
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
     wall_time_s: float = 0.0
+
+    summary_writer = None
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during training: handled as Ctrl-C (checkpoint, then stop); entry points exit with 143."""
+
+    exit_code = 128 + 15
+
+
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    return Terminated(f"signal {signum}") if signum == signal.SIGTERM else KeyboardInterrupt(f"signal {signum}")
+
+
+class _StopSignals:
+    """SIGINT / SIGTERM handlers that only record the signal: the loop stops at the next step boundary, where the
+    parameters, optimiser, scheduler, RNG and data position are one consistent state.  While ``interruptible``
+    (the ``on_checkpoint`` callback, which may be a long evaluation, in a single-process run) a signal raises at
+    once instead.  Installed first thing, so no signal during start-up is lost; main thread only (Python runs
+    signal handlers nowhere else)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.interruptible = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in INTERRUPT_SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if self.interruptible:
+            self.interruptible = False
+            raise _interrupt(signum)
 
 
 def make_elbo(jit: bool = False, max_plate_nesting: int = 2):
@@ -134,8 +221,25 @@ def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
     return torch.optim.Adam(_param_groups(module, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
+def _first_non_finite(tensors: dict) -> str | None:
+    """The name of the first floating tensor of ``{name: tensor}`` holding a NaN or Inf, or None (one sync)."""
+    named = [(k, t) for k, t in tensors.items() if torch.is_tensor(t) and t.is_floating_point() and t.numel()]
+    if not named:
+        return None
+    flags = [torch.isfinite(t).all() for _, t in named]
+    finite = torch.stack([f.to(flags[0].device) for f in flags])
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
+
+
+def _optimiser_tensors(optimiser_state: dict) -> dict:
+    return {f"optimiser.state.{i}.{k}": v for i, s in optimiser_state["state"].items() for k, v in s.items()}
+
+
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    """Read a checkpoint written by :func:`train_loop`; a missing or unreadable file is a one-line error."""
+    """Read a checkpoint written by :func:`train_loop`; a missing, unreadable or non-finite one is a one-line
+    error."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
@@ -145,6 +249,10 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(ckpt, dict) or "module" not in ckpt:
         raise CheckpointError(f"{path}: not a probcaps checkpoint (no 'module' state)")
+    bad = _first_non_finite(ckpt["module"])
+    if bad is not None:
+        raise CheckpointError(f"{path}: '{bad}' holds NaN or Inf values; the model in this checkpoint diverged and "
+                              f"cannot be used")
     return ckpt
 
 
@@ -173,180 +281,462 @@ def load_module_state(module: nn.Module, state: dict, path: str | Path) -> None:
     module.load_state_dict(state)
 
 
+def _use_compiled_kernels() -> None:
+    """``train.compile``: the compiled alpha compositing and part CNN, through the switches their modules offer."""
+    from probcaps import encoders, render
+
+    for switch in (getattr(render, "use_compiled_compositing", None), getattr(encoders, "use_compiled_part_cnn", None)):
+        if switch is not None:
+            switch()
+
+
+def _checkpoint_step(path: Path) -> str:
+    try:
+        return str(int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state"]["step"]))
+    except Exception:  # noqa: BLE001 - only for a message
+        return "unknown"
+
+
+def _run_folder(out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputError(f"{out_dir}: exists and is not a folder (--out must name a run folder)") from None
+    except OSError as e:
+        raise OutputError(f"{out_dir}: cannot create the run folder ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise OutputError(f"{out_dir}: the run folder is not writable")
+    return out_dir
+
+
+def _split_loss(out) -> tuple[torch.Tensor, dict]:
+    """``loss_fn``'s result as ``(scalar loss, {term name: tensor or float})``."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise TypeError("train_loop: loss_fn must return a scalar loss or (loss, {name: float})")
+        return out
+    return out, {}
+
+
+class _LossModule(nn.Module):
+    """``module`` with ``loss_fn`` as its forward, so that ``DistributedDataParallel`` sees the loss computed inside
+    the wrapped module's forward (its gradient hooks are on ``module``'s parameters)."""
+
+    def __init__(self, module: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.module = module
+        self.loss_fn = loss_fn
+
+    def forward(self, batch, **schedule_values):
+        return self.loss_fn(batch, **schedule_values)
+
+
 def train_loop(
     module: nn.Module,
-    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor | tuple[torch.Tensor, dict]],
     batches: Callable[[int, int], Iterator],
     cfg: TrainConfig,
     out_dir: str | Path,
     *,
     resume: bool = False,
+    force: bool = False,
     metadata: dict | None = None,
     progress: bool = True,
     on_checkpoint: Callable[[TrainState], None] | None = None,
+    schedules: dict[str, Callable[[int], float]] | None = None,
+    tensorboard: bool = False,
 ) -> TrainState:
     """Optimise ``module``'s parameters on ``loss_fn`` for ``cfg.steps`` steps.
 
     Args:
         module: holds every trainable parameter (e.g. ``nn.ModuleDict(model=..., guide=...)``).
-        loss_fn: ``batch -> scalar loss`` (mean over the batch, so the learning rate does not depend on it).
-        batches: ``(epoch, start_batch) -> iterator of batches``; must be deterministic in its arguments.
-        out_dir: receives ``checkpoint.pt`` (latest, periodic), ``final.pt`` and ``log.jsonl``.
-        resume: continue from ``out_dir/checkpoint.pt`` (exactly: same parameters as an uninterrupted run).
+        loss_fn: ``batch -> scalar loss`` (mean over the batch, so the learning rate does not depend on it), or
+            ``batch -> (loss, {name: float})`` whose extra terms are logged (window means) beside the loss.  With
+            ``schedules`` it is called as ``loss_fn(batch, **{name: schedule(step)})``.
+        batches: ``(epoch, start_batch) -> iterator of batches`` (a tensor, or a tuple/list of tensors whose first
+            dimension is the batch); must be deterministic in its arguments.  Under ``torch.distributed`` every
+            process iterates the same global batches and takes its contiguous share of each.
+        out_dir: receives ``checkpoint.pt`` (latest, periodic), ``final.pt``, ``log.jsonl`` and ``.lock``.
+        resume: continue from ``out_dir/checkpoint.pt`` (exactly: same parameters as an uninterrupted run), with
+            the config's learning rate and schedule from the resumed step on (a change is printed and logged).
+        force: start over in a folder that holds a run (its checkpoints, log and TensorBoard events are deleted);
+            without it (and without ``resume``) such a folder is refused.
         metadata: stored in every checkpoint (configs, so a checkpoint can rebuild its model).
         on_checkpoint: called with the state at every ``cfg.checkpoint_every`` steps and at the end, once per step
-            across interruptions and resumes; not at the off-schedule checkpoint a Ctrl-C writes.
+            across interruptions and resumes; not at the off-schedule checkpoint a Ctrl-C writes.  Runs on rank 0
+            only under ``torch.distributed``.
+        schedules: ``{name: step -> float}``, evaluated at the 0-based index of each step and passed to
+            ``loss_fn`` as keyword arguments; each record of ``log.jsonl`` holds the values of its last step.
+        tensorboard: mirror the log to ``out_dir/tensorboard`` (needs the ``tensorboard`` package); the
+            writer is ``state.summary_writer`` for ``on_checkpoint``.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C (``Terminated`` for SIGTERM), after writing a checkpoint of the step boundary.
+        TrainingDiverged: a non-finite loss, gradient or parameter; nothing non-finite is ever written.
+        ConfigError, CheckpointError, OutputError, RunFolderBusy: one-line errors about the input or the folder.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.compile:
-        use_compiled_compositing()
-        use_compiled_part_cnn()
-    params = [p for p in module.parameters() if p.requires_grad]
-    optimiser = make_optimiser(module, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimiser, _lr_factor(cfg))
-    state = TrainState()
-    ckpt_path, log_path = out_dir / "checkpoint.pt", out_dir / "log.jsonl"
-    callback_done_at = -1  # the last step whose on_checkpoint call returned
-    callback_pending = False
-    if resume:
-        ckpt = load_checkpoint(ckpt_path)
-        load_module_state(module, ckpt["module"], ckpt_path)
-        optimiser.load_state_dict(ckpt["optimiser"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        state = TrainState(**ckpt["state"])
-        _set_rng_state(ckpt["rng"])
-        truncate_log(log_path, state.step)
-        callback_pending = ckpt.get("callback_pending", False)
-        if not callback_pending:
-            callback_done_at = state.step
-    else:
-        seed_everything(cfg.seed)
-        log_path.unlink(missing_ok=True)
+    with _StopSignals() as stop:  # first: a signal during the start-up below is honoured before the first step
+        cfg.check()
+        schedules = dict(schedules or {})
+        clash = sorted(set(schedules) & set(LOG_KEYS))
+        if clash:
+            raise ValueError(f"train_loop: schedule names {clash} clash with the log's own keys")
+        world = distributed.init_from_env()
+        out_dir = _run_folder(out_dir) if world.rank == 0 else Path(out_dir)
+        # a run stopped by kill -9 before its first checkpoint leaves its lock file (or log): resuming it is
+        # starting at step 0
+        started = (out_dir / ".lock").exists() or (out_dir / "log.jsonl").exists()
+        world.barrier()
+        with RunLock(out_dir) if world.rank == 0 else contextlib.nullcontext():
+            run = _Run(module, loss_fn, batches, cfg, out_dir, world, stop, metadata=metadata, progress=progress,
+                       on_checkpoint=on_checkpoint, schedules=schedules)
+            return run.train(resume=resume, force=force, tensorboard=tensorboard, started=started)
 
-    def snapshot(callback_pending: bool = False) -> dict:
-        return {
-            "module": module.state_dict(),
-            "optimiser": optimiser.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "state": asdict(state),
-            "rng": _rng_state(),
-            "train_config": cfg.to_dict(),
-            "metadata": metadata or {},
+
+class _Run:
+    """One call of :func:`train_loop`: the optimiser, scheduler, state and files of a run."""
+
+    def __init__(self, module, loss_fn, batches, cfg, out_dir, world, stop, *, metadata, progress, on_checkpoint,
+                 schedules):
+        self.module, self.loss_fn, self.batches, self.cfg = module, loss_fn, batches, cfg
+        self.out_dir, self.world, self.stop = out_dir, world, stop
+        self.metadata, self.progress, self.on_checkpoint, self.schedules = metadata, progress, on_checkpoint, schedules
+        self.ckpt_path, self.final_path = out_dir / "checkpoint.pt", out_dir / "final.pt"
+        self.log_path, self.tb_dir = out_dir / "log.jsonl", out_dir / "tensorboard"
+        self.state = TrainState()
+        self.window = {"steps": 0, "sums": {}}  # steps since the last log record and the sums of loss and terms
+        self.lr_changes: list[dict] = []  # {"step", "from", "to"}: learning rates changed by resumes
+        self.callback_done_at = -1  # the last step whose on_checkpoint call returned
+        self.writer = None
+        self.is_main = world.rank == 0
+        self.schedule_values: dict[str, float] = {}
+        self.callback_pending = False
+
+    # ------------------------------------------------------------------------------------------ start-up
+
+    def _start(self, resume: bool, force: bool, started: bool) -> bool:
+        """Build the optimiser and scheduler, then load the checkpoint or start afresh; returns whether the
+        checkpoint we resume from still owes its ``on_checkpoint`` call."""
+        cfg = self.cfg
+        if cfg.compile:
+            _use_compiled_kernels()
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimiser = make_optimiser(self.module, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser, _lr_factor(cfg))
+        self.forward = self.loss_fn
+        if self.world.size > 1:
+            self.forward = self.world.wrap(_LossModule(self.module, self.loss_fn))
+        if self.is_main:  # temporary files of writes a kill -9 cut short (we hold the folder's lock)
+            for name in (self.ckpt_path.name, self.final_path.name, self.log_path.name):
+                for tmp in self.out_dir.glob(f".{name}.*.tmp"):
+                    tmp.unlink(missing_ok=True)
+        has_run = self.ckpt_path.is_file() or self.final_path.is_file()
+        if resume and not self.ckpt_path.is_file() and started:
+            if self.is_main:
+                print(f"{self.out_dir}: the run stopped before its first checkpoint; starting it at step 0",
+                      file=sys.stderr)
+            resume, force = False, True
+        if resume:
+            return self._resume()
+        if has_run and not force:
+            step = _checkpoint_step(self.final_path if self.final_path.is_file() else self.ckpt_path)
+            raise ConfigError(f"{self.out_dir} holds a run (step {step}); pass --resume to continue or --force to "
+                              f"start over")
+        self.world.barrier()  # every process has looked before rank 0 deletes
+        if self.is_main:
+            for path in (self.ckpt_path, self.final_path, self.log_path):
+                path.unlink(missing_ok=True)
+            shutil.rmtree(self.tb_dir, ignore_errors=True)
+        seed_everything(self.world.seed(cfg.seed))
+        return False
+
+    def _resume(self) -> bool:
+        ckpt = load_checkpoint(self.ckpt_path)
+        world_size = int(ckpt.get("world_size", 1))
+        if world_size != self.world.size:
+            raise CheckpointError(f"{self.ckpt_path}: written by a run of {world_size} process(es); resume it with "
+                                  f"{world_size} (torchrun --nproc_per_node={world_size}), not {self.world.size}, "
+                                  f"or the random draws would differ")
+        load_module_state(self.module, ckpt["module"], self.ckpt_path)
+        bad = _first_non_finite(_optimiser_tensors(ckpt["optimiser"]))
+        if bad is not None:
+            raise CheckpointError(f"{self.ckpt_path}: '{bad}' holds NaN or Inf values")
+        new_base = list(self.scheduler.base_lrs)
+        try:
+            self.optimiser.load_state_dict(ckpt["optimiser"])
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{self.ckpt_path}: the optimiser state does not fit (train.lr_multipliers "
+                                  f"changed?): {e}") from None
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        known = {f.name for f in fields(TrainState)}
+        self.state = TrainState(**{k: v for k, v in ckpt["state"].items() if k in known})
+        rngs = ckpt.get("rng_per_rank") or [ckpt["rng"]]
+        _set_rng_state(rngs[self.world.rank])
+        self.window = ckpt.get("log_window", {"steps": 0, "sums": {}})
+        self.lr_changes = list(ckpt.get("lr_changes", []))
+        self._apply_config_lr(new_base)
+        if self.is_main:
+            truncate_log(self.log_path, self.state.step)
+        pending = ckpt.get("callback_pending", False)
+        if not pending:
+            self.callback_done_at = self.state.step
+        return pending
+
+    def _apply_config_lr(self, new_base: list[float]) -> None:
+        """Learning rates from this run's config (``train.lr``, the schedule, weight decay), not the checkpoint's:
+        LambdaLR recomputes ``base_lr * factor(step)`` every step, so an unchanged config gives bit-identical
+        rates and a changed one takes effect from the resumed step on."""
+        sched, groups = self.scheduler, self.optimiser.param_groups
+        old = [g["lr"] for g in groups]
+        sched.base_lrs = new_base
+        factor = sched.lr_lambdas[0]
+        for g, base in zip(groups, new_base):
+            g["initial_lr"] = base
+            g["lr"] = base * factor(sched.last_epoch)
+            g["weight_decay"] = self.cfg.weight_decay
+        sched._last_lr = [g["lr"] for g in groups]
+        new = sched._last_lr
+        if old != new:
+            change = {"step": self.state.step, "from": old[0], "to": new[0]}
+            self.lr_changes.append(change)
+            if self.is_main:
+                print(f"resuming at step {self.state.step}: learning rate changed from {old[0]:.6g} to {new[0]:.6g} "
+                      f"(train.lr = {self.cfg.lr:g} and its schedule apply from here on)", file=sys.stderr)
+
+    def _open_tensorboard(self) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("--tensorboard needs the tensorboard package: pip install probcaps[tensorboard]") from None
+        # purge_step: events a killed run wrote past the checkpoint we resume from are dropped by TensorBoard
+        self.writer = SummaryWriter(str(self.tb_dir), purge_step=self.state.step if self.state.step else None)
+        self.state.summary_writer = self.writer
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def _snapshot(self, callback_pending: bool = False, rng: dict | None = None) -> dict:
+        rng = rng or _rng_state()
+        snap = {
+            "module": self.module.state_dict(),
+            "optimiser": self.optimiser.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "state": asdict(self.state),
+            "rng": rng,
+            "train_config": self.cfg.to_dict(),
+            "metadata": self.metadata or {},
             "callback_pending": callback_pending,
+            "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
+            "lr_changes": list(self.lr_changes),
+            "world_size": self.world.size,
         }
+        if self.world.size > 1:
+            snap["rng_per_rank"] = self.world.gather_objects(rng)
+            snap["rng"] = snap["rng_per_rank"][0]
+        return snap
 
-    def run_callback() -> None:
-        nonlocal callback_done_at
-        if on_checkpoint is not None and callback_done_at != state.step:
-            on_checkpoint(state)
-            callback_done_at = state.step
+    def _write(self, path: Path, callback_pending: bool = False, rng: dict | None = None) -> None:
+        snap = self._snapshot(callback_pending, rng)
+        if not self.is_main:
+            return
+        bad = _first_non_finite(snap["module"]) or _first_non_finite(_optimiser_tensors(snap["optimiser"]))
+        if bad is not None:
+            raise TrainingDiverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write "
+                                   f"{path} (last good checkpoint: {self.ckpt_path})")
+        atomic_torch_save(snap, path)
+        if self.writer is not None:
+            self.writer.flush()
 
-    def save(path: Path) -> None:
-        # the callback before the checkpoint: a run killed inside it resumes from the previous checkpoint, so the
-        # steps since and this callback are redone instead of lost
-        run_callback()
-        atomic_torch_save(snapshot(), path)
+    def _run_callback(self) -> None:
+        if self.on_checkpoint is None or self.callback_done_at == self.state.step:
+            return
+        if self.is_main:
+            self.stop.interruptible = self.world.size == 1
+            try:
+                self.on_checkpoint(self.state)
+            finally:
+                self.stop.interruptible = False
+        self.callback_done_at = self.state.step
 
-    if callback_pending:  # cut by Ctrl-C inside the callback of the step we resume from
-        run_callback()
+    def _scheduled(self) -> bool:
+        s = self.state.step
+        return s > 0 and (s % self.cfg.checkpoint_every == 0 or s == self.cfg.steps)
 
-    bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="train", unit="step",
-               dynamic_ncols=True)
-    log = open(log_path, "a")
-    previous_sigterm = _interrupt_on_sigterm()
-    window_loss, window_n, window_t = 0.0, 0, time.perf_counter()
-    try:
-        while state.step < cfg.steps:
-            for batch in batches(state.epoch, state.batch_in_epoch):
+    def _checkpoint(self) -> None:
+        """A scheduled checkpoint: the callback first, so that a run killed inside it resumes from the previous
+        checkpoint and redoes the steps since and this callback instead of losing it."""
+        rng = _rng_state()  # the boundary's: the resumed run redoes the callback from the same RNG state
+        try:
+            self._run_callback()
+        except KeyboardInterrupt:
+            self._write(self.ckpt_path, callback_pending=True, rng=rng)
+            self._say_interrupted()
+            raise
+        self._write(self.ckpt_path)
+
+    def _say_interrupted(self) -> None:
+        if self.is_main:
+            self.bar.write(f"interrupted at step {self.state.step}: checkpoint written to {self.ckpt_path}; continue "
+                           f"with --resume")
+
+    def _stop_here(self, signum: int) -> None:
+        """Checkpoint the step boundary and stop (the signal's KeyboardInterrupt or Terminated)."""
+        pending = self._scheduled() and self.on_checkpoint is not None and self.callback_done_at != self.state.step
+        self._write(self.ckpt_path, callback_pending=pending)
+        self._say_interrupted()
+        raise _interrupt(signum)
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def train(self, resume: bool, force: bool, tensorboard: bool, started: bool) -> TrainState:
+        self.callback_pending = self._start(resume, force, started)
+        if tensorboard and self.is_main:
+            self._open_tensorboard()
+        cfg, state = self.cfg, self.state
+        self.bar = tqdm(total=cfg.steps, initial=state.step, disable=not self.progress or not self.is_main,
+                        desc="train", unit="step", dynamic_ncols=True)
+        try:
+            self._loop()
+            self._checkpoint()
+            self._write(self.final_path)
+            signum = self.world.agree_stop(self.stop.signum)
+            if signum:  # arrived during the final writes: the run is complete, but stop as asked
+                raise _interrupt(signum)
+        finally:
+            self.bar.close()
+            if self.writer is not None:
+                self.writer.close()
+        return state
+
+    def _loop(self) -> None:
+        cfg, state, world = self.cfg, self.state, self.world
+        iterator = None
+        window_t = time.perf_counter()
+        signum = world.agree_stop(self.stop.signum)
+        if self.callback_pending and not signum:  # cut by Ctrl-C inside the callback of the step we resume from
+            self._checkpoint()
+        while True:
+            if world.size == 1:
+                signum = self.stop.signum
+            if signum:
+                self._stop_here(signum)
+            if state.step >= cfg.steps:
+                return
+            # the RNG state before this step's draws (the batch's included): an exception raised inside the step
+            # checkpoints the step boundary with it
+            rng_before = _rng_state()
+            try:
+                if iterator is None:
+                    iterator = iter(self.batches(state.epoch, state.batch_in_epoch))
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    if state.batch_in_epoch == 0:
+                        raise DataError(f"train_loop: batches({state.epoch}, 0) yielded no batch") from None
+                    iterator = None
+                    state.epoch += 1
+                    state.batch_in_epoch = 0
+                    continue
                 t0 = time.perf_counter()
-                optimiser.zero_grad(set_to_none=True)
-                loss = loss_fn(batch)
-                if not torch.isfinite(loss):
-                    raise TrainingDiverged(f"step {state.step}: loss is {loss.item()}; stopped without writing the "
-                                           f"broken model (last good checkpoint: {ckpt_path})")
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                if not torch.isfinite(grad_norm):
-                    raise TrainingDiverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without "
-                                           f"writing the broken model (last good checkpoint: {ckpt_path})")
-                optimiser.step()
-                scheduler.step()
-                state.step += 1
-                state.batch_in_epoch += 1
-                state.wall_time_s += time.perf_counter() - t0
-                window_loss += loss.item()
-                window_n += 1
-                bar.update(1)
-                if state.step % cfg.log_every == 0 or state.step == cfg.steps:
-                    now = time.perf_counter()
-                    n_items = window_n * _batch_len(batch)
-                    record = {"step": state.step, "epoch": state.epoch, "loss": window_loss / window_n,
-                              "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                              "items_per_s": n_items / max(now - window_t, 1e-9), "wall_time_s": state.wall_time_s}
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                    bar.set_postfix(loss=f"{record['loss']:.1f}", ips=f"{record['items_per_s']:.0f}")
-                    window_loss, window_n, window_t = 0.0, 0, now
-                if state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
-                    save(ckpt_path)
-                if state.step >= cfg.steps:
-                    break
-            else:
-                state.epoch += 1
-                state.batch_in_epoch = 0
-    except KeyboardInterrupt:
-        scheduled = state.step > 0 and (state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps)
-        atomic_torch_save(snapshot(callback_pending=scheduled and on_checkpoint is not None
-                                   and callback_done_at != state.step), ckpt_path)
-        bar.write(f"interrupted at step {state.step}: checkpoint written to {ckpt_path}; continue with --resume")
-        raise
-    finally:
-        bar.close()
-        log.close()
-        if previous_sigterm is not None:
-            signal.signal(signal.SIGTERM, previous_sigterm)
-    save(ckpt_path)
-    atomic_torch_save(snapshot(), out_dir / "final.pt")
-    return state
+                loss, grad_norm, terms, n_items, signum = self._step(batch)
+            except KeyboardInterrupt:
+                # raised by code inside the step (signals only set a flag): nothing was updated yet
+                self._write(self.ckpt_path, rng=rng_before)
+                self._say_interrupted()
+                raise
+            state.wall_time_s += time.perf_counter() - t0
+            self.bar.update(1)
+            self._accumulate(loss, terms)
+            if state.step % cfg.log_every == 0 or state.step == cfg.steps:
+                now = time.perf_counter()
+                self._log(grad_norm, n_items * self.window["steps"] / max(now - window_t, 1e-9))
+                window_t = now
+            if state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
+                self._checkpoint()
 
+    def _shard(self, batch):
+        """This process's contiguous share of a global batch, and the number of items in it and in the batch."""
+        def split(t):
+            return torch.tensor_split(t, self.world.size)[self.world.rank]
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM during training: handled as Ctrl-C (checkpoint, then stop); entry points exit with 143."""
+        first = batch[0] if isinstance(batch, (tuple, list)) else batch
+        n_global = len(first)
+        if self.world.size == 1:
+            return batch, n_global, n_global
+        if n_global < self.world.size:
+            raise ConfigError(f"train.batch_size: a batch of {n_global} items cannot be shared by "
+                              f"{self.world.size} processes")
+        shard = type(batch)(split(t) for t in batch) if isinstance(batch, (tuple, list)) else split(batch)
+        first = shard[0] if isinstance(shard, (tuple, list)) else shard
+        return shard, len(first), n_global
 
-    exit_code = 128 + 15
+    def _step(self, batch):
+        """One optimisation step; returns (global mean loss, gradient norm, terms, items, agreed stop signal)."""
+        state, world = self.state, self.world
+        values = {name: float(fn(state.step)) for name, fn in self.schedules.items()}
+        self.schedule_values = values
+        shard, n_local, n_global = self._shard(batch)
+        self.optimiser.zero_grad(set_to_none=True)
+        loss, terms = _split_loss(self.forward(shard, **values) if values else self.forward(shard))
+        terms = {k: float(v) for k, v in terms.items()}
+        signum = None
+        if world.size > 1:
+            # the gradient of the global batch's mean loss: DDP averages the processes' gradients, so each
+            # process weighs its share's mean by its share of the items (1 for equal shares)
+            weight = n_local * world.size / n_global
+            loss_value, terms, signum = world.reduce_step(loss.detach() * (n_local / n_global), terms,
+                                                          n_local / n_global, self.stop.signum)
+            loss = loss * weight if weight != 1 else loss
+        else:
+            loss_value = loss.detach()
+        if not torch.isfinite(loss_value):
+            raise TrainingDiverged(f"step {state.step}: loss is {loss_value.item()}; stopped without writing the "
+                                   f"broken model (last good checkpoint: {self.ckpt_path})")
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise TrainingDiverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without "
+                                   f"writing the broken model (last good checkpoint: {self.ckpt_path})")
+        # parameters, optimiser, scheduler and data position advance together: a signal only sets a flag
+        self.optimiser.step()
+        self.scheduler.step()
+        state.step += 1
+        state.batch_in_epoch += 1
+        bad = _first_non_finite(dict(self.module.named_parameters()))
+        if bad is not None:
+            raise TrainingDiverged(f"step {state.step - 1}: the update made '{bad}' NaN or Inf (learning rate "
+                                   f"{self.optimiser.param_groups[0]['lr']:.3g} too large?); stopped without "
+                                   f"writing it (last good checkpoint: {self.ckpt_path})")
+        return float(loss_value), float(grad_norm), terms, n_global, signum
 
+    def _accumulate(self, loss: float, terms: dict) -> None:
+        sums = self.window["sums"]
+        sums["loss"] = sums.get("loss", 0.0) + loss
+        for k, v in terms.items():
+            if k in LOG_KEYS or k in self.schedules:
+                raise ValueError(f"train_loop: the loss term '{k}' clashes with a log key or a schedule name")
+            sums[k] = sums.get(k, 0.0) + v
+        self.window["steps"] += 1
 
-def _raise_terminated(signum, frame):
-    raise Terminated(f"signal {signum}")
+    def _log(self, grad_norm: float, items_per_s: float) -> None:
+        state, n = self.state, self.window["steps"]
+        means = {k: v / n for k, v in self.window["sums"].items()}
+        record = {"step": state.step, "epoch": state.epoch, "loss": means.pop("loss"),
+                  "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "items_per_s": items_per_s,
+                  "wall_time_s": state.wall_time_s, **self.schedule_values, **means}
+        changes = [c for c in self.lr_changes if state.step - n <= c["step"] < state.step]
+        if changes:
+            record["lr_changes"] = changes
+        self.window = {"steps": 0, "sums": {}}
+        if not self.is_main:
+            return
+        append_jsonl(self.log_path, record)
+        self.bar.set_postfix(loss=f"{record['loss']:.1f}", ips=f"{record['items_per_s']:.0f}")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key in ("step", "epoch", "lr_changes"):
+                    continue
+                tag = (f"schedule/{key}" if key in self.schedule_values
+                       else f"train/{key}" if key in LOG_KEYS else f"loss_terms/{key}")
+                self.writer.add_scalar(tag, value, state.step)
 
-
-def _interrupt_on_sigterm():
-    """Route SIGTERM to a checkpoint-and-stop (main thread only); returns the previous handler, or None."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _raise_terminated)
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The records of a JSON-lines log (``[]`` when the file does not exist)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def truncate_log(path: str | Path, step: int) -> None:
-    """Drop the records of a JSON-lines log past ``step`` (written after the checkpoint a run resumes from), so the
-    log is one history.  Used for the training log and for any per-step evaluation log kept beside it."""
-    path = Path(path)
-    if not path.is_file():
-        return
-    keep = [r for r in read_jsonl(path) if r["step"] <= step]
-    atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep)), mode="w")
-
-
-def _batch_len(batch) -> int:
-    if isinstance(batch, (tuple, list)):
-        batch = batch[0]
-    return len(batch)

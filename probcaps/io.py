@@ -1,37 +1,101 @@
-"""Atomic file writes: a reader (or a crash) never sees a half-written file."""
+"""Run-folder files: atomic writes, JSON-lines logs and the run-folder lock.
+
+- :func:`atomic_write` never leaves a half-written file (a crash, a full disk, a kill -9 at any moment), and a
+  Ctrl-C or SIGTERM that arrives while it writes is held back until the file is complete, then delivered.
+- :func:`read_jsonl` / :func:`truncate_log` read a log whose last line a kill cut in half (the line is dropped).
+- :class:`RunLock` keeps two processes from writing the same run folder at once.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-__all__ = ["atomic_write", "atomic_torch_save", "write_json"]
+from probcaps.errors import DataError, ProbcapsError
+
+__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "atomic_torch_save", "write_json", "deferred_signals",
+           "read_jsonl", "truncate_log", "RunLock"]
+
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class OutputError(ProbcapsError, OSError):
+    """A checkpoint, log or result could not be written (full disk, unwritable folder, a file where a folder should
+    be).  Also an ``OSError``, so callers that catch those keep working."""
+
+
+class RunFolderBusy(ProbcapsError):
+    """Another process is training into the same run folder."""
+
+
+def _output_error(path: Path, e: OSError) -> OutputError:
+    reason = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        reason = "no space left on the device"
+    return OutputError(f"{path}: cannot write ({reason}); nothing was half-written")
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold back SIGINT and SIGTERM for the duration of the block, then deliver them (to the handlers that were
+    in place before).  A Ctrl-C inside a zip writer or half-way through a rename then stops the program after the
+    write instead of inside it.  Outside the main thread (where Python runs no signal handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def hold(signum, frame):
+        received.append(signum)
+
+    previous = {s: signal.signal(s, hold) for s in INTERRUPT_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for s in dict.fromkeys(received):  # each signal once, in arrival order
+            signal.raise_signal(s)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> Path:
-    """Call ``write(fileobj)`` on a temporary file next to ``path``, fsync, then rename over ``path``."""
+    """Call ``write(fileobj)`` on a temporary file next to ``path``, fsync, then rename over ``path``.
+
+    Signals are deferred meanwhile (:func:`deferred_signals`); an ``OSError`` (full disk, read-only or missing
+    folder, a file where the folder should be) becomes a one-line :class:`OutputError` naming ``path``, with the
+    old file, if any, intact and no temporary file left behind.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates 0600 files; give the result the permissions an ordinary open() would
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
+    with deferred_signals():
+        tmp = None
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            with os.fdopen(fd, mode) as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            # mkstemp creates 0600 files; give the result the permissions an ordinary open() would
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, path)
+        except BaseException as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+            if isinstance(e, OSError) and not isinstance(e, OutputError):
+                raise _output_error(path, e) from e
+            raise
     return path
 
 
@@ -44,3 +108,87 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Atomically write ``obj`` as indented JSON (with a trailing newline)."""
     return atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n"), mode="w")
+
+
+def append_jsonl(path: str | os.PathLike, record: dict) -> None:
+    """Append one record as one line (one ``write`` call, signals deferred, so a Ctrl-C never cuts it; a kill -9
+    can, and :func:`read_jsonl` drops such a last line)."""
+    path = Path(path)
+    line = json.dumps(record) + "\n"
+    with deferred_signals():
+        try:
+            with open(path, "a") as f:
+                f.write(line)
+        except OSError as e:
+            raise _output_error(path, e) from e
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSON-lines log (``[]`` when the file does not exist).
+
+    A damaged last line (a process killed while appending it) is dropped; a damaged line before the last is a
+    one-line :class:`DataError` naming the file and the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = path.read_text(errors="replace").split("\n")
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    records = []
+    for k, (number, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if k == len(numbered) - 1:
+                break  # cut by a kill in the middle of a write: that record never happened
+            raise DataError(f"{path}, line {number}: not a JSON record ({e}); the log is damaged") from None
+        records.append(record)
+    return records
+
+
+def truncate_log(path: str | os.PathLike, step: int) -> None:
+    """Drop the records of a JSON-lines log past ``step`` (written after the checkpoint a run resumes from), and a
+    damaged last line, so the log is one history.  Used for the training log and for any per-step evaluation log
+    kept beside it."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+    atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep)), mode="w")
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``FOLDER/.lock`` for the life of a run: a second process training into the same
+    folder is refused in one line naming the folder and the holder's pid.  The kernel releases the lock when the
+    holder exits, however it exits (kill -9 included), so a stale lock file never blocks a later run."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.path = self.folder / ".lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise _output_error(self.path, e) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunFolderBusy(f"{self.folder}: another training run (pid {holder}) is writing this folder; wait "
+                                f"for it to finish or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock; the file stays (unlinking it would race a waiting run)
+            self._fd = None

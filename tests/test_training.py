@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, load_images, load_trained, train_capsules
 from probcaps.inference.guides import EncoderConfig
-from probcaps.inference.train import TrainConfig, load_checkpoint, make_elbo, run_finished, train_loop
+from probcaps.inference.train import TrainConfig, load_checkpoint, make_elbo, read_jsonl, run_finished, train_loop
 from probcaps.models.capsule_model import CapsuleModelConfig
 from probcaps.data import placed_mnist
 from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
@@ -252,7 +252,7 @@ def test_train_loop_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
     ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
     assert ckpt["state"]["step"] == 2
     assert not (tmp_path / "final.pt").exists()
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "log.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "checkpoint.pt", "log.jsonl"]  # no temporary file
 
 
 # --------------------------------------------------------------------------------------------- checkpoint errors
@@ -311,6 +311,7 @@ def test_checkpoint_missing_corrupt_or_foreign(tmp_path, trained_run):
 def test_every_committed_checkpoint_loads_and_scores_images(path):
     # catches: a removed option, or state the model no longer keeps, that leaves a committed checkpoint unloadable
     cfg, system = load_trained(path)
+    assert cfg["name"] == path.stem  # what its evaluation and exports are named after
     x = torch.rand(2, 1, cfg["model"].canvas_size, cfg["model"].canvas_size)
     latents = system.encoder.encode(x)
     assert torch.isfinite(latents.parent_logits).all() and torch.isfinite(latents.part_poses).all()
@@ -442,7 +443,7 @@ def test_sigterm_writes_a_checkpoint_and_stops(tiny_toml, tmp_path, monkeypatch,
 
     def loss_then_sigterm(self, elbo, x):
         if calls["n"] == 4:
-            os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, inside the 5th step
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, inside the 5th step: honoured at its end
         calls["n"] += 1
         return original_loss(self, elbo, x)
 
@@ -452,4 +453,201 @@ def test_sigterm_writes_a_checkpoint_and_stops(tiny_toml, tmp_path, monkeypatch,
         train_capsules(_cfg(tiny_toml), tmp_path / "run", progress=False)
     assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
     saved = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    assert saved["state"]["step"] == 4 and not (tmp_path / "run" / "final.pt").exists()
+    assert saved["state"]["step"] == 5 and not (tmp_path / "run" / "final.pt").exists()
+
+
+# --------------------------------------------------------------------------------------------- faults refused
+
+def _linear_run(tmp_path, steps=4, lr=0.01, stop_at_call=None, final_lr_fraction=0.1, **loop):
+    """A deterministic 1-layer regression trained into ``tmp_path`` (returns the module and the final state);
+    ``stop_at_call``: Ctrl-C inside that call of the loss (1-based)."""
+    torch.manual_seed(0)
+    module = nn.Linear(3, 1)
+    cfg = TrainConfig(steps=steps, batch_size=2, lr=lr, warmup_steps=1, log_every=1, checkpoint_every=2,
+                      final_lr_fraction=final_lr_fraction)
+    calls = {"n": 0}
+
+    def batches(epoch, start):
+        for i in range(start, 4):
+            yield torch.full((2, 3), float(i + epoch + 1))
+
+    def loss_fn(x):
+        calls["n"] += 1
+        if calls["n"] == stop_at_call:
+            raise KeyboardInterrupt
+        return (module(x) - 1).pow(2).mean()
+
+    state = train_loop(module, loss_fn, batches, cfg, tmp_path, progress=False, **loop)
+    return module, state
+
+
+def test_an_update_that_makes_parameters_non_finite_stops_and_is_never_checkpointed(tmp_path):
+    # catches: the guard checking only the loss and gradients (a huge learning rate makes every parameter inf
+    # while both stay finite), and a checkpoint written with those parameters
+    with pytest.raises(TrainingDiverged, match=r"step \d+: the update made '(weight|bias)' NaN or Inf"):
+        _linear_run(tmp_path, lr=1e38, steps=6)
+    for name in ("checkpoint.pt", "final.pt"):
+        if (tmp_path / name).exists():
+            ckpt = load_checkpoint(tmp_path / name)
+            assert all(torch.isfinite(v).all() for v in ckpt["module"].values())
+
+
+def test_load_checkpoint_refuses_non_finite_parameters(tmp_path):
+    # catches: `probcaps evaluate` scoring a diverged model written by an older version
+    _linear_run(tmp_path)
+    ckpt = torch.load(tmp_path / "final.pt", weights_only=False)
+    ckpt["module"]["bias"] = torch.tensor([float("nan")])
+    torch.save(ckpt, tmp_path / "nan.pt")
+    with pytest.raises(CheckpointError) as exc:
+        load_checkpoint(tmp_path / "nan.pt")
+    assert "nan.pt" in str(exc.value) and "'bias'" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_checkpoint_with_a_non_finite_tensor_is_never_written(tmp_path, monkeypatch):
+    # catches: a NaN reaching the optimiser state (or a buffer) and being saved as a resumable checkpoint
+    real_step = torch.optim.Adam.step
+
+    def poisoned_step(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        for state in self.state.values():
+            state["exp_avg_sq"].fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(torch.optim.Adam, "step", poisoned_step)
+    with pytest.raises(TrainingDiverged, match="exp_avg_sq.*refused to write"):
+        _linear_run(tmp_path)
+    assert not (tmp_path / "checkpoint.pt").exists() and not (tmp_path / "final.pt").exists()
+
+
+def test_a_second_run_into_the_same_folder_is_refused(tmp_path):
+    # catches: two runs writing one folder at once (one run's log and checkpoints silently lost)
+    from probcaps.io import RunFolderBusy, RunLock
+
+    with RunLock(tmp_path):
+        with pytest.raises(RunFolderBusy, match=rf"{tmp_path}.*pid {os.getpid()}"):
+            _linear_run(tmp_path)
+    _linear_run(tmp_path)  # released with its holder
+    assert load_checkpoint(tmp_path / "final.pt")["state"]["step"] == 4
+
+
+def test_the_lock_of_a_killed_run_does_not_block(tmp_path):
+    # catches: a lock file left by kill -9 refusing every later run (flock dies with its process)
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+                               "os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print(1, flush=True); "
+                               "time.sleep(60)", str(tmp_path / ".lock")], stdout=subprocess.PIPE)
+    assert holder.stdout.readline().strip() == b"1"
+    from probcaps.io import RunFolderBusy
+
+    with pytest.raises(RunFolderBusy):
+        _linear_run(tmp_path)
+    holder.kill()
+    holder.wait()
+    _linear_run(tmp_path, resume=True)  # nothing to resume from: the killed run had not checkpointed yet
+
+
+def test_a_damaged_log_line(tmp_path):
+    # catches: a record half-written by a kill making --resume crash; a damaged record before the last passing
+    # silently
+    from probcaps.errors import DataError
+    from probcaps.inference.train import read_jsonl, truncate_log
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_jsonl(log)] == [1, 2]
+    truncate_log(log, 5)
+    assert log.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(DataError, match=r"log\.jsonl, line 2"):
+        read_jsonl(log)
+
+
+def test_resume_applies_a_changed_learning_rate_and_logs_it(tmp_path, capsys):
+    # catches: --resume --set train.lr=... training with the checkpoint's learning rate while recording the new one
+    with pytest.raises(KeyboardInterrupt):
+        _linear_run(tmp_path, steps=4, lr=0.01, stop_at_call=3, final_lr_fraction=1.0)  # checkpoint of step 2
+    _linear_run(tmp_path, steps=4, lr=0.05, final_lr_fraction=1.0, resume=True)
+    assert "learning rate changed from 0.01 to 0.05" in capsys.readouterr().err
+    records = read_jsonl(tmp_path / "log.jsonl")
+    assert [r["lr"] for r in records] == [0.01, 0.01, 0.05, 0.05]
+    assert records[2]["lr_changes"] == [{"step": 2, "from": 0.01, "to": 0.05}] and "lr_changes" not in records[3]
+    final = load_checkpoint(tmp_path / "final.pt")
+    assert final["lr_changes"] == records[2]["lr_changes"] and final["scheduler"]["base_lrs"] == [0.05]
+    # the update used it: the same run trained at 0.05 from the start moves the same way from step 2 on
+    with pytest.raises(KeyboardInterrupt):
+        _linear_run(tmp_path / "b", steps=4, lr=0.01, stop_at_call=3, final_lr_fraction=1.0)
+    ckpt = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
+    module = nn.Linear(3, 1)
+    module.load_state_dict(ckpt["module"])
+    optimiser = torch.optim.Adam(module.parameters(), lr=0.05)
+    optimiser.load_state_dict(ckpt["optimiser"])
+    optimiser.param_groups[0]["lr"] = 0.05
+    for i in (2, 3):
+        optimiser.zero_grad()
+        (module(torch.full((2, 3), float(i + 1))) - 1).pow(2).mean().backward()
+        optimiser.step()
+    assert torch.allclose(module.weight, final["module"]["weight"], rtol=0, atol=1e-7)
+
+
+def test_an_unchanged_config_resumes_with_bit_identical_learning_rates(tmp_path, capsys):
+    # catches: re-deriving the learning rates on resume perturbing them (the resume would no longer be exact)
+    _linear_run(tmp_path / "a", steps=4)
+    with pytest.raises(KeyboardInterrupt):
+        _linear_run(tmp_path / "b", steps=4, stop_at_call=2)
+    _linear_run(tmp_path / "b", steps=4, resume=True)
+    assert "learning rate changed" not in capsys.readouterr().err
+    assert read_jsonl(tmp_path / "a" / "log.jsonl")[-1]["lr"] == read_jsonl(tmp_path / "b" / "log.jsonl")[-1]["lr"]
+    a, b = load_checkpoint(tmp_path / "a" / "final.pt"), load_checkpoint(tmp_path / "b" / "final.pt")
+    _assert_same_state(a["module"], b["module"])
+    assert b["lr_changes"] == []
+
+
+@pytest.mark.parametrize("key,value", [("steps", 0), ("steps", -3), ("batch_size", 0), ("log_every", 0),
+                                       ("checkpoint_every", 0), ("lr", 0.0), ("lr", float("nan")),
+                                       ("grad_clip", 0.0), ("warmup_steps", -1), ("final_lr_fraction", 1.5)])
+def test_training_config_ranges_are_checked(key, value):
+    # catches: `--steps 0` writing an untrained final.pt, and other values the loop cannot honour
+    with pytest.raises(ConfigError, match=rf"^train\.{key}: must be"):
+        TrainConfig(**{key: value})
+
+
+def test_steps_zero_from_a_config_file_is_one_line(tiny_toml):
+    with pytest.raises(ConfigError, match="train.steps: must be >= 1, got 0"):
+        _cfg(tiny_toml, "train.steps=0")
+
+
+def test_a_folder_holding_a_run_is_refused_without_resume_or_force(tmp_path):
+    # catches: running again into a finished run's folder silently replacing it
+    _linear_run(tmp_path, steps=2)
+    before = (tmp_path / "final.pt").read_bytes()
+    with pytest.raises(ConfigError, match=rf"^{tmp_path} holds a run \(step 2\); pass --resume .* --force"):
+        _linear_run(tmp_path, steps=4)
+    assert (tmp_path / "final.pt").read_bytes() == before
+    (tmp_path / "final.pt").unlink()  # a started run (checkpoint only) is refused too
+    with pytest.raises(ConfigError, match=r"holds a run \(step 2\)"):
+        _linear_run(tmp_path, steps=4)
+    _, state = _linear_run(tmp_path, steps=3, force=True)  # --force starts over
+    assert state.step == 3
+    assert [r["step"] for r in read_jsonl(tmp_path / "log.jsonl")] == [1, 2, 3]
+
+
+def test_write_errors_are_one_line_naming_the_path(tmp_path, monkeypatch):
+    # catches: a full disk or an --out naming a file ending in a traceback (or a half-written checkpoint)
+    from probcaps.io import OutputError
+
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    with pytest.raises(OutputError, match=rf"^{not_a_folder}: exists and is not a folder"):
+        _linear_run(not_a_folder)
+    real_fsync = os.fsync
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OutputError, match=r"checkpoint\.pt: cannot write \(no space left on the device\)"):
+        _linear_run(tmp_path / "run")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "log.jsonl"]

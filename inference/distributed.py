@@ -1,0 +1,119 @@
+"""Data-parallel training with ``torch.distributed``, launched by ``torchrun`` (no launcher of our own)::
+
+    torchrun --nproc_per_node=2 -m probcaps train --config experiments/configs/mnist.toml --out runs/mnist2
+
+:func:`init_from_env` joins the process group that ``torchrun``'s environment describes (``gloo`` on CPU, ``nccl``
+on CUDA, each process on the GPU ``LOCAL_RANK``); :class:`World` is what :func:`probcaps.inference.train.train_loop`
+needs from it.  The loop gives every process the same global batch (the data order stays a pure function of seed
+and epoch), each process computes the loss of its contiguous share inside ``DistributedDataParallel``, and the
+shares are weighed so that the gradient is the single-process gradient of the global batch's mean loss (the
+same update as one process with the whole batch).  Rank 0 alone writes the log and
+the checkpoints; a checkpoint holds every process's RNG state and the number of processes, and resumes only under
+the same number.
+
+Exactness against one process holds for a loss that is a mean of per-item terms (no batch-level term such as a
+usage penalty over the batch) and, when the loss draws random numbers, up to those draws: each process has its own
+random stream (seeded from ``(seed, rank)``), as one process's stream cannot be split by rows.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["World", "init_from_env"]
+
+
+class World:
+    """The processes training together (``size == 1``: a plain single-process run; every method is then free)."""
+
+    def __init__(self, size: int = 1, rank: int = 0):
+        self.size, self.rank = size, rank
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def seed(self, seed: int) -> int:
+        """This process's seed: ``seed`` itself on rank 0 (a one-process run is unchanged), a stream derived from
+        ``(seed, rank)`` elsewhere."""
+        if self.rank == 0:
+            return seed
+        return int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
+
+    def wrap(self, loss_module: nn.Module) -> nn.Module:
+        """``DistributedDataParallel`` around the module whose forward computes the loss."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = next(loss_module.parameters()).device
+        return DistributedDataParallel(loss_module, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def gather_objects(self, obj) -> list:
+        """``obj`` of every process, in rank order (on every process)."""
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def agree_stop(self, signum: int | None) -> int | None:
+        """The stop signal any process received (SIGTERM over SIGINT), the same on every process."""
+        if self.size == 1:
+            return signum
+        return _signal_of(self._all_sum(torch.tensor(_one_hot(signum), dtype=torch.float64)))
+
+    def reduce_step(self, loss_share: torch.Tensor, terms: dict, share: float, signum: int | None):
+        """One collective a step: the global mean loss (the sum of the processes' ``loss_share``), the global means
+        of the extra loss terms (weighed by each process's ``share`` of the items) and the agreed stop signal."""
+        keys = sorted(terms)
+        vec = torch.cat([loss_share.reshape(1).to(torch.float64),
+                         torch.tensor([terms[k] * share for k in keys] + _one_hot(signum), dtype=torch.float64,
+                                      device=loss_share.device)])
+        vec = self._all_sum(vec)
+        return vec[0], {k: float(v) for k, v in zip(keys, vec[1:1 + len(keys)])}, _signal_of(vec[1 + len(keys):])
+
+    def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if dist.get_backend() == "nccl" and not t.is_cuda:
+            t = t.cuda()
+        dist.all_reduce(t)
+        return t.cpu()
+
+
+def _one_hot(signum: int | None) -> list[float]:
+    return [float(signum == signal.SIGINT), float(signum == signal.SIGTERM)]
+
+
+def _signal_of(flags: torch.Tensor) -> int | None:
+    flags = flags.cpu()
+    if flags[1] > 0:
+        return signal.SIGTERM
+    if flags[0] > 0:
+        return signal.SIGINT
+    return None
+
+
+def init_from_env() -> World:
+    """The :class:`World` of this process: the initialised process group's, else the one ``torchrun``'s
+    environment describes (``WORLD_SIZE > 1``: joins it, ``nccl`` on CUDA with this process on GPU ``LOCAL_RANK``,
+    else ``gloo``), else one process.  Call it before moving a model to ``cuda``."""
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_world_size(), dist.get_rank())
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    atexit.register(_destroy)
+    return World(dist.get_world_size(), dist.get_rank())
+
+
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
