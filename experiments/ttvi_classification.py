@@ -9,7 +9,7 @@ capsules re-encoded by the set transformer from the optimised part capsules (the
 constrains; re-encoding keeps the object features in the distribution the probe was fit on).  Writes
 ``results/ttvi_classification.json`` and ``results/ttvi_classification_elbo.png`` (the ELBO trace).
 
-**The fair protocol** (``--n-train-ttvi N``, default 1000; 0: off): a probe fit on the encoder's features of training
+**The fair protocol** (``--n-train-ttvi N``, default 500; 0: off): a probe fit on the encoder's features of training
 images and scored on test-time-VI'd test features compares two distributions.  Here the same test-time VI is also
 applied to the first ``N`` training images and the probe is refit on them, for every reading: VI → VI.  Beside
 the two readings above, a third test-time VI keeps the objects' meaning throughout: only the parts are free, and the
@@ -218,15 +218,17 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=positive_int, default=250)
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--name", default="ttvi_classification")
-    p.add_argument("--n-train-ttvi", type=int, default=1000,
+    p.add_argument("--n-train-ttvi", type=int, default=500,
                    help="the fair protocol: test-time VI on the first N training images too, probes refit on them "
                         "(0: off)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a key of the checkpoint's config, e.g. encoder.bf16=false on a CPU without bfloat16")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = not args.quiet
-    cfg, system = load_trained(args.checkpoint, device=args.device)
+    cfg, system = load_trained(args.checkpoint, device=args.device, overrides=args.set)
     ecfg = cfg["eval"]
     limit = args.probe_train_limit if args.probe_train_limit is not None else ecfg.probe_train_limit
     train_images, train_labels = load_images(cfg["data"], "train", args.data_dir, limit=limit or None)
