@@ -651,3 +651,78 @@ def test_write_errors_are_one_line_naming_the_path(tmp_path, monkeypatch):
         _linear_run(tmp_path / "run")
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert sorted(os.listdir(tmp_path / "run")) == [".lock", "log.jsonl"]
+
+
+# --------------------------------------------------------------------------------------------- schedules, TensorBoard
+
+def test_schedules_are_passed_to_the_loss_and_logged(tmp_path):
+    # catches: a schedule evaluated at the wrong step (off by one after the increment), not reaching the loss, or
+    # missing from the log; extra loss terms not averaged over the log window
+    module = nn.Linear(3, 1)
+    cfg = TrainConfig(steps=4, batch_size=2, lr=0.01, warmup_steps=1, log_every=2, checkpoint_every=4)
+    seen = []
+
+    def batches(epoch, start):
+        for i in range(start, 4):
+            yield torch.full((2, 3), float(i))
+
+    def loss_fn(x, anneal):
+        seen.append(anneal)
+        loss = module(x).pow(2).mean()
+        return loss, {"anneal_twice": 2 * anneal}
+
+    train_loop(module, loss_fn, batches, cfg, tmp_path, progress=False, schedules={"anneal": lambda s: 0.5 * s})
+    assert seen == [0.0, 0.5, 1.0, 1.5]
+    records = read_jsonl(tmp_path / "log.jsonl")
+    assert [(r["step"], r["anneal"], r["anneal_twice"]) for r in records] == [(2, 0.5, 0.5), (4, 1.5, 2.5)]
+    with pytest.raises(ValueError, match="clash"):
+        train_loop(module, loss_fn, batches, cfg, tmp_path / "b", progress=False, schedules={"lr": lambda s: 1.0})
+
+
+def test_tensorboard_mirrors_the_log(tmp_path):
+    # catches: the TensorBoard option writing no event file, or scalars under other tags than documented
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images = []
+
+    def on_checkpoint(state):
+        state.summary_writer.add_image("templates", torch.rand(1, 4, 4), state.step)
+        images.append(state.step)
+
+    module = nn.Linear(3, 1)
+    cfg = TrainConfig(steps=4, batch_size=2, lr=0.01, warmup_steps=1, log_every=1, checkpoint_every=2)
+
+    def batches(epoch, start):
+        for i in range(start, 4):
+            yield torch.full((2, 3), float(i))
+
+    def loss_fn(x, beta):
+        return module(x).pow(2).mean() * beta, {"bias_sq": float(module.bias.detach().pow(2).sum())}
+
+    train_loop(module, loss_fn, batches, cfg, tmp_path, progress=False, tensorboard=True,
+               schedules={"beta": lambda s: 1.0 + s}, on_checkpoint=on_checkpoint)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/items_per_s", "schedule/beta",
+            "loss_terms/bias_sq"} <= set(tags["scalars"])
+    log = read_jsonl(tmp_path / "log.jsonl")
+    assert [e.step for e in events.Scalars("train/loss")] == [r["step"] for r in log]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in log])
+    assert images == [2, 4] and "templates" in tags["images"]
+
+
+def test_tensorboard_missing_is_one_line(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name.startswith("torch.utils.tensorboard"):
+            raise ImportError("No module named 'tensorboard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    with pytest.raises(ConfigError, match=r"pip install probcaps\[tensorboard\]"):
+        _linear_run(tmp_path, tensorboard=True)
