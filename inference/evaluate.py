@@ -161,7 +161,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     """
     t0 = time.perf_counter()
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
-    name = name or cfg["name"]
+    # the name the recipe's own evaluation of this seed has (experiments/mnist_probe.py): never its seeds' summary
+    name = name or f"{cfg['name']}_seed{cfg['train'].seed}"
     ecfg = cfg["eval"]
     # the probe is fit on the first probe_train_limit training images (0: the training set the model saw)
     train_images, train_labels = load_images(cfg["data"], "train", data_dir, limit=ecfg.probe_train_limit or None)

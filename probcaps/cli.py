@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train the generative capsule model with SVI")
     p.add_argument("--config", default=None, help="experiment TOML (default: built-in defaults)")
-    p.add_argument("--out", type=folder_arg, required=True, help="run folder for checkpoints and the log")
+    p.add_argument("--out", type=folder_arg, default=None,
+                   help="run folder for checkpoints and the log (default: runs/<the config's name>)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--force", action="store_true", help="start afresh in a run folder that holds an earlier run")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files into OUT")
@@ -249,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="probe accuracies, k-means accuracy and figures of a checkpoint")
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--name", default=None, help="results/<name>.json (default: the run's config name)")
+    p.add_argument("--name", default=None,
+                   help="results/<name>.json (default: <the run's config name>_seed<its training seed>)")
     p.add_argument("--results-dir", type=folder_arg, default="results")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--no-figures", action="store_true")
@@ -317,6 +319,7 @@ def _train(args) -> None:
     if args.validate:
         overrides.append("train.validate=true")
     cfg = load_experiment_config(args.config, overrides)
+    args.out = args.out or Path("runs") / cfg["name"]
     # only the options asked for: the training loop's defaults stand otherwise
     loop_options = {key: True for key in ("force", "tensorboard") if getattr(args, key)}
     state = train_capsules(cfg, args.out, resume=args.resume, device=args.device, data_dir=args.data_dir,

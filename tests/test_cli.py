@@ -64,7 +64,7 @@ def test_train_resume_evaluate(tiny_toml, tmp_path, capsys):
 
     results = tmp_path / "results"
     assert main(["evaluate", "--checkpoint", str(out / "final.pt"), "--results-dir", str(results), "--quiet"]) == 0
-    record = json.loads((results / "tiny.json").read_text())
+    record = json.loads((results / "tiny_seed0.json").read_text())  # the seed's name: not the seeds' summary
     assert METRIC_KEYS <= set(record["metrics"]), set(record["metrics"])
     assert record["metrics"]["n_train"] == 16 and record["metrics"]["n_test"] == 16
     for key in ("probe_presence_test_acc", "kmeans_presence_test_acc"):
@@ -75,8 +75,9 @@ def test_train_resume_evaluate(tiny_toml, tmp_path, capsys):
         assert key in prov, key
     assert prov["steps"] == 5 and prov["checkpoint"] == str(out / "final.pt")
     pngs = sorted(p.name for p in results.glob("*.png"))
-    assert pngs == ["tiny_confusion_presence.png", "tiny_confusion_presence_pose.png", "tiny_objects_by_class.png",
-                    "tiny_presence_by_class.png", "tiny_reconstructions.png", "tiny_templates.png"]
+    assert pngs == [f"tiny_seed0_{name}.png" for name in ("confusion_presence", "confusion_presence_pose",
+                                                          "objects_by_class", "presence_by_class", "reconstructions",
+                                                          "templates")]
     assert all((results / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "probe_presence_test_acc" in capsys.readouterr().out
 
