@@ -169,8 +169,8 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
                 "kind": "capsule_model", "guide": system.guide_spec}
     schedule = prior_schedule(cfg["model"])
     return train_loop(system, lambda x, **scheduled: system.loss(elbo, x, **scheduled), batches, tcfg, out_dir,
-                      resume=resume, metadata=metadata, progress=progress, **loop_options,
-                      **({"schedules": {"expected_parents": schedule}} if schedule else {}))
+                      resume=resume, metadata=metadata, progress=progress,
+                      schedules={"expected_parents": schedule} if schedule else None, **loop_options)
 
 
 def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[str] = ()):

@@ -263,6 +263,26 @@ def trained_run(tiny_toml, tmp_path):
     return tmp_path / "run" / "final.pt"
 
 
+def test_train_capsules_passes_the_prior_anneal_of_each_step_across_a_resume(tiny_toml, tmp_path, monkeypatch):
+    # catches: the object prior's anneal not reaching the model, evaluated at the wrong step, or restarted by a
+    # resume (the model keeps no step of its own)
+    seen = []
+    loss = CapsuleSystem.loss
+
+    def recording_loss(self, elbo, x, expected_parents=None):
+        seen.append(expected_parents)
+        return loss(self, elbo, x, expected_parents)
+
+    monkeypatch.setattr(CapsuleSystem, "loss", recording_loss)
+    anneal = ["model.expected_parents=0.5", "model.expected_parents_start=1.5", "model.prior_anneal_steps=2"]
+    train_capsules(_cfg(tiny_toml, "train.steps=2", "train.checkpoint_every=1", *anneal), tmp_path, progress=False)
+    train_capsules(_cfg(tiny_toml, "train.steps=4", *anneal), tmp_path, resume=True, progress=False)
+    assert seen == [1.5, 1.0, 0.5, 0.5]  # start + (end − start) · min(step, 2) / 2 at steps 0, 1 | 2, 3
+    seen.clear()
+    train_capsules(_cfg(tiny_toml, "train.steps=1"), tmp_path / "fixed", progress=False)
+    assert seen == [None]  # no anneal: the model's own expected_parents
+
+
 def test_load_trained_round_trip(trained_run):
     # catches: load_trained rebuilding a different config or not loading the saved weights
     cfg, system = load_trained(trained_run)
