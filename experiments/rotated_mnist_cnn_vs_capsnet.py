@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
-    p.add_argument("--out", default=str(ROOT / "runs" / NAME), help="run folders (one per model and seed)")
+    p.add_argument("--out", default=None, help="run folders, one per model and seed (default: runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue (or reuse) each model's run")
     p.add_argument("--probcaps-checkpoint", default=None,
                    help="also score this probabilistic capsule model (e.g. checkpoints/mnist_probe.pt)")
@@ -215,6 +215,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
+    name = cfg["name"]  # names the results and the runs, so that another config cannot overwrite them
+    args.out = args.out or str(ROOT / "runs" / name)
     if args.probcaps_checkpoint and not Path(args.probcaps_checkpoint).is_file():
         raise ConfigError(f"--probcaps-checkpoint {args.probcaps_checkpoint}: no such file")
     angles = [float(a) for a in cfg["data"].angles]
@@ -255,13 +257,13 @@ def main(argv=None) -> int:
                       device=args.device, threads=torch.get_num_threads(),
                       wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs),
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
-    write_results(results / f"{NAME}.json", summary, prov)
-    plot_accuracy(angles, curves, results / f"{NAME}_accuracy.png")
+    write_results(results / f"{name}.json", summary, prov)
+    plot_accuracy(angles, curves, results / f"{name}_accuracy.png")
     show = [a for a in (0, 35, 90, 180) if a in angles] or angles[:1]
     grid = torch.stack([rotated_tests[a][:8] for a in show])
-    plotting.plot_image_grid(grid, results / f"{NAME}_examples.png", row_labels=[f"{a:.0f}°" for a in show],
+    plotting.plot_image_grid(grid, results / f"{name}_examples.png", row_labels=[f"{a:.0f}°" for a in show],
                              title="test digits as rotated for all three models")
-    print(f"wrote {results / (NAME + '.json')}")
+    print(f"wrote {results / (name + '.json')}")
     return 0
 
 

@@ -137,14 +137,16 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--thetas", type=finite_non_negative_float, nargs="+", default=[0, 45, 90, 180])
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1])
-    p.add_argument("--out", default="runs/rotated_training")
-    p.add_argument("--name", default="rotated_training")
+    p.add_argument("--out", default=None, help="run folders (default: runs/<name>)")
+    p.add_argument("--name", default=None, help="names the results (default: the config's name)")
     p.add_argument("--resume", action="store_true", help="continue interrupted runs; reuse finished ones")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--jit", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train (and probe) the runs, skip the summary")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
+    args.name = args.name or load_experiment_config(args.config)["name"]
+    args.out = args.out or str(ROOT / "runs" / args.name)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
