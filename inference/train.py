@@ -281,15 +281,6 @@ def load_module_state(module: nn.Module, state: dict, path: str | Path) -> None:
     module.load_state_dict(state)
 
 
-def _use_compiled_kernels() -> None:
-    """``train.compile``: the compiled alpha compositing and part CNN, through the switches their modules offer."""
-    from probcaps import encoders, render
-
-    for switch in (getattr(render, "use_compiled_compositing", None), getattr(encoders, "use_compiled_part_cnn", None)):
-        if switch is not None:
-            switch()
-
-
 def _checkpoint_step(path: Path) -> str:
     try:
         return str(int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state"]["step"]))
@@ -419,8 +410,6 @@ class _Run:
         """Build the optimiser and scheduler, then load the checkpoint or start afresh; returns whether the
         checkpoint we resume from still owes its ``on_checkpoint`` call."""
         cfg = self.cfg
-        if cfg.compile:
-            _use_compiled_kernels()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimiser = make_optimiser(self.module, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser, _lr_factor(cfg))
