@@ -15,12 +15,13 @@ exit status 2; nothing is written by a command refused for its input.
 from __future__ import annotations
 
 import argparse
-import ast
+import functools
 import importlib
 import importlib.util
 import math
 import os
 import pkgutil
+import re
 import sys
 from pathlib import Path
 
@@ -55,7 +56,6 @@ def one_line_errors(name: str):
     key) or an ``OSError`` (a path that cannot be read or written: permissions, a full disk) prints one line
     ``NAME: error: ...`` to stderr and returns 2 instead of a traceback; Ctrl-C or SIGTERM (the training loop has
     already said where its checkpoint is) returns the shell's 130 or 143."""
-    import functools
 
     def decorate(main):
         @functools.wraps(main)
@@ -197,9 +197,10 @@ def add_common_args(p: argparse.ArgumentParser, results_dir=None, threads: int |
 # ------------------------------------------------------------------------------------------- experiments
 
 
+@functools.lru_cache(maxsize=None)
 def experiments() -> dict[str, str]:
     """``{name: first line of its docstring}`` of the modules of ``probcaps.experiments`` that define
-    ``main(argv)``, read from their source (importing every experiment would take seconds)."""
+    ``main(argv)``, read from their source text (importing, or even parsing, every experiment takes seconds)."""
     import probcaps.experiments
 
     found = {}
@@ -207,9 +208,10 @@ def experiments() -> dict[str, str]:
         spec = importlib.util.find_spec(f"probcaps.experiments.{info.name}")
         if info.ispkg or spec is None or not spec.origin or not spec.origin.endswith(".py"):
             continue
-        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
-        if any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
-            found[info.name] = (ast.get_docstring(tree) or "").strip().split("\n", 1)[0]
+        source = Path(spec.origin).read_text(encoding="utf-8")
+        if re.search(r"^def main\(", source, re.MULTILINE):
+            docstring = re.match(r'\s*r?("""|\'\'\')\s*(.*)', source)
+            found[info.name] = docstring.group(2).rstrip('"\'') if docstring else ""
     return dict(sorted(found.items()))
 
 
@@ -393,6 +395,10 @@ def _ttvi(args) -> None:
     }
     write_results(out, metrics, provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s,
                                            device=args.device, checkpoint=str(args.checkpoint)))
+    from probcaps.experiments.ttvi_classification import throughput_table
+    from probcaps.report import write_table
+
+    write_table(out.parent, out.stem, throughput_table(out.parent, out.stem))
     _print_metrics({k: v for k, v in metrics.items() if k != "elbo_trace"})
     print(f"written to {out}")
 
