@@ -29,9 +29,36 @@ from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 from probcaps.encoders import use_compiled_part_cnn  # noqa: E402
 from probcaps.render import use_compiled_compositing  # noqa: E402
+from probcaps.report import write_table  # noqa: E402
 
 
-def main() -> None:
+def readme_table(results_dir: Path, name: str = "bench_step") -> str | None:
+    """The README table of the rows in ``results_dir/<name>.json`` (one per ``make bench`` variant)."""
+    path = Path(results_dir) / f"{name}.json"
+    if not path.is_file():
+        return None
+    rows = json.loads(path.read_text())
+    rows = rows if isinstance(rows, list) else [rows]
+    lines = ["| setting | parts × objects | batch | Pyro step (ms) | torch step (ms) | ratio | images/s | "
+             "peak memory (MB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        enc = r.get("encoder", {})
+        setting = (f"{r.get('label') or ''} (conv {enc.get('channels')}, strides {enc.get('strides')}, set "
+                   f"transformer {enc.get('set_hidden')} wide × {enc.get('set_heads')} heads"
+                   f"{', compiled compositing and part CNN' if r.get('compiled_compositing') else ''})")
+        lines.append(f"| {setting} | {r['parts']} × {r['parents']} | {r['batch']} | {r['pyro_step_ms']:.0f} | "
+                     f"{r['torch_step_ms']:.0f} | {r['ratio_pyro_over_torch']:.3f} | {r['pyro_images_per_s']:.0f} | "
+                     f"{r['peak_memory_mb']:.0f} |")
+    lines.append("")
+    lines.append(f"Device: {rows[0].get('device_description', rows[0].get('device'))}, "
+                 f"{rows[0]['threads']} threads, glibc allocator thresholds set: {rows[0].get('malloc_env')}; "
+                 f"step times are the median of {rows[0].get('repeats', 10)} timed steps of each variant; "
+                 f"command: `make bench`. The ratio is what the benchmark is for (interleaved in one run); images/s "
+                 f"depends on the machine.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="experiment TOML for the model/encoder sizes")
     p.add_argument("--parts", type=int, default=40)
@@ -47,7 +74,7 @@ def main() -> None:
     p.add_argument("--append", action="store_true", help="append a row to --json instead of replacing it")
     p.add_argument("--label", default=None, help="name of this row in the JSON file")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
@@ -115,7 +142,9 @@ def main() -> None:
         rows = json.loads(path.read_text()) if args.append and path.is_file() else []
         rows = rows if isinstance(rows, list) else [rows]
         write_json(path, rows + [result])
+        write_table(path.parent, path.stem, readme_table(path.parent, path.stem))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -35,7 +35,7 @@ from probcaps.cli import (  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
@@ -120,8 +120,14 @@ def main(argv=None) -> int:
     p.add_argument("--cnn-seeds", type=non_negative_int, nargs="*", default=[0])
     p.add_argument("--out", default="runs/affnist", help="run folder of the CNN baseline")
     p.add_argument("--name", default="affnist")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
+                        "stop")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
+    if args.tables_only:
+        print(f"wrote {write_table(args.results_dir, args.name, readme_table(Path(args.results_dir), args.name))}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -180,6 +186,7 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.cnn_seeds, steps=args.cnn_steps, wall_time_s=time.perf_counter() - t0,
                       device=args.device, checkpoint=str(args.checkpoint))
     write_results(results / f"{args.name}.json", metrics, prov)
+    write_table(results, args.name, readme_table(results, args.name))
     print(f"{ood_name}: probe presence+pose {metrics['ood_probe_presence_pose_acc']:.4f}, presence "
           f"{metrics['ood_probe_presence_acc']:.4f} (MNIST test {metrics['mnist_probe_presence_pose_acc']:.4f}); "
           f"CNN {np.mean([r['ood_acc'] for r in metrics['cnn']]) if metrics['cnn'] else float('nan'):.4f}")

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from probcaps.inference.capsule_svi import load_experiment_config, train_capsules  # noqa: E402
+from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules  # noqa: E402
 from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
@@ -32,8 +32,10 @@ from probcaps.cli import (  # noqa: E402
 )
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, results_in, write_table  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
+HEADLINE = "mnist_probe"  # the package's first full run, which the pilots changed one key at a time
 
 
 def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
@@ -65,6 +67,95 @@ def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
                              title="training (SVI, TraceEnum_ELBO)")
 
 
+def readme_table(results_dir: Path, name: str = "mnist_probe") -> str | None:
+    """The README table of ``results_dir/<name>.json``: probe and k-means accuracies, mean ± std over the seeds,
+    against SCAE's published numbers."""
+    loaded = load_result(results_dir, name)
+    if loaded is None:
+        return None
+    metrics, prov = loaded
+    runs = metrics["per_seed"]
+    rows = [
+        ("Linear probe, object presences + poses (%)", "probe_presence_pose_test_acc", "99.0 (SCAE, presences)"),
+        ("Linear probe, object presences alone (%)", "probe_presence_test_acc", "99.0 (SCAE)"),
+        ("k-means (10) + Hungarian on presences (%)", "kmeans_presence_test_acc", "98.7 (SCAE)"),
+        ("Test reconstruction MSE per pixel (×100)", "test_recon_mse", "—"),
+        ("Test ELBO per image (nats)", "test_elbo_per_image", "—"),
+    ]
+    lines = [f"| metric (MNIST test, 40×40) | ours: mean ± std over {len(runs)} seeds | published |",
+             "| --- | --- | --- |"]
+    for label, key, anchor in rows:
+        scale = 1.0 if key == "test_elbo_per_image" else 100.0
+        digits = 3 if key == "test_recon_mse" else 1
+        lines.append(f"| {label} | {fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)} | {anchor} |")
+    K = prov.get("configs", {}).get("model", {}).get("num_parents", "K")
+    if all("mean_active_parents" in r for r in runs):
+        lines.append(f"| Objects on per image (presence > 0.5, of {K}) | "
+                     f"{fmt_mean_std([r['mean_active_parents'] for r in runs], scale=1.0, digits=2)} | — |")
+    if all("parents_in_use" in r for r in runs):
+        lines.append(f"| Objects in use (on in ≥ 1% of test images, of {K}), per seed | "
+                     f"{', '.join(str(r['parents_in_use']) for r in runs)} | — |")
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    walls = ", ".join(f"{r['train_wall_time_s'] / 60:.0f}" for r in runs)
+    lines.append("")
+    lines.append(f"Seeds {seeds}; {runs[0]['steps']} steps of batch {prov.get('batch_size', '?')} each; "
+                 f"training wall time per seed (min): {walls}; device: {prov.get('device', '?')}; "
+                 f"command: `{prov.get('command', '?')}`; commit {prov.get('git_commit', '?')}.")
+    return "\n".join(lines)
+
+
+#: one-seed tries of the headline config with one change each: ``results/pilots/*.json``, table ``results/pilots.md``
+PILOTS = "pilots"
+
+
+def pilots_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
+    """The history of short tries (``results_dir/pilots/*.json``), each row naming the model and encoder keys
+    where the try differs from the config of the ``headline`` run (``results_dir/<headline>.json``'s provenance),
+    best presence + pose probe first."""
+    results = results_in(results_dir, PILOTS)
+    loaded = load_result(results_dir, headline)
+    if not results or loaded is None:
+        return None
+    stored = loaded[1]["configs"]
+
+    def headline_value(section: str, key: str):
+        # a key the headline run predates holds its default (for a removed option: its off value)
+        if key in stored[section]:
+            return stored[section][key]
+        return REMOVED_OPTIONS.get(section, {}).get(key, getattr(SCHEMA[section](), key, None))
+
+    lines = ["| change from the headline config | training steps | training wall time (s) | test ELBO per image | "
+             "probe: presences + poses | probe: presences | k-means on presences | objects in use | probe images: "
+             "fit / scored |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = []
+    for _, data in results:
+        m, prov = data["metrics"], data["provenance"]
+        changes = [f"{section}.{key} = {value}" for section in ("model", "encoder")
+                   for key, value in prov["configs"][section].items()
+                   if key != "seed" and value != headline_value(section, key)]
+        rows.append((m["probe_presence_pose_test_acc"], f"| {'; '.join(changes) or 'none'} | {prov['steps']} | "
+                     f"{prov['wall_time_s']:.0f} | {m['test_elbo_per_image']:.0f} | "
+                     f"{100 * m['probe_presence_pose_test_acc']:.1f}% | {100 * m['probe_presence_test_acc']:.1f}% | "
+                     f"{100 * m['kmeans_presence_test_acc']:.1f}% | {m.get('parents_in_use', '—')} | "
+                     f"{m['n_train']:,} / {m['n_test']:,} |"))
+    lines += [row for _, row in sorted(rows, reverse=True)]
+    lines += ["", "Probe fitted on the first training images and scored on the first test images (the last column: "
+              "how many); one seed each, seed 0 (the headline's seed-to-seed spread is in its table above); the runs "
+              "trained two or three at a time, one thread each. Objects in use: objects on (presence > 0.5) in at "
+              "least 1% of the test images, out of `model.num_parents` (— where the run was scored before this "
+              "column existed)."]
+    return "\n".join(lines)
+
+
+def write_tables(results_dir: Path, name: str) -> list[Path]:
+    """Write ``results_dir/<name>.md`` and, when ``results_dir/pilots/`` holds tries, ``results_dir/pilots.md``
+    from the results JSON there; returns the files written."""
+    written = [write_table(results_dir, name, readme_table(results_dir, name)),
+               write_table(results_dir, PILOTS, pilots_table(results_dir))]
+    return [path for path in written if path is not None]
+
+
 @one_line_errors("mnist_probe")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,10 +173,16 @@ def main(argv=None) -> int:
                    help="take a seed's metrics from its results JSON when that is newer than its final checkpoint")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README tables (RESULTS_DIR/<name>.md, RESULTS_DIR/pilots.md) from the results "
+                        "JSON already there, then stop")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
     args.out = args.out or str(ROOT / "runs" / args.name)
+    if args.tables_only:
+        print("\n".join(f"wrote {path}" for path in write_tables(Path(args.results_dir), args.name)))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     runs = []
@@ -128,6 +225,7 @@ def main(argv=None) -> int:
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
     prov["device"] = device_description(args.device)
     write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
+    write_tables(Path(args.results_dir), args.name)
     plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},
                          Path(args.results_dir) / f"{args.name}_training.png")
     if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:

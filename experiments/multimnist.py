@@ -41,7 +41,7 @@ from probcaps.cli import (  # noqa: E402
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, write_table  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
 # anchors: the seed write-up's reduced numpy CapsNet and the paper (about 5% error at full scale)
@@ -244,8 +244,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="run folders, one per seed (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README table (RESULTS_DIR/multimnist.md) from the results JSON already there, then "
+                        "stop")
     add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
+    if args.tables_only:
+        print(f"wrote {write_table(args.results_dir, TABLE, readme_table(Path(args.results_dir)))}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
@@ -304,10 +310,15 @@ def main(argv=None) -> int:
                       batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
     write_results(results / f"{name}.json", summary, prov)
+    write_table(results, TABLE, readme_table(results))
     if cfg["eval"].figures:
         plot_training(outs, results / f"{name}_training.png")
     print(f"wrote {results / (name + '.json')}")
     return 0
+
+
+#: the table of the reduced and paper-size runs and the step benchmark, ``results/multimnist.md``
+TABLE = "multimnist"
 
 
 def readme_table(results_dir: Path) -> str | None:

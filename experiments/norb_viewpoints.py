@@ -48,7 +48,7 @@ from probcaps.cli import (  # noqa: E402
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, results_in, write_table  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_azimuth.toml"
 MODELS = ("caps", "cnn")
@@ -374,12 +374,18 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
     p.add_argument("--no-figures", action="store_true", help="write the results JSON only")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/norb_pilots.md when there "
+                        "are tries) from the results JSON already there, then stop")
     add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
     name = args.name or cfg["name"]
     args.out = args.out or str(ROOT / "runs" / name)
+    if args.tables_only:
+        print("\n".join(f"wrote {path}" for path in write_tables(Path(args.results_dir), name)))
+        return 0
     t0 = time.perf_counter()
     sets = load_sets(cfg["data"], args.data_dir)
     for seed in args.seeds:
@@ -436,6 +442,7 @@ def main(argv=None) -> int:
                       report_wall_time_s=time.perf_counter() - t0)
     prov["device"] = device_description(args.device)
     write_results(results / f"{name}.json", summary, prov)
+    write_tables(results, name)
     if args.no_figures:
         return 0
     key = cfg["data"].split
@@ -562,6 +569,41 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
                       f"machine is shared: the wall-clock rates are pessimistic; the CPU-time rate is batch x threads "
                       f"/ CPU seconds of the step); command: `{b['command']}`."]
     return "\n".join(lines)
+
+
+#: one-seed tries with other settings: ``results/norb_pilots/*.json`` (``--results-dir results/norb_pilots``), table
+#: ``results/norb_pilots.md``
+NORB_PILOTS = "norb_pilots"
+
+
+def pilots_table(results_dir: Path) -> str | None:
+    """The history of one-seed tries of the novel-viewpoint experiment (``results_dir/norb_pilots/*.json``)."""
+    results = results_in(results_dir, NORB_PILOTS)
+    if not results:
+        return None
+    lines = ["| data | capsules A, B, C, D | capsule steps | CNN steps | seed | matched familiar acc. | "
+             "novel acc.: capsules | novel acc.: CNN | novel error reduction | capsule training (min) | command |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for _, data in results:
+        prov, caps = data["provenance"], data["provenance"]["configs"]["caps"]
+        for r in data["metrics"]["per_seed"]:
+            lines.append(f"| {dataset_label(prov['configs']['data'])} | {caps['A']}, {caps['B']}, {caps['C']}, "
+                         f"{caps['D']} | {r['caps_steps']} | "
+                         f"{r['cnn_steps']} | {r['seed']} | {r['target_familiar_acc']:.3f} | {r['caps_novel_acc']:.3f} | "
+                         f"{r['cnn_novel_acc']:.3f} | {100 * r['novel_error_reduction']:+.1f}% | "
+                         f"{r['caps_train_wall_time_s'] / 60:.0f} | `{prov.get('command', '?')}` |")
+    return "\n".join(lines)
+
+
+def write_tables(results_dir: Path, name: str) -> list[Path]:
+    """Write ``results_dir/<name>.md`` (with the matrix-capsule speed table for the default ``norb_viewpoints``)
+    and the table of tries, ``norb_pilots.md``, beside the ``norb_pilots/`` folder when a run wrote into it or it
+    is there; returns the files written."""
+    results_dir = Path(results_dir)
+    written = [write_table(results_dir, name, readme_table(results_dir, name, with_benchmark=name == "norb_viewpoints"))]
+    history = results_dir.parent if results_dir.name == NORB_PILOTS else results_dir
+    written.append(write_table(history, NORB_PILOTS, pilots_table(history)))
+    return [path for path in written if path is not None]
 
 
 if __name__ == "__main__":

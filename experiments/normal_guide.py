@@ -31,7 +31,7 @@ from probcaps.cli import (  # noqa: E402
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import load_result, provenance_line  # noqa: E402
+from probcaps.report import load_result, provenance_line, write_table  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 
@@ -51,8 +51,9 @@ def evaluate(system, cfg: dict, train, test, elbo_images: torch.Tensor, elbo_sam
     return out
 
 
-def readme_table(results_dir: Path) -> str | None:
-    loaded = load_result(results_dir, "normal_guide")
+def readme_table(results_dir: Path, name: str = "normal_guide") -> str | None:
+    """The README table of ``results_dir/<name>.json``: the delta and the Normal pose guide side by side."""
+    loaded = load_result(results_dir, name)
     if loaded is None:
         return None
     m, prov = loaded
@@ -89,8 +90,14 @@ def main(argv=None) -> int:
                    help="export the trained model here (default: checkpoints/<name>.pt; '' for none)")
     p.add_argument("--name", default="normal_guide")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
+                        "stop")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
+    if args.tables_only:
+        print(f"wrote {write_table(args.results_dir, args.name, readme_table(Path(args.results_dir), args.name))}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, delta = load_trained(args.checkpoint, device=args.device)
@@ -126,6 +133,7 @@ def main(argv=None) -> int:
                       min_scale=args.min_scale)
     results = Path(args.results_dir)
     write_results(results / f"{args.name}.json", metrics, prov)
+    write_table(results, args.name, readme_table(results, args.name))
     plot_training_curves({"Normal poses": out / "log.jsonl"}, results / f"{args.name}_training.png")
     if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
         export_checkpoint(final, checkpoint_out)

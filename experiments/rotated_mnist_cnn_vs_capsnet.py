@@ -42,7 +42,7 @@ from probcaps.cli import (  # noqa: E402
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, write_table  # noqa: E402
 
 NAME = "rotated_mnist_cnn_vs_capsnet"
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
@@ -210,8 +210,14 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="continue (or reuse) each model's run")
     p.add_argument("--probcaps-checkpoint", default=None,
                    help="also score this probabilistic capsule model (e.g. checkpoints/mnist_probe.pt)")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
+                        "stop")
     add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
+    if args.tables_only:
+        print(f"wrote {write_table(args.results_dir, NAME, readme_table(Path(args.results_dir)))}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
@@ -258,6 +264,7 @@ def main(argv=None) -> int:
                       wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs),
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
     write_results(results / f"{name}.json", summary, prov)
+    write_table(results, name, readme_table(results, name))
     plot_accuracy(angles, curves, results / f"{name}_accuracy.png")
     show = [a for a in (0, 35, 90, 180) if a in angles] or angles[:1]
     grid = torch.stack([rotated_tests[a][:8] for a in show])
@@ -267,9 +274,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def readme_table(results_dir: Path) -> str | None:
-    """Accuracy per angle for LeNet-5, CapsNet and the probe, with the write-up's 0° and 35° numbers."""
-    loaded = load_result(results_dir, NAME)
+def readme_table(results_dir: Path, name: str = NAME) -> str | None:
+    """Accuracy per angle for LeNet-5, CapsNet and the probe, with the write-up's 0° and 35° numbers
+    (``results_dir/<name>.json``)."""
+    loaded = load_result(results_dir, name)
     if loaded is None:
         return None
     m, prov = loaded

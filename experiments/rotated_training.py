@@ -38,7 +38,7 @@ from probcaps.io import write_json  # noqa: E402
 from probcaps.inference.evaluate import posterior_part_counts  # noqa: E402
 from probcaps.metrics import LinearProbe, class_purity  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "rotated_training.toml"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
@@ -105,8 +105,9 @@ def plot(summary: dict, path: Path) -> Path:
                                 title=f"rotated MNIST (test rotated within ±θmax); mean ± std, {n} seeds")
 
 
-def readme_table(results_dir: Path) -> str | None:
-    loaded = load_result(results_dir, "rotated_training")
+def readme_table(results_dir: Path, name: str = "rotated_training") -> str | None:
+    """The README table of ``results_dir/<name>.json``: probe accuracy and parent class purity per θmax."""
+    loaded = load_result(results_dir, name)
     if loaded is None:
         return None
     m, prov = loaded
@@ -143,10 +144,16 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--jit", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train (and probe) the runs, skip the summary")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
+                        "stop")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
     args.out = args.out or str(ROOT / "runs" / args.name)
+    if args.tables_only:
+        print(f"wrote {write_table(args.results_dir, args.name, readme_table(Path(args.results_dir), args.name))}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -185,6 +192,7 @@ def main(argv=None) -> int:
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
     results = Path(args.results_dir)
     write_results(results / f"{args.name}.json", summary, prov)
+    write_table(results, args.name, readme_table(results, args.name))
     plot(summary, results / f"{args.name}.png")
     print(f"wrote {results / (args.name + '.json')} and {results / (args.name + '.png')}")
     return 0

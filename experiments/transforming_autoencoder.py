@@ -627,6 +627,46 @@ def readme_table(results_dir: Path) -> str | None:
     return "\n".join(lines + [""] + footer)
 
 
+#: one-seed tries of the affine mode with other settings: ``results/tae_pilots/*.json``, table ``results/tae_pilots.md``
+TAE_PILOTS = "tae_pilots"
+
+
+def pilots_table(results_dir: Path) -> str | None:
+    """The history of tries of the affine transforming auto-encoder (``results_dir/tae_pilots/*.json``)."""
+    from probcaps.report import results_in
+
+    results = results_in(results_dir, TAE_PILOTS)
+    if not results:
+        return None
+    names = ["m11", "m12", "tx", "m21", "m22", "ty"]
+    lines = ["| try | seed | steps | " + " | ".join(f"R² {n}" for n in names)
+             + " | active capsules | keypoint spread (px): keypoints / attention centres | command |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |"]
+    for path, data in results:
+        for r in data["metrics"]["per_seed"]:
+            spread = (f"{r['keypoint_spread_px']:.1f} / {r['attention_centre_spread_px']:.1f}"
+                      if "keypoint_spread_px" in r else "—")
+            lines.append(f"| {path.stem} | {r['seed']} | {r['steps']} | "
+                         + " | ".join(f"{r[f'r2_{n}']:.2f}" for n in names)
+                         + f" | {r['active_capsules_mean']:.1f} | {spread} | "
+                         f"`{data['provenance'].get('command', '?')}` |")
+    lines += ["", "Keypoint spread: for each held-out input image's most present capsule, the mean distance of its "
+              "keypoints from their mean, and the same for the places its keypoints look at (attention centres); "
+              "averaged over the images (— where the try was scored before this was measured)."]
+    return "\n".join(lines)
+
+
+def write_tables(results_dir: Path) -> list[Path]:
+    """Write the table of the shipped recipes (``results_dir/transforming_autoencoder.md``) and of the tries
+    (``results_dir/tae_pilots.md``) from the results JSON there; returns the files written."""
+    from probcaps.report import write_table
+
+    results_dir = Path(results_dir)
+    written = [write_table(results_dir, NAME, readme_table(results_dir)),
+               write_table(results_dir, TAE_PILOTS, pilots_table(results_dir))]
+    return [path for path in written if path is not None]
+
+
 def _error_note(mode: str, runs: list[dict]) -> list[str]:
     """A sentence on where the weakest component's error sits (from ``error_breakdown``), if it was recorded."""
     if not all("error_breakdown" in r for r in runs):
@@ -656,14 +696,21 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="run folders (<out>/seed<S>; default: runs/<name>)")
     p.add_argument("--name", default=None, help="names the results files (default: the config's name)")
     p.add_argument("--resume", action="store_true", help="continue unfinished runs, re-evaluate finished ones")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README tables (RESULTS_DIR/transforming_autoencoder.md, RESULTS_DIR/tae_pilots.md) "
+                        "from the results JSON already there, then stop")
     add_common_args(p, results_dir=ROOT / "results", threads=1)
     args = p.parse_args(argv)
+    if args.tables_only:
+        print("\n".join(f"wrote {path}" for path in write_tables(Path(args.results_dir))))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if len(args.config) > 1 and (args.name or args.out):
         raise ConfigError("--name and --out take one --config (each recipe writes its own files)")
     for config in args.config:
         run_recipe(config, args)
+    write_tables(Path(args.results_dir))
     return 0
 
 

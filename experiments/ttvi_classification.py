@@ -52,14 +52,12 @@ from probcaps.cli import (  # noqa: E402
 )
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import load_result, provenance_line  # noqa: E402
+from probcaps.report import load_result, provenance_line, write_table  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}
-
-
 #: the readings of the fair protocol: LATENTS and the test-time VI of the parts alone
 READINGS = {**LATENTS, "ttvi_parts": "test-time VI of the parts, objects from the encoder at every step"}
 #: the feature sets of the fair protocol (keys of ``probcaps.inference.evaluate.READOUTS``)
@@ -81,6 +79,28 @@ def readme_table(results_dir: Path, name: str = "ttvi_classification") -> str | 
               f"(ELBO per image {m['elbo_encoder']:.0f} → {m['elbo_ttvi']:.0f}); probes fit on the encoder's features of "
               f"{m['n_train']} training digits; checkpoint `{prov.get('checkpoint')}`; {provenance_line(prov)}"]
     return "\n".join(lines)
+
+
+def throughput_table(results_dir: Path, name: str = "ttvi_throughput") -> str | None:
+    """The table of a ``probcaps ttvi`` run (``results_dir/<name>.json``): how fast free-form test-time VI runs and
+    how much it improves the ELBO and the reconstructions."""
+    loaded = load_result(results_dir, name)
+    if loaded is None:
+        return None
+    m, prov = loaded
+    work = m["n_images"] * m["steps"]
+    line = provenance_line(prov)
+    return "\n".join([
+        "| images × steps | threads | wall time (min) | CPU time of the process (min) | image-steps/s (wall) | "
+        "ELBO per image, encoder → after | recon MSE ×100, encoder → after |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {m['n_images']:,} × {m['steps']} | {m['threads']} | {m['wall_time_s'] / 60:.1f} | "
+        f"{m['cpu_time_s'] / 60:.1f} | {work / m['wall_time_s']:.0f} | {m['elbo_encoder_mean']:.0f} → "
+        f"{m['elbo_ttvi_mean']:.0f} | {100 * m['recon_mse_encoder']:.3f} → {100 * m['recon_mse_ttvi']:.3f} |",
+        "",
+        "CPU time is the process's, summed over its threads (with one thread: the wall time on an otherwise idle "
+        "core); measured with nothing else running. " + line[0].upper() + line[1:],
+    ])
 
 
 def fair_table(results_dir: Path, name: str = "ttvi_classification_fair") -> str | None:
@@ -223,8 +243,14 @@ def main(argv=None) -> int:
                         "(0: off)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a key of the checkpoint's config, e.g. encoder.bf16=false on a CPU without bfloat16")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
+                        "stop")
     add_common_args(p, results_dir=ROOT / "results")
     args = p.parse_args(argv)
+    if args.tables_only:
+        print(f"wrote {write_table(args.results_dir, args.name, table_text(Path(args.results_dir), args.name))}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = not args.quiet
@@ -290,7 +316,9 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
                       checkpoint=str(args.checkpoint))
     write_results(results / f"{args.name}.json", metrics, prov)
-    print(table_text(results, args.name))
+    table = table_text(results, args.name)
+    write_table(results, args.name, table)
+    print(table)
     print(f"wrote {results / (args.name + '.json')}")
     return 0
 

@@ -6,14 +6,53 @@ import datetime as _dt
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "device_description", "provenance", "write_results"]
+__all__ = ["git_commit", "device_description", "provenance", "write_results", "repo_relative", "command_line",
+           "REPO_ROOT"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+#: the checkout holding this package: recorded paths under it are written relative to it
+REPO_ROOT = _PACKAGE_ROOT
+
+
+def repo_relative(value: Any, root: str | os.PathLike | None = None) -> Any:
+    """``value`` with every absolute path under ``root`` (default: :data:`REPO_ROOT`) made relative to it.
+
+    Works on strings (a path, or a command line holding paths) and recursively on dicts, lists and tuples; other
+    values come back unchanged.  Results files and tables then read the same on every machine.
+    """
+    prefix = os.fspath(Path(root).resolve() if root is not None else REPO_ROOT) + os.sep
+    if isinstance(value, str):
+        return value.replace(prefix, "")
+    if isinstance(value, os.PathLike):
+        return repo_relative(os.fspath(value), root)
+    if isinstance(value, dict):
+        return {k: repo_relative(v, root) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(repo_relative(v, root) for v in value)
+    return value
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that is running, as a user would type it again from the repository root.
+
+    ``argv`` defaults to ``sys.argv``.  The CLI (``.../probcaps/__main__.py`` or the ``probcaps`` script) reads
+    ``probcaps``; a script under the repository reads as its relative path; arguments are shell-quoted.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return ""
+    program = Path(argv[0])
+    if program.name == "probcaps" or (program.name == "__main__.py" and program.parent.name == "probcaps"):
+        head = "probcaps"
+    else:
+        head = repo_relative(argv[0])
+    return " ".join([head, *(shlex.quote(repo_relative(a)) for a in argv[1:])])
 
 
 def _find_git_root(start: Path) -> Path | None:
@@ -115,9 +154,11 @@ def provenance(
     device: Any = "cpu",
     **extra: Any,
 ) -> dict:
-    """Provenance record for a result file. ``extra`` keys are added verbatim (and may override)."""
+    """Provenance record for a result file. ``extra`` keys are added verbatim (and may override).
+
+    ``command`` defaults to :func:`command_line`; paths under the repository are recorded relative to it."""
     record = {
-        "command": command if command is not None else " ".join(sys.argv),
+        "command": command if command is not None else command_line(),
         "git_commit": git_commit(),
         "seed": seed,
         "steps": steps,
@@ -129,7 +170,7 @@ def provenance(
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     record.update(extra)
-    return record
+    return repo_relative(record)
 
 
 def _jsonable(obj: Any) -> Any:
@@ -169,11 +210,14 @@ def _jsonable(obj: Any) -> Any:
 
 
 def write_results(path: str | os.PathLike, metrics: dict, provenance: dict) -> Path:
-    """Atomically write ``{"metrics": ..., "provenance": ...}`` as JSON to ``path``."""
+    """Atomically write ``{"metrics": ..., "provenance": ...}`` as JSON to ``path``.
+
+    Absolute paths under the repository (figures, checkpoints, commands) are recorded relative to it.  The README
+    table of the result is written beside it by the experiment (:func:`probcaps.report.write_table`)."""
     from .io import write_json
 
     if not isinstance(metrics, dict):
         raise ValueError(f"metrics must be a dict, got {type(metrics).__name__}")
     if not isinstance(provenance, dict):
         raise ValueError(f"provenance must be a dict, got {type(provenance).__name__}")
-    return write_json(path, {"metrics": _jsonable(metrics), "provenance": _jsonable(provenance)})
+    return write_json(path, repo_relative({"metrics": _jsonable(metrics), "provenance": _jsonable(provenance)}))

@@ -137,15 +137,19 @@ def test_resume_without_checkpoint_is_one_line_error(tiny_toml, tmp_path, capsys
     _one_error_line(capsys, "checkpoint.pt")
 
 
-def test_report_command(tmp_path):
-    # catches: the `report` entry point being unimportable, or rewriting text outside its markers
-    pytest.importorskip("probcaps.report", reason="probcaps/report.py does not exist (cli `report` command)")
+def test_report_command(tmp_path, capsys):
+    # catches: the `report` entry point being unimportable, rewriting text outside its markers, or a marker
+    # without its table file passing silently
     readme = tmp_path / "README.md"
-    readme.write_text("# x\nkeep me\n<!-- results:mnist_probe -->\nold table\n<!-- /results:mnist_probe -->\ntail\n")
-    assert main(["report", "--results-dir", str(tmp_path / "none"), "--readme", str(readme)]) == 0
-    text = readme.read_text()
-    assert "old table" not in text and "No results yet" in text
-    assert text.startswith("# x\nkeep me\n<!-- results:mnist_probe -->\n") and text.endswith("tail\n")
+    original = "# x\nkeep me\n<!-- results:mnist -->\nold table\n<!-- /results:mnist -->\ntail\n"
+    readme.write_text(original)
+    assert main(["report", "--results-dir", str(tmp_path / "results"), "--readme", str(readme)]) == 2
+    _one_error_line(capsys, "results:mnist")
+    assert readme.read_text() == original
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "mnist.md").write_text("| new | table |\n")
+    assert main(["report", "--results-dir", str(tmp_path / "results"), "--readme", str(readme)]) == 0
+    assert readme.read_text() == "# x\nkeep me\n<!-- results:mnist -->\n| new | table |\n<!-- /results:mnist -->\ntail\n"
 
 
 def test_python_m_probcaps_help():

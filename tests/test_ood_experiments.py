@@ -185,12 +185,15 @@ def test_ttvi_classification_entry_point(tiny_checkpoint, tmp_path):
     m = json.loads((tmp_path / "ttvi_classification.json").read_text())["metrics"]
     for name in ("encoder", "ttvi_objects", "ttvi_reencoded"):
         assert 0 <= m[f"{name}_presence_pose_acc"] <= 1
-    assert "re-encoded" in ttvi_classification.readme_table(tmp_path)
-    # under another --name, the report finds its table through the experiment's builder
-    from probcaps.report import table_builder
-
+    table = ttvi_classification.readme_table(tmp_path)
+    assert "re-encoded" in table
+    # the run writes its README table beside its JSON, and --tables-only rewrites it under another --name
+    written = (tmp_path / "ttvi_classification.md").read_text()
+    assert written == ttvi_classification.table_text(tmp_path, "ttvi_classification") + "\n"
     (tmp_path / "ttvi_classification_ceiling.json").write_text((tmp_path / "ttvi_classification.json").read_text())
-    assert table_builder("ttvi_classification_ceiling")(tmp_path) == ttvi_classification.readme_table(tmp_path)
+    assert ttvi_classification.main(["--tables-only", "--name", "ttvi_classification_ceiling",
+                                     "--results-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "ttvi_classification_ceiling.md").read_text() == written
 
 
 def test_reencoding_unchanged_parts_gives_the_encoders_objects(tiny_checkpoint):
@@ -231,11 +234,10 @@ def test_affnist_entry_point_reads_a_real_format_file(tiny_checkpoint, fake_mnis
     assert rc == 0
     m = json.loads((tmp_path / "affnist_ceiling.json").read_text())["metrics"]
     assert m["ood_name"] == "affNIST" and m["n_ood"] == 12 and m["cnn"] == []
-    # the README table of a run under another name, through the report's builder; no CNN row without a CNN
-    from probcaps.report import table_builder
-
-    table = table_builder("affnist_ceiling")(tmp_path)
-    assert table is not None and "no CNN baseline in this run" in table and "supervised CNN" not in table
+    # the README table of a run under another name, written beside its JSON; no CNN row without a CNN
+    table = (tmp_path / "affnist_ceiling.md").read_text()
+    assert table == affnist.readme_table(tmp_path, name="affnist_ceiling") + "\n"
+    assert "no CNN baseline in this run" in table and "supervised CNN" not in table
     assert affnist.readme_table(tmp_path) is None  # affnist.json itself was not written
     # the other seeds' checkpoints scored under <name>_seed<S> add mean ± std rows over every checkpoint
     (tmp_path / "affnist_ceiling_seed1.json").write_text((tmp_path / "affnist_ceiling.json").read_text())
