@@ -189,3 +189,136 @@ def test_interrupted_entry_point_exits_with_the_shells_code_not_a_traceback(sign
 
     assert interrupted([]) == code
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------------------------------- probcaps run
+
+
+def _experiment_modules() -> dict:
+    """``{name: module}`` of every module of probcaps.experiments with a callable ``main``, by importing them."""
+    import importlib
+    import pkgutil
+
+    import probcaps.experiments
+
+    found = {}
+    for info in pkgutil.iter_modules(probcaps.experiments.__path__):
+        module = importlib.import_module(f"probcaps.experiments.{info.name}")
+        if callable(getattr(module, "main", None)):
+            found[info.name] = module
+    return found
+
+
+def test_run_lists_every_experiment_with_its_first_docstring_line(capsys):
+    # catches: `probcaps run` missing an experiment (or offering a module without main), or help text that does not
+    # say what each experiment is
+    from probcaps.cli import experiments
+
+    modules = _experiment_modules()
+    assert set(experiments()) == set(modules) and len(modules) >= 5
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name, module in modules.items():
+        first_line = module.__doc__.strip().splitlines()[0].strip()
+        assert experiments()[name] == first_line
+        assert any(line.split() and line.split()[0] == name and first_line in line for line in out.splitlines()), name
+
+
+def test_run_calls_the_experiments_main_with_its_arguments(monkeypatch, capsys):
+    # catches: `probcaps run X args` not reaching X.main(args), dropping or reordering them, or losing its exit code
+    import probcaps.experiments.rotated_digits as rotated_digits
+
+    calls = []
+
+    def fake_main(argv=None):
+        calls.append((list(argv), sys.argv[0]))
+        return 3
+
+    monkeypatch.setattr(rotated_digits, "main", fake_main)
+    assert main(["run", "rotated_digits", "--steps", "5", "--set", "a.b=1", "--help"]) == 3
+    assert calls == [(["--steps", "5", "--set", "a.b=1", "--help"], "probcaps run rotated_digits")]
+    assert sys.argv[0] != "probcaps run rotated_digits"  # restored
+
+
+def test_run_refuses_an_unknown_experiment_and_a_bad_argument(capsys):
+    # catches: an unknown name ending in an ImportError traceback; an experiment's argument errors being lost
+    with pytest.raises(SystemExit) as e:
+        main(["run", "no_such_experiment"])
+    assert e.value.code == 2
+    assert "invalid choice: 'no_such_experiment'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["run", "rotated_digits", "--batch-size", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("usage: probcaps run rotated_digits")
+    assert err[-1] == "probcaps run rotated_digits: error: argument --batch-size: must be >= 1, got 0"
+
+
+def test_run_passes_an_experiments_one_line_error_through(tmp_path, capsys):
+    # catches: `probcaps run` turning an experiment's refusal (exit 2, one line) into something else
+    missing = tmp_path / "missing.pt"
+    assert main(["run", "rotated_digits", "--checkpoint", str(missing), "--results-dir", str(tmp_path / "r")]) == 2
+    _one_error_line(capsys, "rotated_digits: error:", str(missing))
+
+
+def test_python_m_probcaps_run_help():
+    # catches: the installed entry point failing to list the experiments (a subprocess, as a user runs it)
+    env = {**os.environ, "PROBCAPS_NO_REEXEC": "1"}
+    proc = subprocess.run([sys.executable, "-m", "probcaps", "run", "--help"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "mnist_probe" in proc.stdout and "transforming_autoencoder" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------- train --force, --tensorboard
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], {}), (["--force"], {"force": True}), (["--tensorboard"], {"tensorboard": True}),
+    (["--force", "--tensorboard"], {"force": True, "tensorboard": True}),
+])
+def test_train_passes_force_and_tensorboard_to_the_training_loop(flags, expected, tiny_toml, tmp_path, monkeypatch):
+    # catches: --force or --tensorboard accepted but not handed to the training loop (or handed when not asked)
+    import probcaps.inference.capsule_svi as capsule_svi
+    from probcaps.inference.train import TrainState
+
+    seen = {}
+
+    def fake_train_capsules(cfg, out, **kwargs):
+        seen.update(kwargs)
+        return TrainState(step=cfg["train"].steps)
+
+    monkeypatch.setattr(capsule_svi, "train_capsules", fake_train_capsules)
+    assert main(["train", "--config", str(tiny_toml), "--out", str(tmp_path / "run"), "--quiet", *flags]) == 0
+    assert {k: seen[k] for k in ("force", "tensorboard") if k in seen} == expected
+
+
+def test_train_capsules_hands_loop_options_to_train_loop(tiny_toml, tmp_path, monkeypatch):
+    # catches: train_capsules dropping the options on the way to train_loop
+    import probcaps.inference.capsule_svi as capsule_svi
+    from probcaps.inference.train import TrainState
+
+    seen = {}
+
+    def fake_train_loop(*args, **kwargs):
+        seen.update(kwargs)
+        return TrainState()
+
+    monkeypatch.setattr(capsule_svi, "train_loop", fake_train_loop)
+    cfg = capsule_svi.load_experiment_config(tiny_toml)
+    capsule_svi.train_capsules(cfg, tmp_path / "run", progress=False, force=True, tensorboard=True)
+    assert seen["force"] is True and seen["tensorboard"] is True
+
+
+def test_train_force_starts_afresh_in_a_used_run_folder(tiny_toml, tmp_path, capsys):
+    # catches: --force not reaching the training loop's refusal of a run folder that holds an earlier run
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(tiny_toml), "--out", str(out), "--steps", "1", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--config", str(tiny_toml), "--out", str(out), "--steps", "2", "--quiet"]) == 2
+    _one_error_line(capsys, "probcaps train: error:", str(out))
+    assert load_checkpoint(out / "final.pt")["state"]["step"] == 1
+    assert main(["train", "--config", str(tiny_toml), "--out", str(out), "--steps", "2", "--quiet", "--force"]) == 0
+    assert load_checkpoint(out / "final.pt")["state"]["step"] == 2
