@@ -59,7 +59,7 @@ def _mean_sem(v: torch.Tensor) -> tuple[float, float]:
 
 
 def checks(rows: list[dict]) -> dict:
-    """The issue's criteria, evaluated on the measured rows."""
+    """The acceptance criteria, evaluated on the measured rows."""
     by_angle = {r["angle"]: r for r in rows}
     out = {"ttvi_improves_elbo_at_every_angle_ge_45": all(r["elbo_ttvi"] > r["elbo_encoder"]
                                                           for r in rows if r["angle"] >= 45)}

@@ -569,7 +569,7 @@ def readme_table(results_dir: Path) -> str | None:
     if not loaded:
         return None
     n_seeds = max(len(d["metrics"]["per_seed"]) for d in loaded.values())
-    lines = [f"| mode | metric (held-out MNIST-test pairs) | ours: mean ± std over {n_seeds} seeds | issue target | "
+    lines = [f"| mode | metric (held-out MNIST-test pairs) | ours: mean ± std over {n_seeds} seeds | target | "
              "write-up (numpy, 28×28) |", "| --- | --- | --- | --- | --- |"]
     anchors = {"dx": WRITEUP["r2_dx"], "dy": WRITEUP["r2_dy"]}
     footer = []
@@ -587,7 +587,7 @@ def readme_table(results_dir: Path) -> str | None:
                  ("reconstruction MSE per pixel, whole 40×40 canvas", "recon_mse", 4, "—", "—"),
                  ("active capsules per image (p > 0.1), mean", "active_capsules_mean", 1, "—",
                   f"{WRITEUP['active_median']} (median)"),
-                 # the issue's 5-minute budget is stated for the translation mode only
+                 # the 5-minute budget is set for the translation mode only
                  ("training wall time (s), shared 2-core CPU, 1 thread", "train_wall_time_s", 0,
                   "≤ 300" if mode == "translation" else "—",
                   f"~{WRITEUP['wall_s']} (M-series Mac)")]
