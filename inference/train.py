@@ -375,9 +375,9 @@ def train_loop(
             raise ValueError(f"train_loop: schedule names {clash} clash with the log's own keys")
         world = distributed.init_from_env()
         out_dir = _run_folder(out_dir) if world.rank == 0 else Path(out_dir)
-        # a run stopped by kill -9 before its first checkpoint leaves its lock file (or log): resuming it is
+        # a run stopped by kill -9 before its first checkpoint leaves its (maybe empty) log: resuming it is
         # starting at step 0
-        started = (out_dir / ".lock").exists() or (out_dir / "log.jsonl").exists()
+        started = (out_dir / "log.jsonl").exists()
         world.barrier()
         with RunLock(out_dir) if world.rank == 0 else contextlib.nullcontext():
             run = _Run(module, loss_fn, batches, cfg, out_dir, world, stop, metadata=metadata, progress=progress,
@@ -407,15 +407,11 @@ class _Run:
     # ------------------------------------------------------------------------------------------ start-up
 
     def _start(self, resume: bool, force: bool, started: bool) -> bool:
-        """Build the optimiser and scheduler, then load the checkpoint or start afresh; returns whether the
-        checkpoint we resume from still owes its ``on_checkpoint`` call."""
+        """Decide between resuming, starting afresh and refusing (before any slow work, so that a kill during the
+        rest of the start-up leaves a folder that ``resume`` continues), build the optimiser and scheduler, then
+        load the checkpoint or seed; returns whether the checkpoint we resume from still owes its
+        ``on_checkpoint`` call."""
         cfg = self.cfg
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimiser = make_optimiser(self.module, cfg)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser, _lr_factor(cfg))
-        self.forward = self.loss_fn
-        if self.world.size > 1:
-            self.forward = self.world.wrap(_LossModule(self.module, self.loss_fn))
         if self.is_main:  # temporary files of writes a kill -9 cut short (we hold the folder's lock)
             for name in (self.ckpt_path.name, self.final_path.name, self.log_path.name):
                 for tmp in self.out_dir.glob(f".{name}.*.tmp"):
@@ -426,17 +422,28 @@ class _Run:
                 print(f"{self.out_dir}: the run stopped before its first checkpoint; starting it at step 0",
                       file=sys.stderr)
             resume, force = False, True
+        if not resume:
+            if has_run and not force:
+                step = _checkpoint_step(self.final_path if self.final_path.is_file() else self.ckpt_path)
+                raise ConfigError(f"{self.out_dir} holds a run (step {step}); pass --resume to continue or --force "
+                                  f"to start over")
+            self.world.barrier()  # every process has looked before rank 0 deletes
+            if self.is_main:
+                for path in (self.ckpt_path, self.final_path, self.log_path):
+                    path.unlink(missing_ok=True)
+                shutil.rmtree(self.tb_dir, ignore_errors=True)
+                try:
+                    self.log_path.touch()  # marks the folder as holding a started run
+                except OSError as e:
+                    raise OutputError(f"{self.log_path}: cannot write ({e.strerror or e})") from None
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimiser = make_optimiser(self.module, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser, _lr_factor(cfg))
+        self.forward = self.loss_fn
+        if self.world.size > 1:
+            self.forward = self.world.wrap(_LossModule(self.module, self.loss_fn))
         if resume:
             return self._resume()
-        if has_run and not force:
-            step = _checkpoint_step(self.final_path if self.final_path.is_file() else self.ckpt_path)
-            raise ConfigError(f"{self.out_dir} holds a run (step {step}); pass --resume to continue or --force to "
-                              f"start over")
-        self.world.barrier()  # every process has looked before rank 0 deletes
-        if self.is_main:
-            for path in (self.ckpt_path, self.final_path, self.log_path):
-                path.unlink(missing_ok=True)
-            shutil.rmtree(self.tb_dir, ignore_errors=True)
         seed_everything(self.world.seed(cfg.seed))
         return False
 
@@ -531,10 +538,16 @@ class _Run:
         bad = _first_non_finite(snap["module"]) or _first_non_finite(_optimiser_tensors(snap["optimiser"]))
         if bad is not None:
             raise TrainingDiverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write "
-                                   f"{path} (last good checkpoint: {self.ckpt_path})")
+                                   f"{path} ({self._last_good()})")
         atomic_torch_save(snap, path)
         if self.writer is not None:
             self.writer.flush()
+
+    def _last_good(self) -> str:
+        """Where the last checkpoint is (every written checkpoint is finite), for a divergence message."""
+        if not self.ckpt_path.is_file():
+            return "no checkpoint was written yet"
+        return f"last good checkpoint: {self.ckpt_path}, step {_checkpoint_step(self.ckpt_path)}"
 
     def _run_callback(self) -> None:
         if self.on_checkpoint is None or self.callback_done_at == self.state.step:
@@ -680,12 +693,12 @@ class _Run:
             loss_value = loss.detach()
         if not torch.isfinite(loss_value):
             raise TrainingDiverged(f"step {state.step}: loss is {loss_value.item()}; stopped without writing the "
-                                   f"broken model (last good checkpoint: {self.ckpt_path})")
+                                   f"broken model ({self._last_good()})")
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             raise TrainingDiverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without "
-                                   f"writing the broken model (last good checkpoint: {self.ckpt_path})")
+                                   f"writing the broken model ({self._last_good()})")
         # parameters, optimiser, scheduler and data position advance together: a signal only sets a flag
         self.optimiser.step()
         self.scheduler.step()
@@ -695,7 +708,7 @@ class _Run:
         if bad is not None:
             raise TrainingDiverged(f"step {state.step - 1}: the update made '{bad}' NaN or Inf (learning rate "
                                    f"{self.optimiser.param_groups[0]['lr']:.3g} too large?); stopped without "
-                                   f"writing it (last good checkpoint: {self.ckpt_path})")
+                                   f"writing it ({self._last_good()})")
         return float(loss_value), float(grad_norm), terms, n_global, signum
 
     def _accumulate(self, loss: float, terms: dict) -> None:

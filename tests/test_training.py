@@ -565,7 +565,7 @@ def test_the_lock_of_a_killed_run_does_not_block(tmp_path):
         _linear_run(tmp_path)
     holder.kill()
     holder.wait()
-    _linear_run(tmp_path, resume=True)  # nothing to resume from: the killed run had not checkpointed yet
+    _linear_run(tmp_path)
 
 
 def test_a_damaged_log_line(tmp_path):
