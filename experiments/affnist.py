@@ -30,7 +30,7 @@ from probcaps.models.cnn_classifier import ConvClassifier  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, non_negative_int, positive_int, launch, one_line_errors,
+    add_common_args, folder_arg, non_negative_int, positive_int, launch, one_line_errors,
 )
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--ttvi-steps", type=positive_int, default=200)
     p.add_argument("--cnn-steps", type=positive_int, default=1500)
     p.add_argument("--cnn-seeds", type=non_negative_int, nargs="*", default=[0])
-    p.add_argument("--out", default="runs/affnist", help="run folder of the CNN baseline")
+    p.add_argument("--out", type=folder_arg, default="runs/affnist", help="run folder of the CNN baseline")
     p.add_argument("--name", default="affnist")
     p.add_argument("--tables-only", action="store_true",
                    help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "

@@ -28,7 +28,7 @@ from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, non_negative_int, launch, one_line_errors,
+    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
 )
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--out", default=None, help="run folders, <out>/seed<S> (default: runs/<name>)")
+    p.add_argument("--out", type=folder_arg, default=None, help="run folders, <out>/seed<S> (default: runs/<name>)")
     p.add_argument("--checkpoint-out", default=None,
                    help="export the first seed's model here (default: checkpoints/<name>.pt; '' for none)")
     p.add_argument("--name", default=None, help="names the results, runs and checkpoint (default: the config's name)")

@@ -36,7 +36,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, non_negative_int, launch, one_line_errors,
+    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
-    p.add_argument("--out", default=None, help="run folders, one per seed (default runs/<name>)")
+    p.add_argument("--out", type=folder_arg, default=None, help="run folders, one per seed (default runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
     p.add_argument("--tables-only", action="store_true",

@@ -44,7 +44,7 @@ from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnor
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb  # noqa: E402
 from probcaps.data.transforms import standardise_per_image  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, non_negative_int, launch, one_line_errors,
+    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--out", default=None, help="run folders (<out>/seed<S>/<model>; default: runs/<name>)")
+    p.add_argument("--out", type=folder_arg, default=None, help="run folders (<out>/seed<S>/<model>; default: runs/<name>)")
     p.add_argument("--name", default=None, help="results name (default: the config's name)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")

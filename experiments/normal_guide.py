@@ -26,7 +26,7 @@ from probcaps.inference.capsule_svi import encode_dataset, load_images, load_tra
 from probcaps.inference.evaluate import test_elbo  # noqa: E402
 from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, finite_positive_float, non_negative_int, positive_int, launch, one_line_errors,
+    add_common_args, folder_arg, finite_positive_float, non_negative_int, positive_int, launch, one_line_errors,
 )
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--n-elbo-images", type=positive_int, default=2000)
     p.add_argument("--elbo-samples", type=positive_int, default=3)
     p.add_argument("--probe-train-limit", type=non_negative_int, default=10000, help="0: all")
-    p.add_argument("--out", default="runs/normal_guide")
+    p.add_argument("--out", type=folder_arg, default="runs/normal_guide")
     p.add_argument("--checkpoint-out", default=None,
                    help="export the trained model here (default: checkpoints/<name>.pt; '' for none)")
     p.add_argument("--name", default="normal_guide")

@@ -38,7 +38,7 @@ from probcaps.data import iterate_batches, place_on_canvas, random_offsets, rota
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.loaders import seeded_generator  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, non_negative_int, launch, one_line_errors,
+    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
-    p.add_argument("--out", default=None, help="run folders, one per model and seed (default: runs/<name>)")
+    p.add_argument("--out", type=folder_arg, default=None, help="run folders, one per model and seed (default: runs/<name>)")
     p.add_argument("--resume", action="store_true", help="continue (or reuse) each model's run")
     p.add_argument("--probcaps-checkpoint", default=None,
                    help="also score this probabilistic capsule model (e.g. checkpoints/mnist_probe.pt)")

@@ -32,7 +32,7 @@ from probcaps.inference.capsule_svi import (  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, finite_non_negative_float, non_negative_int, launch, one_line_errors,
+    add_common_args, folder_arg, finite_non_negative_float, non_negative_int, launch, one_line_errors,
 )
 from probcaps.io import write_json  # noqa: E402
 from probcaps.inference.evaluate import posterior_part_counts  # noqa: E402
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--thetas", type=finite_non_negative_float, nargs="+", default=[0, 45, 90, 180])
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1])
-    p.add_argument("--out", default=None, help="run folders (default: runs/<name>)")
+    p.add_argument("--out", type=folder_arg, default=None, help="run folders (default: runs/<name>)")
     p.add_argument("--name", default=None, help="names the results (default: the config's name)")
     p.add_argument("--resume", action="store_true", help="continue interrupted runs; reuse finished ones")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")

@@ -427,6 +427,25 @@ def test_every_numeric_option_refuses_a_bad_value(entry, option, value, tmp_path
     assert snapshot(tmp_path) == before
 
 
+def test_every_output_folder_option_refuses_a_file(tmp_path, capsys):
+    # catches: --out / --results-dir naming an existing file ending in a FileExistsError traceback, or the file being
+    # written over, in any command or experiment
+    taken = tmp_path / "taken"
+    taken.write_text("a file\n")
+    checked = 0
+    for entry, (main, prefix, parser) in parsers_cache().items():
+        required = [x for a in parser._actions if a.required and a.option_strings
+                    for x in (a.option_strings[-1], str(tmp_path / "none"))]
+        for action in parser._actions:
+            if action.type is cli.folder_arg:
+                with pytest.raises(SystemExit) as e:
+                    main([*prefix, *required, action.option_strings[-1], str(taken)])
+                assert e.value.code == 2, (entry, action.option_strings)
+                assert f"{taken}: exists and is not a folder" in capsys.readouterr().err.splitlines()[-1]
+                checked += 1
+    assert checked >= 10 and taken.read_text() == "a file\n"
+
+
 _PARSERS: dict = {}
 
 
