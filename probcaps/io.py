@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator
 
 from probcaps.errors import DataError, ProbcapsError
 
-__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "atomic_torch_save", "write_json", "deferred_signals",
-           "read_jsonl", "truncate_log", "RunLock"]
+__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "atomic_torch_save", "write_json", "append_jsonl",
+           "deferred_signals", "read_jsonl", "truncate_log", "RunLock"]
 
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

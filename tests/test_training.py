@@ -20,7 +20,7 @@ from probcaps.inference.train import TrainConfig, load_checkpoint, make_elbo, re
 from probcaps.models.capsule_model import CapsuleModelConfig
 from probcaps.data import placed_mnist
 from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
-from probcaps.io import atomic_torch_save
+from probcaps.io import atomic_torch_save, atomic_write
 
 from conftest import REAL_DATA_ROOT, requires_real_mnist
 
@@ -241,6 +241,24 @@ def test_atomic_torch_save_leaves_old_file_intact(tmp_path, monkeypatch):
         atomic_torch_save({"module": {"w": torch.zeros(3)}}, path)
     assert torch.equal(torch.load(path)["module"]["w"], torch.arange(3))
     assert os.listdir(tmp_path) == ["checkpoint.pt"]  # no temporary file left behind
+
+
+def test_a_ctrl_c_inside_an_atomic_write_waits_for_the_file(tmp_path):
+    # catches: a Ctrl-C landing inside the zip writer aborting the write (RuntimeError from the writer, or a
+    # missing file) instead of stopping after it
+    import signal
+
+    path = tmp_path / "checkpoint.pt"
+
+    def write(f):
+        torch.save({"w": torch.arange(3)}, f)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered now, in the middle of the write
+        f.write(b"")
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, write)
+    assert torch.equal(torch.load(path)["w"], torch.arange(3))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_train_loop_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
