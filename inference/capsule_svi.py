@@ -96,10 +96,12 @@ def prior_schedule(model_cfg: CapsuleModelConfig) -> Callable[[int], float] | No
 class CapsuleSystem(nn.Module):
     """The generative model and its guide, as one module (one ``state_dict``, one optimiser)."""
 
-    def __init__(self, model_cfg: CapsuleModelConfig, encoder_cfg: EncoderConfig, guide: dict | None = None):
+    def __init__(self, model_cfg: CapsuleModelConfig, encoder_cfg: EncoderConfig, guide: dict | None = None,
+                 compile: bool = False):
         super().__init__()
-        self.model = CapsuleModel(model_cfg)
-        self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg)
+        # compile (train.compile): the model's compositing and the part CNN through torch.compile; not state
+        self.model = CapsuleModel(model_cfg, compile=compile)
+        self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg, compile=compile)
         self.guide = DeltaGuide(self.encoder, model_cfg.temperature)
         self.guide_spec = {"family": "delta"}
         if guide and guide.get("family", "delta") != "delta":
@@ -152,7 +154,7 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
     pyro.enable_validation(cfg["train"].validate)
     torch.manual_seed(cfg["train"].seed)
     if system is None:
-        system = CapsuleSystem(cfg["model"], cfg["encoder"])
+        system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=cfg["train"].compile)
     system = system.to(device).train()
     images, labels = load_images(cfg["data"], "train", data_dir)
     elbo = make_elbo(cfg["train"].jit)

@@ -66,14 +66,14 @@ def _head(dim_in: int, hidden: int, dim_out: int) -> nn.Sequential:
 class CapsuleEncoder(nn.Module):
     """Image -> part capsules -> object capsules."""
 
-    def __init__(self, num_parts: int, num_parents: int, config: EncoderConfig | None = None):
+    def __init__(self, num_parts: int, num_parents: int, config: EncoderConfig | None = None, compile: bool = False):
         super().__init__()
         cfg = self.config = config or EncoderConfig()
         self.num_parts, self.num_parents = num_parts, num_parents  # plain ints: not in the state_dict
         self.parts = PartEncoder(
             num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides), feature_dim=cfg.part_features,
             pose_kwargs=dict(min_scale=cfg.min_scale, max_scale=cfg.max_scale, max_translation=cfg.max_translation),
-            bf16=cfg.bf16,
+            bf16=cfg.bf16, compile=compile,
         )
         self.part_embedding = nn.Parameter(0.1 * torch.randn(num_parts, cfg.part_embedding))
         self.set_transformer = SetTransformer(

@@ -29,7 +29,7 @@ from pyro.ops.indexing import Vindex
 
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
-from probcaps.render import composite_layers, render_templates
+from probcaps.render import render_over
 
 __all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent"]
 
@@ -95,10 +95,17 @@ def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> 
 
 
 class CapsuleModel(PyroModule):
-    """Pyro generative model of SPEC §1.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``."""
+    """Pyro generative model of SPEC §1.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``.
 
-    def __init__(self, config: CapsuleModelConfig | None = None):
+    ``footprint``: render each template only over the canvas window it can touch (the default; the same images
+    and gradients as rendering over the whole canvas, ``footprint=False``, see :func:`probcaps.render.render_over`).
+    ``compile``: ``torch.compile`` the whole-canvas compositing where it is used.  Both are plain attributes, not
+    part of the state dict.
+    """
+
+    def __init__(self, config: CapsuleModelConfig | None = None, *, footprint: bool = True, compile: bool = False):
         super().__init__()
+        self.footprint, self.compile = footprint, compile
         cfg = self.config = config or CapsuleModelConfig()
         K, M, t = cfg.num_parents, cfg.num_parts, cfg.template_size
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -182,9 +189,8 @@ class CapsuleModel(PyroModule):
         # warping is linear in the template, so z0 scales the small alpha templates before the warp instead of the
         # (B, M, H, W) rendered alphas after it: the same image, two fewer passes over the layers
         channel_scale = torch.stack([torch.ones_like(z0), z0], -1)[..., None, None]  # (B, M, 2, 1, 1)
-        layers = render_templates(templates * channel_scale, pose6_to_matrix(y0), self.config.canvas_size)
-        image, weights = composite_layers(layers, dim=1)
-        return image, (weights * layers[:, :, :1] if contributions else None)
+        return render_over(templates * channel_scale, pose6_to_matrix(y0), self.config.canvas_size,
+                           footprint=self.footprint, compiled=self.compile, contributions=contributions)
 
     def parent_prior_probs(self, expected_parents: float | None = None) -> torch.Tensor:
         """``(K,)`` prior presence probabilities π_k = ``expected_parents / K`` (at most 0.99); ``None``: the

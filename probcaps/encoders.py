@@ -28,8 +28,7 @@ from torch import nn
 
 from probcaps.geometry import constrained_pose
 
-__all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOutput", "key_bias",
-           "use_compiled_part_cnn"]
+__all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOutput", "key_bias"]
 
 #: Smallest key weight before taking the log: ``log(1e-6) ~ -13.8`` on the attention logits.
 MIN_KEY_WEIGHT = 1e-6
@@ -173,18 +172,6 @@ def _position_grid(h: int, w: int, device, dtype) -> torch.Tensor:
     return torch.stack(torch.meshgrid(xs, ys, indexing="xy"), -1).reshape(-1, 2)
 
 
-_COMPILE_TRUNKS = {"on": False}
-
-
-def use_compiled_part_cnn(enable: bool = True) -> None:
-    """Run every :class:`PartEncoder`'s CNN through ``torch.compile`` (fuses each convolution with its activation).
-
-    Turned on with the compositing by ``train.compile = true`` / ``--compile``; the first call pays for the
-    compile, and each new input shape compiles again.
-    """
-    _COMPILE_TRUNKS["on"] = enable
-
-
 class PartOutput(NamedTuple):
     """Part capsules from :class:`PartEncoder`."""
 
@@ -205,6 +192,8 @@ class PartEncoder(nn.Module):
 
     ``forward(x (B, in_channels, H, W)) -> PartOutput``.  ``pose_kwargs`` are passed to
     :func:`probcaps.geometry.constrained_pose` (``min_scale``, ``max_scale``, ``max_shear``, ``max_translation``).
+    ``compile``: run the CNN through ``torch.compile`` (fuses each convolution with its activation; the first call
+    pays for the compile, and each new input shape compiles again).  A plain attribute, not in the state dict.
     """
 
     def __init__(
@@ -219,10 +208,12 @@ class PartEncoder(nn.Module):
         pose_kwargs: dict | None = None,
         attention_translation: bool = True,
         bf16: bool = False,
+        compile: bool = False,
     ):
         super().__init__()
         self.attention_translation = attention_translation
         self.bf16 = bf16
+        self.compile = compile
         if len(channels) != len(strides):
             raise ValueError(f"PartEncoder: {len(channels)} channels but {len(strides)} strides")
         self.num_parts, self.feature_dim = num_parts, feature_dim
@@ -274,7 +265,7 @@ class PartEncoder(nn.Module):
         return self.__dict__["_trunk_compiled"]
 
     def forward(self, x: torch.Tensor) -> PartOutput:
-        features = self._compiled_trunk()(x) if _COMPILE_TRUNKS["on"] else self.trunk(x)
+        features = self._compiled_trunk()(x) if self.compile else self.trunk(x)
         fh, fw = features.shape[-2:]
         f = features.to(x.dtype).permute(0, 2, 3, 1).reshape(x.shape[0], fh * fw, -1)  # (B, N, C), N = H'W'
         # The head is a 1x1 conv, linear in the features, so pooling commutes with it: each part's attention

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .geometry import determinant, invert
 
 __all__ = ["sampling_grid", "warp", "render_templates", "extract_glimpses", "alpha_over", "composite_over",
-           "composite_layers", "use_compiled_compositing"]
+           "composite_layers", "footprints", "window_size", "render_over"]
 
 _GRID_CACHE: dict = {}
 
@@ -77,15 +77,19 @@ def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int)
     if images.dim() != 4 or P.shape != (images.shape[0], 3, 3):
         raise ValueError(f"warp: expected images (N, C, h, w) and poses (N, 3, 3); got {tuple(images.shape)} and "
                          f"{tuple(P.shape)}")
-    h, w = images.shape[-2:]
+    grid = sampling_grid(_canvas_to_source(P, images.shape[-2:], out_size), (H, W))
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def _canvas_to_source(P: torch.Tensor, source_size, out_size) -> torch.Tensor:
+    """``(N, 2, 3)`` maps from canvas to source coordinates for poses ``P`` ``(N, 3, 3)`` (see :func:`warp`)."""
+    (h, w), (H, W) = source_size, out_size
     # source coords v = S^-1 P^-1 u with S = diag(w/W, h/H): scale the two rows of P^-1.
     # the floor keeps the inverse finite (a zero-weighted inf would still make NaN gradients through the where)
     Pinv = invert(P, min_abs_det=MIN_POSE_DET)[:, :2, :]
     flat = determinant(P).abs() < MIN_POSE_DET
     Pinv = torch.where(flat.view(-1, 1, 1), Pinv.new_tensor(_OFF_SOURCE), Pinv)
-    row_scale = Pinv.new_tensor([W / w, H / h]).view(1, 2, 1)
-    grid = sampling_grid(Pinv * row_scale, (H, W))
-    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return Pinv * Pinv.new_tensor([W / w, H / h]).view(1, 2, 1)
 
 
 def render_templates(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
@@ -197,7 +201,8 @@ class _OverComposite(torch.autograd.Function):
         return grad_colours, grad_alphas, None, None
 
 
-def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, background: float = 0.0):
+def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, background: float = 0.0,
+                   compiled: bool = False):
     """Fold :func:`alpha_over` over layers along ``dim`` (index 0 at the back), onto an opaque background.
 
     This is the closed form of the fold. Layer ``m`` contributes ``α_m ∏_{j>m} (1 − α_j)`` and the background
@@ -209,16 +214,18 @@ def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, ba
     Args:
         colours: ``(..., M, C, H, W)`` layer colours (``dim`` indexes the layers).
         alphas: alphas broadcastable to ``colours``.
+        compiled: run through ``torch.compile``, which fuses the ten or so passes that the forward and the backward
+            make over the layers into a few (the first call with a new shape pays for the compile).
     Returns:
         ``(image, weights)``: the composite with ``dim`` reduced, and the per-layer weights. The weights sum to 1
         together with the background's share.
     """
-    if _COMPILED["fn"] is not None:
-        return _COMPILED["fn"](colours, alphas, dim, float(background))
+    if compiled:
+        return _compiled("over")(colours, alphas, dim, float(background))
     return _composite_over(colours, alphas, dim, float(background))
 
 
-def composite_layers(layers: torch.Tensor, dim: int = 1, background: float = 0.0):
+def composite_layers(layers: torch.Tensor, dim: int = 1, background: float = 0.0, compiled: bool = False):
     """:func:`composite_over` of rendered layers whose colour and alpha are channels 0 and 1 of one tensor.
 
     Args:
@@ -231,8 +238,8 @@ def composite_layers(layers: torch.Tensor, dim: int = 1, background: float = 0.0
     if layers.shape[dim + 1 if dim >= 0 else dim + layers.dim() + 1] != 2:
         raise ValueError(f"composite_layers: expected 2 channels (colour, alpha) after the layer axis, got "
                          f"{tuple(layers.shape)}")
-    if _COMPILED["layers_fn"] is not None:
-        return _COMPILED["layers_fn"](layers, dim, float(background))
+    if compiled:
+        return _compiled("layers")(layers, dim, float(background))
     return _composite_layers(layers, dim, float(background))
 
 
@@ -249,16 +256,220 @@ def _composite_layers(layers, dim: int, background: float):
     return _OverComposite.apply(colours, alphas, dim, background)
 
 
-_COMPILED: dict = {"fn": None, "layers_fn": None}
+_COMPILED: dict = {}
 
 
-def use_compiled_compositing(enable: bool = True) -> None:
-    """Run :func:`composite_over` and :func:`composite_layers` through ``torch.compile``.
+def _compiled(kind: str):
+    """The compiled form of :func:`_composite_over` (``"over"``) or :func:`_composite_layers` (``"layers"``),
+    built on first use: a cache of compiled functions, used only by calls that ask for them."""
+    if kind not in _COMPILED:
+        fn = {"over": _composite_over, "layers": _composite_layers}[kind]
+        _COMPILED[kind] = torch.compile(fn, dynamic=False)
+    return _COMPILED[kind]
 
-    Compiling fuses the ten or so passes that the forward and the backward make over the layers into a few.
-    The whole training step with and without it is in ``benchmarks/bench_step.py --compile`` (README table).
-    The first call pays for the compile. It is off by default. Turn it on with ``train.compile = true`` or
-    ``--compile``.
+
+# ----------------------------------------------------------------------------------------- footprint rendering
+
+def footprints(poses: torch.Tensor, template_size: tuple[int, int], out_size: tuple[int, int]) -> torch.Tensor:
+    """The canvas pixels each template rendered at ``poses`` can touch: ``(..., 4)`` int64 ``(x0, y0, x1, y1)``.
+
+    Inclusive pixel ranges, clamped to the canvas (``x1 < x0`` where the template lies wholly off it).  Bilinear
+    sampling reads a source pixel up to one source pixel past its centre, so the template's support is the square
+    ``[-(1 + 1/t), 1 + 1/t]²`` of its own coordinates; its image under ``P S`` lies in ``centre ± |P S| e``.
+    Every canvas pixel whose centre lies in that box, edges included, is in the range (a pixel exactly on the
+    support's edge has the value 0 but a non-zero gradient w.r.t. the pose).
+
+    Args:
+        poses: ``(..., 3, 3)`` template -> canvas maps.
     """
-    _COMPILED["fn"] = torch.compile(_composite_over, dynamic=False) if enable else None
-    _COMPILED["layers_fn"] = torch.compile(_composite_layers, dynamic=False) if enable else None
+    (t_h, t_w), (H, W) = template_size, out_size
+    with torch.no_grad():
+        half_source = poses.new_tensor([(1 + 1 / t_w) * t_w / W, (1 + 1 / t_h) * t_h / H])
+        half = poses[..., :2, :2].abs() @ half_source                             # (..., 2) canvas half-extents
+        centre = poses[..., :2, 2]
+        size = poses.new_tensor([W, H])
+        # canvas coordinate u -> pixel index ((u + 1) size - 1) / 2 (pixel centres at integers)
+        low = (((centre - half) + 1) * size - 1) / 2
+        high = (((centre + half) + 1) * size - 1) / 2
+        # rounded outwards: a pixel within rounding error of the edge is kept (its value and gradient are ~0)
+        lo = torch.floor(low).clamp(-1, max(H, W)).long()
+        hi = torch.ceil(high).clamp(-1, max(H, W)).long()
+        limit = torch.tensor([W - 1, H - 1], device=poses.device)
+        return torch.cat([torch.minimum(lo.clamp_min(0), limit), torch.minimum(hi.clamp_min(-1), limit)], -1)
+
+
+def window_size(extents: torch.Tensor, out_size: tuple[int, int]) -> int:
+    """The side ``s`` of the square windows that minimises the pixels sampled: a part whose footprint fits in
+    ``s x s`` is rendered in a window, the others over the whole canvas (``Σ`` window pixels ``+ n_full H W``).
+
+    Args:
+        extents: ``(N,)`` each part's footprint side (the larger of its width and height in pixels).
+    Returns:
+        ``s`` in ``1 .. max(H, W)``.
+    """
+    H, W = out_size
+    sides = torch.arange(1, max(H, W) + 1, device=extents.device)
+    fits = torch.bincount(extents.clamp(1, max(H, W)), minlength=max(H, W) + 1)[1:].cumsum(0)  # parts with ext <= s
+    window_pixels = sides.clamp(max=H) * sides.clamp(max=W)
+    cost = fits * window_pixels + (extents.numel() - fits) * (H * W)
+    return int(sides[int(torch.argmin(cost))])
+
+
+class _FootprintOver(torch.autograd.Function):
+    """:class:`_OverComposite` for layers given only where they can be non-zero: their footprints.
+
+    A layer is zero outside its footprint, so its log-clearance ``log(1 − α)`` is zero there, and the prefix sums
+    over layers that the dense form takes at each pixel are sums over the layers whose footprints cover the pixel.
+    The log-clearances of the footprints are scattered into one ``(B, H W, M)`` buffer (one channel; the layers
+    last, so the cumulative sum runs along contiguous memory), summed cumulatively over the layers and read back
+    at the footprints; the image is the footprints' weighted colours added into ``(B, H W)``.  The backward does
+    the same with ``w q`` (the formulas are :class:`_OverComposite`'s).
+
+    The footprints come in groups of one shape each (windows, and parts rendered over the whole canvas):
+    ``layers`` ``(n, 2, h, w)`` (colour, alpha) with ``entries`` ``(n h w,)``, each pixel's index
+    ``(b H W + pixel) M + m`` in the buffer, and ``pixels`` ``(n h w,)``, its index ``b H W + pixel`` in the image.
+    """
+
+    @staticmethod
+    def forward(ctx, layer_shape, background: float, *groups):
+        B, HW, M = layer_shape
+        layers, entries, pixels = groups[0::3], groups[1::3], groups[2::3]
+        dtype, device = layers[0].dtype, layers[0].device
+        through_to = torch.zeros(B * HW * M, dtype=dtype, device=device)
+        for lay, entry in zip(layers, entries):
+            through_to.scatter_(0, entry, torch.log1p(-lay[:, 1].clamp(max=ALPHA_CLAMP)).reshape(-1))
+        through_to = through_to.view(B, HW, M).cumsum(-1)
+        total = through_to[..., -1].reshape(-1)                                   # (B HW,)
+        through_to = through_to.view(-1)
+        image = torch.zeros(B * HW, dtype=dtype, device=device)
+        transmits, weights = [], []
+        for lay, entry, pixel in zip(layers, entries, pixels):
+            transmit = torch.exp(total.index_select(0, pixel) - through_to.index_select(0, entry)).view_as(lay[:, 1])
+            weight = lay[:, 1] * transmit
+            image.index_add_(0, pixel, (weight * lay[:, 0]).reshape(-1))
+            transmits.append(transmit)
+            weights.append(weight)
+        background_share = torch.exp(total)
+        if background != 0.0:
+            image = image + background * background_share
+        ctx.save_for_backward(background_share, *layers, *entries, *pixels, *transmits, *weights)
+        ctx.layer_shape, ctx.background, ctx.n = layer_shape, background, len(layers)
+        return (image.view(B, HW), *weights)
+
+    @staticmethod
+    def backward(ctx, grad_image, *grad_weights):
+        background_share, *saved = ctx.saved_tensors
+        n = ctx.n
+        layers, entries, pixels, transmits, weights = (saved[i * n:(i + 1) * n] for i in range(5))
+        B, HW, M = ctx.layer_shape
+        if grad_image is None:
+            grad_image = torch.zeros_like(background_share).view(B, HW)
+        grad_image = grad_image.reshape(-1)
+        below = torch.zeros(B * HW * M, dtype=grad_image.dtype, device=grad_image.device)
+        gs, qs, wqs = [], [], []
+        for lay, entry, pixel, weight, grad_weight in zip(layers, entries, pixels, weights, grad_weights):
+            g = grad_image.index_select(0, pixel).view_as(weight)
+            q = g * lay[:, 0]
+            if grad_weight is not None:
+                q = q + grad_weight
+            wq = weight * q
+            below.scatter_(0, entry, wq.reshape(-1))
+            gs.append(g)
+            qs.append(q)
+            wqs.append(wq)
+        below = below.view(B, HW, M).cumsum(-1).view(-1)
+        if ctx.background != 0.0:
+            behind = ctx.background * background_share * grad_image            # the background's w q
+        grads = []
+        for lay, entry, pixel, transmit, weight, g, q, wq in zip(layers, entries, pixels, transmits, weights, gs,
+                                                               qs, wqs):
+            below_m = below.index_select(0, entry).view_as(wq) - wq              # Σ_{i<m} w_i q_i
+            if ctx.background != 0.0:
+                below_m = below_m + behind.index_select(0, pixel).view_as(wq)
+            alpha = lay[:, 1]
+            # the clamp stops the gradient through log(1 − α) where α is at the clamp
+            grad_alpha = transmit * q - torch.where(alpha < ALPHA_CLAMP, below_m / (1 - alpha), 0.0)
+            grads += [torch.stack([g * weight, grad_alpha], 1), None, None]
+        return (None, None, *grads)
+
+
+def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[int, int] | int,
+                background: float = 0.0, footprint: bool = True, compiled: bool = False,
+                contributions: bool = False):
+    """Render templates with alphas at per-image poses and composite them "over" (part 0 at the back).
+
+    ``footprint=True`` samples each template only over the canvas window it can touch (:func:`footprints`) and
+    composites from those windows (:class:`_FootprintOver`); ``footprint=False`` renders every template over the
+    whole canvas (:func:`render_templates`) and composites the full layers (:func:`composite_layers`).  Both give
+    the same image and gradients.  The windows are squares of one side per call, the one :func:`window_size`
+    picks; parts whose footprint does not fit are rendered over the whole canvas, and when none fits (or the side
+    would be the canvas') the whole call takes the full renderer.
+
+    Args:
+        templates: ``(M, 2, t, t)`` shared by the batch or ``(B, M, 2, t, t)``: colour and alpha channels.
+        poses: ``(B, M, 3, 3)`` template -> canvas maps.
+        out_size: canvas ``H`` (square) or ``(H, W)``.
+        background: the colour behind every layer.
+        compiled: the full renderer's compositing through ``torch.compile`` (:func:`composite_layers`).
+        contributions: also return each part's share of the image, ``w_m c_m``.
+    Returns:
+        ``(image (B, 1, H, W), contributions (B, M, 1, H, W) or None)``.
+    """
+    if isinstance(out_size, int):
+        out_size = (out_size, out_size)
+    H, W = out_size
+    B, M = poses.shape[:2]
+    if templates.dim() == 4:
+        templates = templates.unsqueeze(0).expand(B, *templates.shape)
+    if templates.shape[:3] != (B, M, 2) or poses.shape[2:] != (3, 3):
+        raise ValueError(f"render_over: expected templates (B, M, 2, t, t) and poses (B, M, 3, 3); got "
+                         f"{tuple(templates.shape)} and {tuple(poses.shape)}")
+    t_h, t_w = templates.shape[-2:]
+    N = B * M
+    P = poses.reshape(N, 3, 3)
+    if footprint:
+        box = footprints(P, (t_h, t_w), out_size)                                 # (N, 4)
+        extents = torch.maximum(box[:, 2] - box[:, 0], box[:, 3] - box[:, 1]) + 1
+        side = window_size(extents, out_size)
+        fits = extents <= side
+    if not footprint or side >= max(H, W) or not bool(fits.any()):
+        layers = render_templates(templates, poses, out_size)
+        image, weights = composite_layers(layers, dim=1, background=background, compiled=compiled)
+        return image, (weights * layers[:, :, :1] if contributions else None)
+
+    sources = templates.reshape(N, 2, t_h, t_w)
+    A = _canvas_to_source(P, (t_h, t_w), out_size)                                # (N, 2, 3)
+    win_h, win_w = min(side, H), min(side, W)
+    small = fits.nonzero().squeeze(1)
+    large = (~fits).nonzero().squeeze(1)
+    # the window's top-left pixel, kept on the canvas: the window still covers the footprint's part on the canvas
+    x0 = box[small, 0].clamp(max=W - win_w)
+    y0 = box[small, 1].clamp(max=H - win_h)
+    # canvas x of window column c: (2 (x0 + c) + 1) / W - 1 = u_c win_w / W + (win_w + 2 x0) / W - 1, where u_c is
+    # the column's coordinate in the window's own [-1, 1] frame (the one sampling_grid writes)
+    A_small = A[small]
+    shift_x = ((win_w + 2 * x0).to(A.dtype) / W - 1)[:, None]
+    shift_y = ((win_h + 2 * y0).to(A.dtype) / H - 1)[:, None]
+    A_window = torch.stack([A_small[..., 0] * (win_w / W), A_small[..., 1] * (win_h / H),
+                            torch.addcmul(torch.addcmul(A_small[..., 2], A_small[..., 0], shift_x),
+                                          A_small[..., 1], shift_y)], -1)
+    windows = F.grid_sample(sources[small], sampling_grid(A_window, (win_h, win_w)), mode="bilinear",
+                            padding_mode="zeros", align_corners=False)          # (Ns, 2, h, w)
+    rows = torch.arange(win_h, device=P.device)
+    cols = torch.arange(win_w, device=P.device)
+    canvas_pixel = ((y0[:, None] + rows) * W)[:, :, None] + (x0[:, None] + cols)[:, None, :]   # (Ns, h, w)
+    pixel = ((small // M) * (H * W))[:, None, None] + canvas_pixel
+    groups = [windows, (pixel * M + (small % M)[:, None, None]).reshape(-1), pixel.reshape(-1)]
+    if large.numel():
+        full = F.grid_sample(sources[large], sampling_grid(A[large], (H, W)), mode="bilinear",
+                             padding_mode="zeros", align_corners=False)         # (Nl, 2, H, W)
+        pixel = ((large // M) * (H * W))[:, None] + torch.arange(H * W, device=P.device)
+        groups += [full, (pixel * M + (large % M)[:, None]).reshape(-1), pixel.reshape(-1)]
+    image, *weights = _FootprintOver.apply((B, H * W, M), float(background), *groups)
+    shares = None
+    if contributions:
+        shares = image.new_zeros(B * H * W * M)
+        for lay, entry, weight in zip(groups[0::3], groups[1::3], weights):
+            shares = shares.index_put((entry,), (weight * lay[:, 0]).reshape(-1))
+        shares = shares.view(B, H, W, M).permute(0, 3, 1, 2).unsqueeze(2).contiguous()
+    return image.view(B, 1, H, W), shares

@@ -288,19 +288,21 @@ def test_compiled_part_cnn_matches_eager():
     # catches: the torch.compile path of the part encoder's CNN (train.compile / --compile) computing something else,
     # or compiling a module (its state dict keys would gain a prefix)
     torch.manual_seed(0)
-    enc = PartEncoder(4, channels=(8, 8), strides=(2, 1), feature_dim=2)
-    keys = list(enc.state_dict())
+    ref = PartEncoder(4, channels=(8, 8), strides=(2, 1), feature_dim=2)
+    enc = PartEncoder(4, channels=(8, 8), strides=(2, 1), feature_dim=2, compile=True)
+    enc.load_state_dict(ref.state_dict())  # the flag is no state: the same keys load both ways
+    assert list(enc.state_dict()) == list(ref.state_dict())
     x = torch.rand(2, 1, 12, 12)
-    eager = enc(x)
-    (eager_grad,) = torch.autograd.grad(eager.pose.square().sum(), enc.cnn[0].weight)
-    try:
-        encoders.use_compiled_part_cnn()
-        compiled = enc(x)
-        (compiled_grad,) = torch.autograd.grad(compiled.pose.square().sum(), enc.cnn[0].weight)
-    finally:
-        encoders.use_compiled_part_cnn(False)
+    eager = ref(x)
+    (eager_grad,) = torch.autograd.grad(eager.pose.square().sum(), ref.cnn[0].weight)
+    compiled = enc(x)
+    (compiled_grad,) = torch.autograd.grad(compiled.pose.square().sum(), enc.cnn[0].weight)
     assert "_trunk_compiled" in enc.__dict__  # the compiled path really ran
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(compiled_grad, eager_grad, atol=1e-5, rtol=1e-5)
-    assert list(enc.state_dict()) == keys
+    # compiling one encoder leaves every other one eager: no switch outlives the module that asked for it
+    other = PartEncoder(4, channels=(8, 8), strides=(2, 1), feature_dim=2)
+    other(x)
+    ref(x)
+    assert "_trunk_compiled" not in other.__dict__ and "_trunk_compiled" not in ref.__dict__

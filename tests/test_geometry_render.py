@@ -23,7 +23,8 @@ from probcaps.geometry import (
     rotation_matrix,
     translation_matrix,
 )
-from probcaps.render import alpha_over, composite_over, extract_glimpses, render_templates, sampling_grid, warp
+from probcaps.render import (alpha_over, composite_over, extract_glimpses, footprints, render_over, render_templates,
+                             sampling_grid, warp, window_size)
 
 DT = torch.float64
 
@@ -408,38 +409,181 @@ def test_composite_over_gradients_finite_at_opaque_and_clear_layers():
 
 
 def test_compiled_compositing_matches_eager():
-    # catches: the torch.compile path of composite_over (train.compile / --compile) computing something else
+    # catches: the torch.compile path of composite_over (train.compile / --compile) computing something else, or
+    # a compiled call leaving the compiled path on for later calls that did not ask for it
     from probcaps import render
 
     torch.manual_seed(0)
     colours = torch.rand(2, 5, 1, 6, 7, requires_grad=True)
     alphas = torch.rand(2, 5, 1, 6, 7, requires_grad=True)
 
-    def image_and_grads():
-        image, weights = composite_over(colours, alphas, dim=1, background=0.2)
+    def image_and_grads(compiled=False):
+        image, weights = composite_over(colours, alphas, dim=1, background=0.2, compiled=compiled)
         loss = (image * torch.linspace(0, 1, 7)).sum() + weights[:, 2].sum()
         return (image.detach(), *torch.autograd.grad(loss, (colours, alphas)))
 
     layers = torch.cat([colours, alphas], 2).detach().requires_grad_()
 
-    def image_and_grads_of_layers():
+    def image_and_grads_of_layers(compiled=False):
         # composite_layers: colour and alpha as channels 0 and 1 of one tensor; the same image and gradients
-        image, weights = render.composite_layers(layers, dim=1, background=0.2)
+        image, weights = render.composite_layers(layers, dim=1, background=0.2, compiled=compiled)
         loss = (image * torch.linspace(0, 1, 7)).sum() + weights[:, 2].sum()
         (grad,) = torch.autograd.grad(loss, layers)
         return (image.detach(), grad[:, :, :1], grad[:, :, 1:])
 
     eager = image_and_grads()
     assert all(torch.allclose(got, want, atol=1e-6) for got, want in zip(image_and_grads_of_layers(), eager))
-    try:
-        render.use_compiled_compositing()
-        compiled = image_and_grads()
-        compiled_layers = image_and_grads_of_layers()
-    finally:
-        render.use_compiled_compositing(False)
+    compiled = image_and_grads(compiled=True)
+    compiled_layers = image_and_grads_of_layers(compiled=True)
+    assert {"over", "layers"} <= set(render._COMPILED)  # the compiled path really ran
     for got, want in zip(compiled, eager):
         assert torch.allclose(got, want, atol=1e-5)
     for got, want in zip(compiled_layers, eager):
         assert torch.allclose(got, want, atol=1e-5)
     with pytest.raises(ValueError, match="2 channels"):
         render.composite_layers(torch.rand(2, 5, 3, 6, 7))
+
+
+# ------------------------------------------------------------------------------------------ footprint rendering
+
+def _mixed_poses(B, M, dtype, generator, speck=0.05):
+    """Poses of every kind the footprint renderer must handle: ordinary, partly and wholly off the canvas, far
+    larger than the canvas, tiny (``speck`` times an ordinary scale), and singular."""
+    raw = torch.randn(B, M, 6, generator=generator, dtype=dtype)
+    scale = 0.4 + 1.2 * torch.rand(B, M, 2, generator=generator, dtype=dtype)
+    kind = torch.arange(B * M).view(B, M) % 8
+    scale[kind == 3] *= 6.0                                       # window bigger than the canvas
+    scale[kind == 4] *= speck                                     # a speck
+    theta = raw[..., 2]
+    shift = 0.6 * torch.tanh(raw[..., 4:6])
+    shift[kind == 1] = torch.sign(raw[kind == 1][:, 4:6]) * 0.95  # partly off the canvas
+    shift[kind == 2] = torch.sign(raw[kind == 2][:, 4:6]) * 2.5   # wholly off the canvas
+    P = affine_matrix(scale[..., 0], scale[..., 1], theta, 0.3 * torch.tanh(raw[..., 3]), shift[..., 0], shift[..., 1])
+    P[kind == 5, :2, :2] = 0.0                                    # singular: renders nothing
+    return P
+
+
+def _render_and_grads(templates, presences, poses, size, footprint, background=0.0, contributions=False):
+    templates = templates.detach().requires_grad_()
+    presences = presences.detach().requires_grad_()
+    poses = poses.detach().requires_grad_()
+    scale = torch.stack([torch.ones_like(presences), presences], -1)[..., None, None]
+    image, shares = render_over(templates * scale, poses, size, background=background, footprint=footprint,
+                                contributions=contributions)
+    torch.manual_seed(5)
+    loss = (image * torch.rand_like(image)).sum()
+    if contributions:
+        loss = loss + (shares * torch.rand_like(shares)).sum()
+    grads = torch.autograd.grad(loss, (templates, presences, poses))
+    return (image.detach(), None if shares is None else shares.detach(), *grads)
+
+
+# the window's sampling grid is the same map as the full canvas' with other roundings; a speck's pose gradients are
+# those roundings amplified by its inverse scale, so in float32 the specks are 5x larger than in float64 (where
+# everything agrees to ~1e-13)
+@pytest.mark.parametrize("dtype, atol, rtol, speck", [(torch.float32, 1e-5, 1e-5, 0.25),
+                                                      (torch.float64, 1e-10, 1e-10, 0.05)])
+@pytest.mark.parametrize("background", [0.0, 0.3])
+def test_footprint_rendering_equals_full_canvas(dtype, atol, rtol, speck, background):
+    # catches: a window that misses part of a template's support (a clipped edge, the bilinear half pixel, a
+    # template partly or wholly off the canvas), a window placed at the wrong offset, parts mixed up between
+    # images, a wrong prefix sum over the layers in the footprint compositing or its hand-written backward, and
+    # the parts too large for a window (rendered over the whole canvas) composited out of order
+    gen = torch.Generator().manual_seed(0)
+    B, M, t, size = 3, 16, 7, (24, 28)
+    templates = torch.rand(M, 2, t, t, generator=gen, dtype=dtype)
+    presences = torch.rand(B, M, generator=gen, dtype=dtype)
+    poses = _mixed_poses(B, M, dtype, gen, speck)
+    box = footprints(poses.view(-1, 3, 3), (t, t), size)
+    extents = torch.maximum(box[:, 2] - box[:, 0], box[:, 3] - box[:, 1]) + 1
+    side = window_size(extents, size)
+    assert side < min(size) and (extents > side).any() and (extents <= side).any()  # both kinds of part rendered
+    footprint = _render_and_grads(templates, presences, poses, size, True, background, contributions=True)
+    full = _render_and_grads(templates, presences, poses, size, False, background, contributions=True)
+    for name, got, want in zip(["image", "contributions", "templates", "presences", "poses"], footprint, full):
+        # relative to the largest entry: a gradient summed over many pixels with cancellation has small entries
+        # that carry the larger ones' rounding
+        error, scale = (got - want).abs().max(), want.abs().max()
+        assert error <= atol + rtol * scale, (name, error, scale)
+    assert full[0].abs().max() > 0.1 and full[4].abs().max() > 0.1  # the comparison is not between zeros
+    assert torch.all(full[4][(torch.arange(B * M).view(B, M) % 8) == 2] == 0)  # off the canvas: no gradient
+
+
+def test_footprint_rendering_all_parts_too_large_falls_back_to_full_canvas():
+    # catches: the window path taken with no part fitting a window (an empty window group) or a window side
+    # larger than the canvas
+    gen = torch.Generator().manual_seed(1)
+    templates = torch.rand(4, 2, 5, 5, generator=gen)
+    presences = torch.rand(2, 4, generator=gen)
+    poses = affine_matrix(torch.full((2, 4), 4.0), torch.full((2, 4), 4.0), torch.rand(2, 4, generator=gen),
+                          torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4))
+    for got, want in zip(_render_and_grads(templates, presences, poses, 12, True),
+                         _render_and_grads(templates, presences, poses, 12, False)):
+        assert (got is None and want is None) or torch.equal(got, want)
+
+
+def test_footprint_of_a_template_hand_computed():
+    # catches: the reach of bilinear sampling past the template's edge pixels left out, or the box rounded inwards
+    # a 2x2 template at the identity on an 8x8 canvas puts its pixels on canvas pixels 3..4; bilinear sampling
+    # reaches one source pixel (here one canvas pixel) past their centres, to pixels 2 and 5 (value 0 there, but
+    # pixel 2's gradient w.r.t. the pose is not 0)
+    P = torch.eye(3).view(1, 3, 3)
+    assert footprints(P, (2, 2), (8, 8)).tolist() == [[2, 2, 5, 5]]
+    # one pixel right (2/8 in canvas units), and far off the left edge: an empty range (x1 < x0)
+    assert footprints(translation_matrix(torch.tensor([0.25]), torch.tensor([0.0])), (2, 2), (8, 8)).tolist() \
+        == [[3, 2, 6, 5]]
+    off = footprints(translation_matrix(torch.tensor([-3.0]), torch.tensor([0.0])), (2, 2), (8, 8))[0]
+    assert off[2] < off[0]
+
+
+def test_footprint_rendering_two_parts_hand_computed():
+    # catches: the over rule applied in the wrong order or to the wrong pixels by the footprint compositing
+    # a 2x2 template at the identity lands exactly on pixels 3..4 of an 8x8 canvas (no interpolation); part 1 one
+    # pixel right, in front of part 0.  Pixel (row 3, col 4): part 0's template pixel (0, 1), part 1's (0, 0).
+    colour = torch.tensor([[0.2, 0.4], [0.6, 0.8]])
+    alpha = torch.tensor([[0.5, 0.25], [1.0, 0.75]])
+    templates = torch.stack([colour, alpha]).expand(2, 2, 2, 2)
+    poses = torch.stack([torch.eye(3), translation_matrix(torch.tensor(0.25), torch.tensor(0.0))]).unsqueeze(0)
+    image, _ = render_over(templates, poses, 8, background=0.1)
+    front = 0.2 * 0.5 + (1 - 0.5) * (0.4 * 0.25 + (1 - 0.25) * 0.1)
+    assert image[0, 0, 3, 4].item() == pytest.approx(front, abs=1e-6)
+    assert image[0, 0, 3, 3].item() == pytest.approx(0.2 * 0.5 + 0.5 * 0.1, abs=1e-6)   # part 0 only
+    assert image[0, 0, 3, 5].item() == pytest.approx(0.4 * 0.25 + 0.75 * 0.1, abs=1e-6)  # part 1 only
+    assert image[0, 0, 0, 0].item() == pytest.approx(0.1, abs=1e-7)                      # background
+    full, _ = render_over(templates, poses, 8, background=0.1, footprint=False)
+    assert torch.allclose(image, full, atol=1e-6)
+
+
+def test_capsule_model_renderer_is_an_argument_and_no_state():
+    # catches: the footprint and full-canvas renderers of the capsule model giving different images or gradients,
+    # a renderer or compile flag stored in the state dict (old checkpoints would not load), or a compiled model
+    # switching compiled compositing on for another model
+    from probcaps import render
+    from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
+
+    cfg = CapsuleModelConfig(num_parents=3, num_parts=6, template_size=5, canvas_size=16)
+    full = CapsuleModel(cfg, footprint=False)
+    footprint = CapsuleModel(cfg)
+    compiled = CapsuleModel(cfg, footprint=False, compile=True)
+    assert footprint.footprint and not footprint.compile
+    assert list(footprint.state_dict()) == list(full.state_dict()) == list(compiled.state_dict())
+    footprint.load_state_dict(full.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    z0 = torch.rand(4, 6, generator=gen)
+    y0 = 0.3 * torch.randn(4, 6, 6, generator=gen)
+    y0[0, 0, 4] = 0.9  # partly off the canvas
+    images = []
+    for model in (full, footprint):
+        image, shares = model.render(z0, y0.requires_grad_())
+        (grad,) = torch.autograd.grad(image.square().sum() + shares.sum(), y0)
+        images.append((image.detach(), shares.detach(), grad))
+    for got, want in zip(*images):
+        assert torch.allclose(got, want, atol=1e-5)
+    compiled.render(z0, y0)
+    cached = dict(render._COMPILED)
+    render._COMPILED.clear()
+    try:
+        full.render(z0, y0)  # an eager model after a compiled one: the compiled path is not taken
+        assert not render._COMPILED
+    finally:
+        render._COMPILED.update(cached)
