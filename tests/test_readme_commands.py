@@ -1,0 +1,212 @@
+"""Every command in README.md and docs/*.md still runs as written, and every file they point at is there.
+
+The commands are the fenced ```bash blocks and the inline `python ...`, `probcaps ...` and `make ...` spans.  Each
+``python``/``probcaps`` command is parsed by its own entry point's argument parser (in this process, stopping right
+after the parse), so a renamed script, subcommand or option fails here; ``make`` targets are checked with
+``make -n``.  Config files, checkpoints and results files named in the text must exist, and ``probcaps report`` must
+find a table file for every results marker and change nothing (the tables are up to date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^```(?:bash|sh|shell|console)\s*\n(.*?)^```", re.S | re.M)
+_ANY_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+_INLINE = re.compile(r"`((?:python3?|probcaps|make|\.venv/bin/python|\.venv/bin/probcaps) [^`\n]*|probcaps|make)`")
+_PLACEHOLDERS = {"...", "…"}
+
+
+def _fenced_lines(text: str) -> list[str]:
+    """The shell lines of the fenced blocks: continuation lines joined, comments and blank lines dropped."""
+    lines = []
+    for block in _FENCE.findall(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip()
+            if line.startswith("$ "):
+                line = line[2:]
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
+
+
+def _split_commands(line: str) -> list[list[str]]:
+    """``a && b; c | d`` -> ``[[a...], [b...], [c...], [d...]]`` (comments dropped, placeholders removed)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    commands, current = [], []
+    for token in lexer:
+        if token and set(token) <= set(";&|"):
+            commands.append(current)
+            current = []
+        else:
+            current.append(token)
+    commands.append(current)
+    cleaned = []
+    for words in commands:
+        while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):  # VAR=value command
+            words = words[1:]
+        # `--set …` and `...` stand for "more options": drop them with the option they fill
+        keep = []
+        for word in words:
+            if word in _PLACEHOLDERS:
+                if keep and keep[-1].startswith("--"):
+                    keep.pop()
+                continue
+            keep.append(word)
+        if keep:
+            cleaned.append(keep)
+    return cleaned
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """``(where, argv)`` of every python/probcaps/make command in the README and the docs."""
+    found = []
+    for doc in DOCUMENTS:
+        text = doc.read_text()
+        lines = _fenced_lines(text)
+        # inline spans, outside the fenced blocks
+        lines += [m.group(1) for m in _INLINE.finditer(_ANY_FENCE.sub("", text))]
+        for line in lines:
+            for argv in _split_commands(line):
+                program = Path(argv[0]).name
+                if program in ("python", "python3", "probcaps", "make"):
+                    found.append((f"{doc.relative_to(ROOT)}: {shlex.join(argv)}", argv))
+    return list({where: (where, argv) for where, argv in found}.values())
+
+
+COMMANDS = documented_commands()
+
+
+_MACHINE_OR_FRAGMENT = ("the following arguments are required", "is not available on this machine")
+
+
+class Parsed(Exception):
+    """Raised in place of running an entry point once its arguments parsed."""
+
+
+class ParseError(Exception):
+    """An argument parser's error message."""
+
+
+def _parse_only(self, args=None, namespace=None):
+    namespace, extras = self.parse_known_args(args, namespace)
+    if extras:
+        self.error(f"unrecognized arguments: {' '.join(extras)}")
+    raise Parsed(namespace)
+
+
+def _raise_error(self, message):
+    raise ParseError(f"{self.prog}: {message}")
+
+
+def _script_main(path: Path):
+    """``main`` of a script outside the package (``benchmarks/*.py``)."""
+    spec = importlib.util.spec_from_file_location(f"_documented_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def entry_point(argv: list[str]):
+    """``(main, args)`` for a documented ``python``/``probcaps`` command line."""
+    program, args = Path(argv[0]).name, argv[1:]
+    if program == "probcaps" or args[:2] == ["-m", "probcaps"]:
+        args = args if program == "probcaps" else args[2:]
+        if args[:1] == ["run"] and len(args) > 1:  # probcaps run <experiment> ...: the experiment's own parser
+            return importlib.import_module(f"probcaps.experiments.{args[1]}").main, args[2:]
+        from probcaps.cli import main
+
+        return main, args
+    if args[:1] == ["-m"]:
+        module = args[1]
+        if module.startswith("experiments."):  # python -m experiments.<name> from the repository root
+            module = f"probcaps.{module}"
+        return importlib.import_module(module).main, args[2:]
+    script = ROOT / args[0]
+    assert script.is_file(), f"{args[0]}: no such script"
+    if script.parent.name == "experiments":
+        return importlib.import_module(f"probcaps.experiments.{script.stem}").main, args[1:]
+    return _script_main(script), args[1:]
+
+
+@pytest.mark.parametrize("where, argv", [c for c in COMMANDS if Path(c[1][0]).name != "make"],
+                         ids=[c[0] for c in COMMANDS if Path(c[1][0]).name != "make"])
+def test_documented_command_parses(where, argv, monkeypatch):
+    # catches: a renamed script, experiment, subcommand or option in a documented command
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", _parse_only)
+    monkeypatch.setattr(argparse.ArgumentParser, "error", _raise_error)
+    main, args = entry_point(argv)
+    try:
+        main(args)
+    except Parsed:
+        pass
+    except ParseError as e:
+        # an inline fragment may leave out a required argument, and `--device cuda` needs a GPU; any other parse
+        # error is a broken command
+        assert any(ok in str(e) for ok in _MACHINE_OR_FRAGMENT), f"{where}: {e}"
+    else:
+        pytest.fail(f"{where}: the entry point ran without parsing its arguments")
+
+
+def test_documented_make_targets_exist():
+    # catches: a documented `make <target>` whose target was renamed or removed
+    targets = sorted({word for _, argv in COMMANDS if Path(argv[0]).name == "make"
+                      for word in argv[1:] if not word.startswith("-") and "=" not in word})
+    proc = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"make -n {' '.join(targets)}: {proc.stderr.strip()}"
+
+
+def _mentioned(pattern: str) -> list[tuple[str, str]]:
+    return sorted({(str(doc.relative_to(ROOT)), m) for doc in DOCUMENTS for m in re.findall(pattern, doc.read_text())})
+
+
+@pytest.mark.parametrize("doc, path", _mentioned(r"(?<![\w/.-])((?:experiments/)?configs/[\w./-]+\.toml)"))
+def test_documented_config_exists(doc, path):
+    # catches: a renamed or removed config still named in the text
+    candidates = [ROOT / path, ROOT / "experiments" / path]
+    assert any(p.is_file() for p in candidates), f"{doc}: {path} does not exist"
+
+
+@pytest.mark.parametrize("doc, path", _mentioned(r"(?<![\w/.-])((?:results|checkpoints)/[\w./-]+\.(?:png|json|pt|md))"))
+def test_documented_results_file_exists(doc, path):
+    # catches: a figure, results file or checkpoint the text points at that was renamed or never committed
+    assert (ROOT / path).is_file(), f"{doc}: {path} does not exist"
+
+
+def test_every_results_marker_has_its_table_and_the_tables_are_spliced(tmp_path):
+    # catches: a marker whose table file is missing, or README/docs tables that `probcaps report` would change
+    from probcaps.report import MARKER, splice_tables
+
+    copies = []
+    for doc in DOCUMENTS:
+        copy = tmp_path / doc.relative_to(ROOT)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(doc.read_text())
+        copies.append(copy)
+    splice_tables(ROOT / "results", copies)
+    stale = [str(doc.relative_to(ROOT)) + ": " + ", ".join(
+                 m.group("name") for m, n in zip(MARKER.finditer(doc.read_text()), MARKER.finditer(copy.read_text()))
+                 if m.group("body") != n.group("body"))
+             for doc, copy in zip(DOCUMENTS, copies) if doc.read_text() != copy.read_text()]
+    assert not stale, f"tables out of date (run `probcaps report`): {stale}"
+
+
+def test_commands_are_found():
+    # catches: the extraction silently finding nothing (every test above would pass vacuously)
+    programs = {Path(argv[0]).name for _, argv in COMMANDS}
+    assert {"probcaps", "make"} <= programs and len(COMMANDS) >= 10
+    assert _split_commands("A=1 python -m x --set … && make -n demo  # note") == [["python", "-m", "x"],
+                                                                                   ["make", "-n", "demo"]]
