@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import functools
 import importlib
 import math
 import os
@@ -127,7 +128,7 @@ def _invocation(entry: str, tmp: Path, checkpoint: Path):
     if _capsule_schema in ENTRIES[entry]:
         argv += ["--config", tiny]
     else:  # --config FIRST where --config takes several recipes: --out takes one
-        action = next((a for a in parsers_cache()[entry][2]._actions if "--config" in a.option_strings), None)
+        action = next((a for a in parsers()[entry][2]._actions if "--config" in a.option_strings), None)
         if action is not None and isinstance(action.default, list):
             argv += ["--config", str(action.default[0])]
     if entry == "mnist_probe":
@@ -366,8 +367,10 @@ class _Parsed(Exception):
         self.parser = parser
 
 
+@functools.lru_cache(maxsize=None)
 def parsers() -> dict[str, tuple[callable, list[str], argparse.ArgumentParser]]:
-    """``{entry: (main, argv prefix, parser)}`` for the probcaps commands and every experiment."""
+    """``{entry: (main, argv prefix, parser)}`` for the probcaps commands and every experiment (an experiment's
+    parser is caught at its ``parse_args``: it is built inside ``main``)."""
     root = cli.build_parser()
     commands = next(a for a in root._actions if isinstance(a, argparse._SubParsersAction)).choices
     found = {f"probcaps {c}": (cli.main, [c], commands[c]) for c in ("train", "evaluate", "ttvi", "demo")}
@@ -387,6 +390,12 @@ def parsers() -> dict[str, tuple[callable, list[str], argparse.ArgumentParser]]:
     finally:
         argparse.ArgumentParser.parse_args = original
     return found
+
+
+def _required_options(parser: argparse.ArgumentParser, tmp_path: Path) -> list[str]:
+    """A (missing) path for each required option, so that the option under test is what the parser refuses."""
+    return [x for a in parser._actions if a.required and a.option_strings
+            for x in (a.option_strings[-1], str(tmp_path / "missing"))]
 
 
 def _argument_cases():
@@ -410,16 +419,10 @@ def test_numeric_options_use_the_shared_types():
 @pytest.mark.parametrize("entry, option, value", _argument_cases())
 def test_every_numeric_option_refuses_a_bad_value(entry, option, value, tmp_path, capsys):
     # catches: zero or negative counts, steps, batch sizes, threads; NaN rates; unknown devices reaching the work
-    main, prefix, _ = parsers_cache()[entry]
-    required = {"--config": str(tmp_path / "none.toml"), "--out": str(tmp_path / "run"),
-                "--checkpoint": str(tmp_path / "none.pt")}
-    argv = [*prefix]
-    for action in parsers_cache()[entry][2]._actions:
-        if action.required and action.option_strings and action.option_strings[-1] != option:
-            argv += [action.option_strings[-1], required[action.option_strings[-1]]]
+    main, prefix, parser = parsers()[entry]
     before = snapshot(tmp_path)
     with pytest.raises(SystemExit) as e:
-        main([*argv, option, value])
+        main([*prefix, *_required_options(parser, tmp_path), option, value])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -433,26 +436,15 @@ def test_every_output_folder_option_refuses_a_file(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("a file\n")
     checked = 0
-    for entry, (main, prefix, parser) in parsers_cache().items():
-        required = [x for a in parser._actions if a.required and a.option_strings
-                    for x in (a.option_strings[-1], str(tmp_path / "none"))]
+    for entry, (main, prefix, parser) in parsers().items():
         for action in parser._actions:
             if action.type is cli.folder_arg:
                 with pytest.raises(SystemExit) as e:
-                    main([*prefix, *required, action.option_strings[-1], str(taken)])
+                    main([*prefix, *_required_options(parser, tmp_path), action.option_strings[-1], str(taken)])
                 assert e.value.code == 2, (entry, action.option_strings)
                 assert f"{taken}: exists and is not a folder" in capsys.readouterr().err.splitlines()[-1]
                 checked += 1
     assert checked >= 10 and taken.read_text() == "a file\n"
-
-
-_PARSERS: dict = {}
-
-
-def parsers_cache() -> dict:
-    if not _PARSERS:
-        _PARSERS.update(parsers())
-    return _PARSERS
 
 
 # ------------------------------------------------------------------------------------- paths
@@ -473,18 +465,20 @@ def test_train_out_naming_a_file_is_refused(tmp_path, tiny_toml, capsys):
 def test_ttvi_out_naming_a_folder_is_refused(tmp_path, capsys):
     # catches: ttvi optimising for minutes, then dying with IsADirectoryError when it writes the results
     with pytest.raises(SystemExit) as e:
-        cli.main(["ttvi", "--checkpoint", str(tmp_path / "run" / "final.pt"), "--out", str(tmp_path), "--limit", "2", "--quiet"])
+        cli.main(["ttvi", "--checkpoint", str(tmp_path / "run" / "final.pt"), "--out", str(tmp_path), "--limit", "2",
+                  "--quiet"])
     assert e.value.code == 2
     assert f"argument --out: {tmp_path}: is a folder" in capsys.readouterr().err
 
 
-def _check_unreadable_mnist(tmp_path, monkeypatch, capsys, main, argv, name):
+def test_unreadable_data_file_is_one_line(tmp_path, monkeypatch, capsys):
+    # catches: a PermissionError traceback when a data file cannot be read (simulated: tests may run as root, who
+    # reads everything), or a run folder created before the data are read
     import probcaps.data.mnist as mnist_module
     from probcaps.data import clear_mnist_cache, write_fake_mnist
 
     root = tmp_path / "data"
     write_fake_mnist(root, n_train=8, n_test=8)
-    clear_mnist_cache()
     real_open = open
 
     def open_denied(path, *args, **kwargs):
@@ -494,21 +488,15 @@ def _check_unreadable_mnist(tmp_path, monkeypatch, capsys, main, argv, name):
 
     monkeypatch.setattr(mnist_module, "open", open_denied, raising=False)
     monkeypatch.setattr(Path, "read_bytes", lambda self: open_denied(self, "rb").read())
+    clear_mnist_cache()
     try:
-        assert main([*argv, "--data-dir", str(root)]) == 2
+        code = cli.main(["train", "--out", str(tmp_path / "run"), "--quiet", "--set", "train.steps=1",
+                         "--data-dir", str(root)])
     finally:
         clear_mnist_cache()
-    line = one_error_line(capsys.readouterr().err, f"{name}: error:", str(root / "mnist"), "Permission denied")
-    return line
-
-
-def test_unreadable_data_file_is_one_line(tmp_path, monkeypatch, capsys):
-    # catches: a PermissionError traceback when a data file cannot be read (permissions are simulated: the tests
-    # may run as root, who reads everything)
-    _check_unreadable_mnist(tmp_path, monkeypatch, capsys, cli.main,
-                            ["train", "--out", str(tmp_path / "run"), "--quiet", "--set", "train.steps=1"],
-                            "probcaps train")
-    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    assert code == 2
+    one_error_line(capsys.readouterr().err, "probcaps train: error:", str(root / "mnist"), "Permission denied")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("error", [
