@@ -24,9 +24,9 @@ CASES += [("KILL", "log_write", 4), ("INT", "startup", 0), ("KILL", "after_draws
           ("INT", "batch", 3)]
 
 
-def _child(out_dir, signum, step, point):
+def _child(out_dir, signum, step, point, resume=False):
     try:
-        target.run(out_dir, signum=signum, step=step, point=point)
+        target.run(out_dir, signum=signum, step=step, point=point, resume=resume)
     except KeyboardInterrupt as e:
         os._exit(getattr(e, "exit_code", 130))
     except BaseException:  # noqa: BLE001 - any other end is a failure the parent reports
@@ -34,9 +34,9 @@ def _child(out_dir, signum, step, point):
     os._exit(0)
 
 
-def _run_in_child(out_dir, signum=None, step=-1, point=None) -> int:
+def _run_in_child(out_dir, signum=None, step=-1, point=None, resume=False) -> int:
     ctx = multiprocessing.get_context("fork")
-    proc = ctx.Process(target=_child, args=(out_dir, signum, step, point))
+    proc = ctx.Process(target=_child, args=(out_dir, signum, step, point, resume))
     proc.start()
     proc.join(60)
     assert proc.exitcode is not None, "the training process hung"
@@ -105,3 +105,15 @@ def test_resume_after_the_old_bug_would_differ(tmp_path, reference):
     target.run(tmp_path, resume=True)
     final = load_checkpoint(tmp_path / "final.pt")
     assert not torch.equal(final["module"]["out.weight"], reference[0]["module"]["out.weight"])
+
+
+def test_a_signal_during_a_resumed_runs_start_up_keeps_its_step(tmp_path, reference):
+    # catches: a signal during the start-up of a resumed run being lost (the run going to the end) or writing a
+    # checkpoint of another step
+    assert _run_in_child(tmp_path, signal.SIGINT, 4, "after_draws") == 130
+    assert _run_in_child(tmp_path, signal.SIGTERM, 0, "startup", resume=True) == 143
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["state"]["step"] == 5
+    target.run(tmp_path, resume=True)
+    final = load_checkpoint(tmp_path / "final.pt")
+    for k, v in reference[0]["module"].items():
+        assert torch.equal(final["module"][k], v), k
