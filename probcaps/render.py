@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from .geometry import determinant, invert
 
-__all__ = ["sampling_grid", "warp", "render_templates", "extract_glimpses", "alpha_over", "composite_over",
-           "composite_layers", "footprints", "window_size", "render_over"]
+__all__ = ["sampling_grid", "warp", "render_templates", "alpha_over", "composite_over", "composite_layers",
+           "footprints", "window_size", "render_over"]
 
 _GRID_CACHE: dict = {}
 
@@ -110,34 +110,6 @@ def render_templates(templates: torch.Tensor, poses: torch.Tensor, out_size: tup
     C, t1, t2 = templates.shape[2:]
     out = warp(templates.reshape(B * M, C, t1, t2), poses.reshape(B * M, 3, 3), out_size)
     return out.view(B, M, C, *out.shape[-2:])
-
-
-def extract_glimpses(images: torch.Tensor, poses: torch.Tensor, template_size: int | tuple[int, int],
-                     out_size: int | tuple[int, int]) -> torch.Tensor:
-    """The image seen in each capsule's template frame: the inverse view of :func:`render_templates`.
-
-    Glimpse ``m`` of image ``b`` samples the canvas where a ``template_size`` template rendered at ``poses[b, m]``
-    would land, on an ``out_size`` grid spanning the template edge to edge: rendering a template at ``P`` and
-    taking the glimpse at ``P`` gives the template back (where it is on the canvas).
-
-    Args:
-        images: ``(B, C, H, W)`` canvases.
-        poses: ``(B, M, 3, 3)`` template -> canvas maps.
-    Returns:
-        ``(B, M, C, h, w)``.
-    """
-    t_h, t_w = (template_size, template_size) if isinstance(template_size, int) else template_size
-    h, w = (out_size, out_size) if isinstance(out_size, int) else out_size
-    if images.dim() != 4 or poses.dim() != 4 or poses.shape[0] != images.shape[0] or poses.shape[-2:] != (3, 3):
-        raise ValueError(f"extract_glimpses: expected images (B, C, H, W) and poses (B, M, 3, 3); got "
-                         f"{tuple(images.shape)} and {tuple(poses.shape)}")
-    B, M = poses.shape[:2]
-    H, W = images.shape[-2:]
-    # template coords u -> canvas coords P S u, S = diag(t_w / W, t_h / H): scale the first two columns of P
-    A = poses[..., :2, :] * poses.new_tensor([t_w / W, t_h / H, 1.0])
-    grid = sampling_grid(A.reshape(B * M, 2, 3), (h, w)).view(B, M * h, w, 2)  # the M glimpses stacked in rows
-    out = F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-    return out.view(B, images.shape[1], M, h, w).transpose(1, 2)
 
 
 def alpha_over(a: torch.Tensor, alpha_a: torch.Tensor, b: torch.Tensor, alpha_b: torch.Tensor, eps: float = 1e-8):

@@ -23,8 +23,8 @@ from probcaps.geometry import (
     rotation_matrix,
     translation_matrix,
 )
-from probcaps.render import (alpha_over, composite_over, extract_glimpses, footprints, render_over, render_templates,
-                             sampling_grid, warp, window_size)
+from probcaps.render import (alpha_over, composite_over, footprints, render_over, render_templates, sampling_grid,
+                             warp, window_size)
 
 DT = torch.float64
 
@@ -280,46 +280,6 @@ def test_render_templates_shapes_and_per_image_warp():
 
 
 # --------------------------------------------------------------------------------------------- compositing
-
-def test_glimpse_at_identity_and_whole_pixel_shifts_is_the_placed_template_exactly():
-    # catches: glimpses in the wrong frame (canvas instead of template units), x/y swapped, off by half a pixel
-    gen = torch.Generator().manual_seed(0)
-    canvas = torch.rand(2, 1, 12, 12, generator=gen, dtype=DT)
-    P = torch.stack([torch.eye(3, dtype=DT), translation_matrix(pixels_to_normalised(2, 12),
-                                                                pixels_to_normalised(-3, 12)).to(DT)])
-    g = extract_glimpses(canvas, P.expand(2, 2, 3, 3), 4, 4)                      # (B, M, C, 4, 4)
-    assert g.shape == (2, 2, 1, 4, 4)
-    assert torch.allclose(g[:, 0, 0], canvas[:, 0, 4:8, 4:8], atol=1e-6)         # the centred 4x4 block
-    assert torch.allclose(g[:, 1, 0], canvas[:, 0, 1:5, 6:10], atol=1e-6)        # 3 rows up, 2 columns right
-    # a glimpse twice as fine as the template samples between pixels: every other sample is a pixel centre only
-    # after the half-pixel offset, so check the mean instead (bilinear averages are preserved on a linear ramp)
-    ramp = torch.arange(12, dtype=DT).expand(1, 1, 12, 12)
-    fine = extract_glimpses(ramp, torch.eye(3, dtype=DT).expand(1, 1, 3, 3), 4, 8)[0, 0, 0]
-    assert torch.allclose(fine[0], torch.linspace(4 - 0.25, 7 + 0.25, 8, dtype=DT), atol=1e-6)
-
-
-def test_glimpse_undoes_render_templates_at_any_pose():
-    # catches: a glimpse that is not the inverse view of render_templates (e.g. P instead of P S, or P^-1)
-    t = 16
-    r = torch.linspace(-1, 1, t, dtype=DT)
-    blob = torch.exp(-((r[:, None] - 0.2) ** 2 + (r[None, :] + 0.1) ** 2 / 0.5) / 0.5)  # asymmetric, smooth
-    tmpl = blob.expand(3, 1, t, t)
-    P = affine_matrix(torch.tensor([1.0, 1.3, 0.8]), torch.tensor([1.0, 0.9, 1.2]), torch.tensor([0.0, 0.5, -0.4]),
-                      torch.tensor([0.0, 0.1, -0.2]), torch.tensor([0.0, 0.3, -0.2]),
-                      torch.tensor([0.0, -0.1, 0.3])).to(DT)[None]
-    canvas = render_templates(tmpl, P, 40)[0]                                          # (M, 1, 40, 40)
-    back = torch.cat([extract_glimpses(canvas[m:m + 1], P[:, m:m + 1], t, t)[0] for m in range(3)])
-    assert torch.allclose(back[0], tmpl[0], atol=1e-6)                                   # identity: exact
-    err = (back[1:] - tmpl[1:]).abs()[..., 2:-2, 2:-2]  # the border pixels mix with the canvas outside the template
-    assert err.mean() < 0.02 and err.max() < 0.08                                        # two bilinear resamplings
-    wrong = extract_glimpses(canvas[1:2], invert(P[:, 1:2]), t, t)[0]
-    assert (wrong - tmpl[1]).abs().mean() > 5 * err[0].mean()                            # the test can fail
-
-
-def test_glimpse_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="extract_glimpses"):
-        extract_glimpses(torch.zeros(2, 1, 8, 8), torch.eye(3).expand(3, 1, 3, 3), 4, 4)
-
 
 def test_alpha_over_hand_computed():
     # catches: the wrong over formula (premultiplied vs straight colours, missing normalisation by alpha)
