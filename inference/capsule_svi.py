@@ -43,7 +43,7 @@ REMOVED_OPTIONS = {
               "guide_certainty_weight": 0.0, "learn_parent_prior": False, "template_init": "blob"},
     "encoder": {"parent_pose_scale": 1.0},
 }
-REMOVED_AFTER = "49160cc"
+REMOVED_AFTER = "e00fb33"
 # state the model no longer keeps: the annealed prior's step counter (the training loop owns the schedule) and the
 # fixed prior's logits (computed from model.expected_parents)
 _LEGACY_STATE = ("model.prior_step", "model.parent_prior_logits")
