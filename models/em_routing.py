@@ -233,9 +233,10 @@ def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_flo
     moments = moments_fn(wn)
     H = moments.shape[-1] // 2
     mu, second = moments[..., :H], moments[..., H:]
-    # a variance below eps^2 (in units of the votes' scale) is below the votes' own resolution; this second floor
-    # only acts where the scale has pushed var_floor below it, and keeps 1 / var and the quadratic form finite
-    var = ((second - mu * mu).clamp_min(0) + var_floor).clamp_min(torch.finfo(mu.dtype).eps ** 2)
+    # a second floor keeps 1 / var and the quadratic form (up to 64 H / var for votes scaled below 2) finite; it
+    # acts only where rescaling has pushed var_floor below 2^-emax times 64 H (votes beyond ~1e15 in float32)
+    var_min = 64 * H * 2.0 ** -_max_exponent(mu.dtype)
+    var = ((second - mu * mu).clamp_min(0) + var_floor).clamp_min(var_min)
     log_S = torch.logsumexp(log_w, dim=-1)                 # log sum_i r_ij
     # S_j relative to its mean over the J parents: the cost's scale does not grow with the number of inputs
     S_rel = torch.exp(log_S - (torch.logsumexp(log_S, -1, keepdim=True) - math.log(log_S.shape[-1])))

@@ -14,6 +14,12 @@ routing iterations.  Two implementations of the same procedure:
 
   so the work is dense matrix products instead of memory-bound passes over a ``(B, J, I, D)`` tensor (on the
   2-core CPU this made the paper-size training step several times faster; see ``benchmarks/bench_capsnet.py``).
+
+Range: both stay finite for every finite input of float16, bfloat16, float32 and float64.  Squared norms and
+agreements are what overflow (``|s|^2`` beyond ``|s| ~ 1e19`` in float32, near 256 in float16), so :func:`squash`
+takes the norm of ``s`` divided by its largest entry, the routing divides each example's votes by a power of two
+(exact: no rounding changes) and keeps the agreement logits in those units, shifting them to a maximum of 0
+before scaling them back for the softmax; half precision is routed in float32 and cast back.
 """
 
 from __future__ import annotations
@@ -43,11 +49,13 @@ def _max_length(dim_size: int, compute: torch.dtype, out: torch.dtype) -> float:
     return 1.0 - margin
 
 
-def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None) -> torch.Tensor:
+def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`squash` of ``scale * s`` (``scale`` a constant broadcastable to ``s`` reduced over ``dim``, e.g. the
-    power of two that routing divided its votes by); returns ``s``'s dtype."""
-    out_dtype = s.dtype
-    s = s.to(_compute_dtype(out_dtype))
+    power of two that routing divided its votes by), in the compute dtype of ``s``, with lengths short enough
+    for a later cast to ``out_dtype`` (default ``s``'s dtype)."""
+    out_dtype = out_dtype or s.dtype
+    s = s.to(_compute_dtype(s.dtype))
     finfo = torch.finfo(s.dtype)
     # |s| from s / max|s_d|: the scaled vector's norm lies in [1, sqrt(D)], so neither its square overflows
     # (|s| >~ 1e19 in float32) nor underflows; the scale is a constant, so the gradient is exact
@@ -61,8 +69,7 @@ def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None) -
     n = (factor * t_norm).clamp(max=big)
     n2 = n * n
     length = (n2 / (1 + n2)).clamp(max=_max_length(s.shape[dim], s.dtype, out_dtype))
-    v = t * (length / torch.where(t_norm > 0, t_norm, torch.ones_like(t_norm)))
-    return v.to(out_dtype)
+    return t * (length / torch.where(t_norm > 0, t_norm, torch.ones_like(t_norm)))
 
 
 def squash(s: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -73,7 +80,7 @@ def squash(s: torch.Tensor, dim: int = -1) -> torch.Tensor:
     nor underflows; ``s = 0`` maps to 0 with gradient 0.  Very long inputs map to unit vectors shortened by a few
     units in the last place (see :func:`_max_length`), so that every returned norm is below 1.
     """
-    return _squash(s, dim)
+    return _squash(s, dim).to(s.dtype)
 
 
 def _pow2_exponent(peak: torch.Tensor) -> torch.Tensor:
@@ -143,7 +150,7 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
         c = _coupling(logits, scale, dim=1)  # (B, J, I): each child splits its vote over the parents
         u = u_hat if r == iterations - 1 else u_inner
         s = torch.matmul(c.unsqueeze(2), u).squeeze(2)  # (B, J, D), in units of the scale
-        v = _squash(s, scale=scale)
+        v = _squash(s, scale=scale, out_dtype=out_dtype)
         if r < iterations - 1:
             logits = logits + torch.matmul(u, v.unsqueeze(-1)).squeeze(-1)  # agreement (B, J, I)
     return v.to(out_dtype), c.to(out_dtype)
@@ -191,7 +198,7 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
         c = _coupling(logits, scale, dim=0)  # (J, B, 1, I)
         weighted = (c * uu).reshape(J, B, P * I)  # c_ij u_i
         s = torch.bmm(weighted, ww)  # (J, B, D)
-        v = _squash(s, scale=scale.view(1, B, 1))
+        v = _squash(s, scale=scale.view(1, B, 1), out_dtype=out_dtype)
         if not last:
             q = torch.bmm(v, ww.transpose(1, 2)).view(J, B, P, I)  # W_ij^T v_j
             logits = logits + (q * uu).sum(2, keepdim=True)
