@@ -290,3 +290,27 @@ def test_rescaled_em_routing_equals_float64_routing_of_the_votes_as_given():
     beyond = ref[1] > torch.finfo(torch.float32).max
     assert beyond.any() and (var[beyond] == torch.finfo(torch.float32).max).all() and torch.isfinite(var).all()
     assert torch.allclose(mu.double() / 2.0 ** 100, ref[0] / 2.0 ** 100, rtol=0, atol=1e-3)
+
+
+def test_rescaled_em_routing_gradient_is_exact():
+    # float64 rescales votes above 2^256 (and poses above 2^128): with one iteration (no stop-gradient) the
+    # gradient through the rescaled routing must match finite differences of the same function
+    g = torch.Generator().manual_seed(18)
+    votes = torch.randn(1, 2, 3, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    log_a = torch.rand(1, 3, generator=g, dtype=torch.float64).log().requires_grad_(True)
+    beta_v, beta_a = torch.randn(2, 2, generator=g, dtype=torch.float64).requires_grad_(True)
+    cfg = EMConfig(iterations=1)
+
+    def scaled(x, la, bv, ba):
+        mu, var, log_a_out, _ = em_routing(2.0 ** 300 * x, la, bv, ba, cfg)
+        return mu / 2.0 ** 300, var / 2.0 ** 600, log_a_out
+
+    assert torch.autograd.gradcheck(scaled, (votes, log_a, beta_v, beta_a), fast_mode=True)
+    M = torch.randn(1, 3, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(3, 2, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def scaled_conv(M, W, la):
+        mu, var, log_a_out, _ = em_routing_conv(2.0 ** 140 * M, W, la, beta_v, beta_a, cfg)
+        return mu / 2.0 ** 140, var / 2.0 ** 280, log_a_out
+
+    assert torch.autograd.gradcheck(scaled_conv, (M, W, log_a), fast_mode=True)
