@@ -428,7 +428,7 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
     r2_lin = r2_scores(pred_linear, res["true"])
     active = (res["p1"] > ecfg.presence_threshold).sum(1).double()
     keypoints = {}
-    if model.config.recognition == "conv" and model.config.keypoints >= 3:
+    if model.config.recognition == "conv":
         px = canvas / 2.0  # normalised units -> pixels
         spreads = [model.keypoint_spread(pairs["input"][s:s + ecfg.batch_size])
                    for s in range(0, ecfg.pairs, ecfg.batch_size)]

@@ -28,7 +28,7 @@ Two recognition front ends (``recognition``):
 - ``"conv"``: a small shared conv trunk, then per-capsule heads, all of them one 1x1 conv
   (:class:`probcaps.encoders.PartEncoder` with ``M·K`` attention heads): capsule ``m`` has ``K`` keypoints, each
   where its own spatial-softmax attention looks plus a bounded offset, and its pose is the affine map taking ``K``
-  canonical template points to them (``K = 1``: attention gives the translation, the linear part is regressed).
+  canonical template points to them (``K >= 3``).
 
 For the affine mode, :func:`pose_consistency` (not in the paper) is what teaches the recognition the linear part:
 with the exactly equivariant renderer the reconstruction loss alone is blind to the known ``T``.  The rendering
@@ -68,11 +68,10 @@ class TransformingAutoencoderConfig:
     recognition_hidden: int = 32     # "mlp": recognition units per capsule
     conv_channels: list = field(default_factory=lambda: [32, 64, 64])  # "conv": trunk channels per layer
     conv_strides: list = field(default_factory=lambda: [2, 2, 1])      # "conv": trunk strides (3x3 kernels)
-    keypoints: int = 3               # "conv": attention points per capsule; >= 3: the pose is the affine map that
-                                     # takes K canonical template points to them; 1: attention gives the translation
-                                     # and the linear part is regressed (constrained_pose)
+    keypoints: int = 3               # "conv": attention points per capsule (>= 3): the pose is the affine map that
+                                     # takes K canonical template points to them
     keypoint_radius: float = 0.3     # the canonical points lie on a circle of this radius (normalised units)
-    keypoint_offset_gain: float = 1.0  # "conv", >= 3 keypoints: a keypoint is its attention centre plus an offset
+    keypoint_offset_gain: float = 1.0  # "conv": a keypoint is its attention centre plus an offset
                                      # bounded by this times max_translation; below 1 the triangle has to come from
                                      # where the keypoints look (equivariant), not from the regressed offsets
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
@@ -103,8 +102,8 @@ class TransformingAutoencoderConfig:
         if len(self.conv_channels) != len(self.conv_strides) or not self.conv_channels:
             raise ValueError(f"model.conv_channels and model.conv_strides must be non-empty and of equal length, got "
                              f"{self.conv_channels} and {self.conv_strides}")
-        if self.keypoints == 2 or self.keypoints < 1:
-            raise ValueError(f"model.keypoints must be 1 or >= 3 (an affine map needs 3 points), got {self.keypoints}")
+        if self.keypoints < 3:
+            raise ValueError(f"model.keypoints must be >= 3 (an affine map needs 3 points), got {self.keypoints}")
         if not 0 < self.keypoint_radius < self.max_translation:
             raise ValueError(f"model.keypoint_radius must be in (0, max_translation), got {self.keypoint_radius}")
         if not 0 <= self.keypoint_offset_gain <= 1:
@@ -177,15 +176,13 @@ class TransformingAutoencoder(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             pose_kwargs = self._pose_kwargs()
-            if K > 1:  # only the keypoints' translations are used: the gain bounds their regressed offsets
-                pose_kwargs["max_translation"] *= cfg.keypoint_offset_gain
+            # only the keypoints' translations are used: the gain bounds their regressed offsets
+            pose_kwargs["max_translation"] *= cfg.keypoint_offset_gain
             self.encoder = PartEncoder(M * K, channels=tuple(cfg.conv_channels), strides=tuple(cfg.conv_strides),
                                        feature_dim=0, pose_kwargs=pose_kwargs)
         bias = self.encoder.head.bias.view(M, K, -1)  # per keypoint: 6 pose, presence logit, attention logit
         with torch.no_grad():
             bias[..., 6] = cfg.presence_bias_init
-        if K == 1:
-            return
         # canonical template points (K, 2) and the constant (3, K) -> (3, 3) least-squares map U⁺ with P = Q U⁺
         self.register_buffer("canonical_points", _canonical_points(K, cfg.keypoint_radius), persistent=False)
         U = torch.cat([self.canonical_points.T, torch.ones(1, K)])                      # (3, K)
@@ -256,11 +253,8 @@ class TransformingAutoencoder(nn.Module):
         B, M, K = images.shape[0], cfg.num_capsules, cfg.keypoints
         out = self.encoder(images)
         presence = self.presence(out.presence_logit.view(B, M, K).mean(-1))  # (B, M): the keypoints' mean logit
-        if K == 1:
-            pose = pose6_to_matrix(out.pose).view(B, M, 3, 3)
-        else:
-            points = out.pose.view(B, M, K, 6)[..., [2, 5]]                  # (B, M, K, 2): the translations
-            pose = self.pose_from_points(points)
+        points = out.pose.view(B, M, K, 6)[..., [2, 5]]                      # (B, M, K, 2): the translations
+        pose = self.pose_from_points(points)
         if cfg.mode == "translation":  # keep only where the capsule is
             pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])
         return presence, pose
@@ -269,11 +263,11 @@ class TransformingAutoencoder(nn.Module):
     def keypoint_spread(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """How far apart the keypoints of each image's most present capsule are, and how far apart the places
         they look at (attention centres) are: each the mean distance from their mean, ``(B,)`` and ``(B,)`` in
-        normalised units ("conv" recognition with >= 3 keypoints).  Centres much closer together than the keypoints
+        normalised units ("conv" recognition).  Centres much closer together than the keypoints
         mean the pose's linear part comes from the regressed offsets, not from where the keypoints look."""
         cfg = self.config
-        if cfg.recognition != "conv" or cfg.keypoints < 3:
-            raise ValueError("keypoint_spread needs recognition = 'conv' and keypoints >= 3")
+        if cfg.recognition != "conv":
+            raise ValueError("keypoint_spread needs recognition = 'conv'")
         B, M, K = images.shape[0], cfg.num_capsules, cfg.keypoints
         out = self.encoder(images)
         top = out.presence_logit.view(B, M, K).mean(-1).argmax(1)                       # (B,)

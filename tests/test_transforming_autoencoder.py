@@ -500,6 +500,8 @@ def test_config_errors(tmp_path):
         exp.load_config(path, ["model.refine_steps=2"])
     with pytest.raises(ConfigError, match="recognition"):
         exp.load_config(path, ["model.recognition=cnn"])
+    with pytest.raises(ConfigError, match="keypoints must be >= 3"):
+        exp.load_config(path, ["model.keypoints=1"])
     with pytest.raises(ConfigError, match="consistency_weight"):
         exp.load_config(path, ["loss.consistency_weight=-1"])
     with pytest.raises(ConfigError, match="consistency_cap"):
