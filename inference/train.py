@@ -135,12 +135,14 @@ class _StopSignals:
     """SIGINT / SIGTERM handlers that only record the signal: the loop stops at the next step boundary, where the
     parameters, optimiser, scheduler, RNG and data position are one consistent state.  While ``interruptible``
     (the ``on_checkpoint`` callback, which may be a long evaluation, in a single-process run) a signal raises at
-    once instead.  Installed first thing, so no signal during start-up is lost; main thread only (Python runs
-    signal handlers nowhere else)."""
+    once instead; so does a second signal while ``abortable`` (a single-process step before its update: the loop
+    then checkpoints the boundary before the step).  Installed first thing, so no signal during start-up is lost;
+    main thread only (Python runs signal handlers nowhere else)."""
 
     def __init__(self):
         self.signum: int | None = None
         self.interruptible = False
+        self.abortable = False
         self._previous: dict = {}
 
     def __enter__(self) -> "_StopSignals":
@@ -154,11 +156,15 @@ class _StopSignals:
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is None:
+        first = self.signum is None
+        if first:
             self.signum = signum
-        if self.interruptible:
-            self.interruptible = False
+        if self.interruptible or (self.abortable and not first):
+            self.interruptible = self.abortable = False
             raise _interrupt(signum)
+        if first and self.abortable:
+            sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                             f"(send it again to stop at once)\n")
 
 
 def make_elbo(jit: bool = False, max_plate_nesting: int = 2):
@@ -618,15 +624,18 @@ class _Run:
         if self.callback_pending and not signum:  # cut by Ctrl-C inside the callback of the step we resume from
             self._checkpoint()
         while True:
+            self.stop.abortable = False
             if world.size == 1:
                 signum = self.stop.signum
             if signum:
                 self._stop_here(signum)
             if state.step >= cfg.steps:
                 return
-            # the RNG state before this step's draws (the batch's included): an exception raised inside the step
-            # checkpoints the step boundary with it
+            # the RNG state and buffers (e.g. batch-norm statistics, which a forward pass updates) before this
+            # step: an interruption inside the step, before its update, checkpoints the step boundary with them
             rng_before = _rng_state()
+            buffers_before = {k: b.clone() for k, b in self.module.named_buffers()}
+            self.stop.abortable = world.size == 1
             try:
                 if iterator is None:
                     iterator = iter(self.batches(state.epoch, state.batch_in_epoch))
@@ -642,7 +651,11 @@ class _Run:
                 t0 = time.perf_counter()
                 loss, grad_norm, terms, n_items, signum = self._step(batch)
             except KeyboardInterrupt:
-                # raised by code inside the step (signals only set a flag): nothing was updated yet
+                # a second signal, or code inside the step: raised before the update
+                self.stop.abortable = False
+                with torch.no_grad():
+                    for k, b in self.module.named_buffers():
+                        b.copy_(buffers_before[k])
                 self._write(self.ckpt_path, rng=rng_before)
                 self._say_interrupted()
                 raise
@@ -700,6 +713,7 @@ class _Run:
             raise TrainingDiverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without "
                                    f"writing the broken model ({self._last_good()})")
         # parameters, optimiser, scheduler and data position advance together: a signal only sets a flag
+        self.stop.abortable = False
         self.optimiser.step()
         self.scheduler.step()
         state.step += 1

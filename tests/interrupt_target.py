@@ -26,7 +26,8 @@ STEPS = 8
 BATCHES_PER_EPOCH = 3
 # 8 steps over epochs of 3 batches; periodic checkpoints at steps 3 and 6; log records every 2 steps
 CONFIG = dict(steps=STEPS, batch_size=4, lr=0.05, warmup_steps=2, log_every=2, checkpoint_every=3)
-POINTS = ("startup", "batch", "before_draws", "after_draws", "backward", "checkpoint_write", "log_write")
+POINTS = ("startup", "batch", "before_draws", "after_draws", "backward", "checkpoint_write", "log_write",
+          "backward_twice")
 SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
 
 
@@ -34,10 +35,11 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.hidden = nn.Linear(4, 5)
+        self.norm = nn.BatchNorm1d(5)  # running statistics: buffers that every forward pass updates
         self.out = nn.Linear(5, 1)
 
     def forward(self, x):
-        return self.out(torch.tanh(self.hidden(x)))
+        return self.out(torch.tanh(self.norm(self.hidden(x))))
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +59,11 @@ def run(out_dir, *, resume: bool = False, signum: int | None = None, step: int =
     armed = {"on": signum is not None}
 
     def fire(where: str) -> None:
-        if armed["on"] and where == point and current["step"] >= step:
+        if armed["on"] and point.startswith(where) and current["step"] >= step:
             armed["on"] = False
             os.kill(os.getpid(), signum)
+            if point.endswith("_twice"):  # an impatient user: the second signal stops the step at once
+                os.kill(os.getpid(), signum)
 
     def batches(epoch: int, start: int):
         perm = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(epoch))
@@ -75,7 +79,7 @@ def run(out_dir, *, resume: bool = False, signum: int | None = None, step: int =
         noise = 0.1 * torch.randn(len(x), 1)
         fire("after_draws")
         pred = module(x) + noise
-        if point == "backward":
+        if point is not None and point.startswith("backward"):
             pred.register_hook(lambda g: (fire("backward"), g)[1])
         return beta * (pred - y).pow(2).mean(), {"noise": float(noise.mean())}
 
