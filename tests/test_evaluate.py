@@ -226,6 +226,12 @@ def test_ttvi_classification_fair_protocol(tiny_run, tmp_path):
     table = (tmp_path / "fair.md").read_text()
     assert table.count("**fair**") == len(tc.READINGS) - 1 and "posterior presences" in table
     assert tc.fair_table(tmp_path, "fair") is not None
+    # without the test-time VI of the parts, its rows are left out
+    rc = tc.main(["--checkpoint", str(tiny_run), "--n-test", "8", "--n-train-ttvi", "12", "--steps", "1",
+                  "--no-parts-ttvi", "--name", "noparts", "--results-dir", str(tmp_path), "--quiet"])
+    m = json.loads((tmp_path / "noparts.json").read_text())["metrics"]
+    assert rc == 0 and "fair_ttvi_parts_presence_acc" not in m and "fair_ttvi_reencoded_presence_acc" in m
+    assert tc.fair_table(tmp_path, "noparts").count("**fair**") == len(tc.READINGS) - 2
     # without the fair protocol the run writes the encoder-fit table alone
     rc = tc.main(["--checkpoint", str(tiny_run), "--n-test", "8", "--n-train-ttvi", "0", "--steps", "2",
                   "--name", "plain", "--results-dir", str(tmp_path), "--quiet"])
