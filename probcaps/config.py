@@ -7,7 +7,9 @@ An unknown section or key, a value of the wrong type, or a value out of its rang
 Types come from each field's default (ints are accepted for floats; a list's elements are checked against the type
 of the default's elements).  Ranges come from one table, :data:`RULES`, keyed by key-name patterns, so a key added
 later is checked by the pattern its name fits; a field may carry its own rule as ``field(metadata={"range":
-Range(...)})``.  Counts and limits follow one convention: ``*_limit = 0`` means "all".
+Range(...)})``.  Counts and limits follow one convention: ``*_limit = 0`` means "all".  What one key's range cannot
+say (a width divisible by a number of heads, a minimum below a maximum) goes in the dataclass's own ``validate()``,
+which raises ``ValueError("<section>.<key> must ...")``; it runs on every section built here, as a one-line error.
 
 A config may start from another: a top-level ``base = "other.toml"`` (a path relative to the file) is read first,
 and the file's own keys replace the base's one by one (a section is merged, not replaced whole).  Bases may chain.
@@ -202,11 +204,27 @@ def _build(cls, values: dict, where: str):
     return dataclasses.replace(defaults, **kwargs)
 
 
+def _validated(section, where: str):
+    """``section`` after its own cross-key checks: a config dataclass may define ``validate()``, raising
+    ``ValueError("<section>.<key> must ...")`` for what one key's range cannot say (a width divisible by a number
+    of heads, a minimum below a maximum); that becomes a one-line ConfigError naming the file."""
+    validate = getattr(section, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ValueError as e:
+            label, _, name = where.rpartition(": ")
+            message = str(e)
+            raise ConfigError(f"{label}: {message}" if label and message.startswith(f"{name}.")
+                              else f"{where}: {message}") from None
+    return section
+
+
 def replace_checked(section, values: dict, where: str):
     """A copy of the config dataclass ``section`` with ``values`` replaced, each checked as a config file's would
     be (``where``: the prefix of an error, e.g. ``"--set eval.batch_size=0: eval"``)."""
     checked = _build(type(section), values, where)
-    return dataclasses.replace(section, **{k: getattr(checked, k) for k in values})
+    return _validated(dataclasses.replace(section, **{k: getattr(checked, k) for k in values}), where)
 
 
 def check_sections(configs: dict, schema: dict[str, type], label: str) -> dict:
@@ -217,8 +235,9 @@ def check_sections(configs: dict, schema: dict[str, type], label: str) -> dict:
         if cls is str:
             continue
         known = {f.name for f in dataclasses.fields(cls)}
-        out[name] = _build(cls, {k: v for k, v in (configs.get(name) or {}).items() if k in known},
-                           f"{label}: {name}")
+        where = f"{label}: {name}"
+        out[name] = _validated(_build(cls, {k: v for k, v in (configs.get(name) or {}).items() if k in known},
+                                      where), where)
     return out
 
 
@@ -251,7 +270,7 @@ def load_sections(path: str | Path | None, schema: dict[str, type], overrides: l
             continue
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{label}: '{name}' must be a [section]")
-        out[name] = _build(cls, value or {}, f"{label}: {name}")
+        out[name] = _validated(_build(cls, value or {}, f"{label}: {name}"), f"{label}: {name}")
     return out
 
 

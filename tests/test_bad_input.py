@@ -568,3 +568,27 @@ def test_subprocess_experiment_argument_exit_status(tmp_path):
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("error: argument --batch-size: must be >= 1, got 0")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_sections_own_validate_runs_as_a_one_line_error():
+    # catches: cross-key checks (a dataclass's validate()) not running when sections are built, or escaping as a
+    # ValueError traceback instead of naming the file
+    @dataclasses.dataclass
+    class Section:
+        low: float = 1.0
+        high: float = 2.0
+
+        def validate(self):
+            if not self.low < self.high:
+                raise ValueError(f"s.low must be below s.high, got {self.low} and {self.high}")
+
+    with pytest.raises(ConfigError, match=r"^<defaults>: s.low must be below s.high, got 3.0 and 2.0$"):
+        load_sections(None, {"s": Section}, ["s.low=3"])
+    with pytest.raises(ConfigError, match=r"^ckpt.pt: s.low must be below s.high"):
+        check_sections({"s": {"low": 5.0}}, {"s": Section}, "ckpt.pt")
+    from probcaps.config import replace_checked
+
+    stored = Section(low=0.0, high=0.5)
+    assert replace_checked(stored, {"low": 0.25}, "--set s.low=0.25: s") == Section(0.25, 0.5)
+    with pytest.raises(ConfigError, match=r"^--set s.low=1: s.low must be below s.high, got 1.0 and 0.5$"):
+        replace_checked(stored, {"low": 1}, "--set s.low=1: s")
