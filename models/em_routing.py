@@ -48,6 +48,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from probcaps.errors import ConfigError
+
 __all__ = ["EMConfig", "em_routing", "em_routing_conv", "votes_cache", "conv_votes_cache", "VoteCache",
            "log_softmax_parents", "weighted_moments", "pose_transform_matrix"]
 
@@ -318,9 +320,14 @@ def _unscaled(outputs, scale_exp: torch.Tensor | None, out_dtype: torch.dtype):
     return tuple(t.clamp(finfo.min, finfo.max).to(out_dtype) for t in (mu, var, log_a, log_R))
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half precision is routed in float32 (squared votes leave float16's range near 256)."""
-    return torch.float32 if dtype in _HALF else dtype
+def _compute_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
+    """Half precision is routed in float32 (squared votes leave float16's range near 256); float32 and float64
+    in their own dtype; any other dtype is refused."""
+    if dtype in _HALF:
+        return torch.float32
+    if dtype not in (torch.float32, torch.float64):
+        raise ConfigError(f"{where}: dtype {dtype} is not supported (float16, bfloat16, float32 or float64)")
+    return dtype
 
 
 def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor,
@@ -337,7 +344,7 @@ def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor
         ``votes``' dtype (computed in float32 for half-precision votes).
     """
     out_dtype = votes.dtype
-    dtype = _compute_dtype(votes.dtype)
+    dtype = _compute_dtype(votes.dtype, "em_routing")
     votes, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (votes, log_a_in, beta_v, beta_a))
     scale_exp = _scale_exponent(votes, _max_exponent(dtype) / 4)
     if bool((scale_exp != 0).any()):
@@ -357,7 +364,7 @@ def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, be
         M: ``(N, I, 4, 4)`` input poses per output position; W: ``(I, J, 4, 4)``. Otherwise as :func:`em_routing`.
     """
     out_dtype = M.dtype
-    dtype = _compute_dtype(M.dtype)
+    dtype = _compute_dtype(M.dtype, "em_routing_conv")
     M, W, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (M, W, log_a_in, beta_v, beta_a))
     above = _max_exponent(dtype) / 8
     e_M = _scale_exponent(M, above)                                     # (N,)

@@ -28,15 +28,22 @@ import math
 
 import torch
 
+from probcaps.errors import ConfigError
+
 __all__ = ["squash", "capsule_predictions", "dynamic_routing", "linear_dynamic_routing"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def _compute_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
     """Half-precision tensors are routed in float32 (their squared norms and agreements leave float16's range
-    near ``|x| ~ 256``) and the results cast back; float32 and float64 are routed in their own dtype."""
-    return torch.float32 if dtype in _HALF else dtype
+    near ``|x| ~ 256``) and the results cast back; float32 and float64 are routed in their own dtype; any other
+    dtype is refused."""
+    if dtype in _HALF:
+        return torch.float32
+    if dtype not in (torch.float32, torch.float64):
+        raise ConfigError(f"{where}: dtype {dtype} is not supported (float16, bfloat16, float32 or float64)")
+    return dtype
 
 
 def _max_length(dim_size: int, compute: torch.dtype, out: torch.dtype) -> float:
@@ -55,7 +62,7 @@ def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None,
     power of two that routing divided its votes by), in the compute dtype of ``s``, with lengths short enough
     for a later cast to ``out_dtype`` (default ``s``'s dtype)."""
     out_dtype = out_dtype or s.dtype
-    s = s.to(_compute_dtype(s.dtype))
+    s = s.to(_compute_dtype(s.dtype, "squash"))
     finfo = torch.finfo(s.dtype)
     # |s| from s / max|s_d|: the scaled vector's norm lies in [1, sqrt(D)], so neither its square overflows
     # (|s| >~ 1e19 in float32) nor underflows; the scale is a constant, so the gradient is exact
@@ -139,7 +146,7 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
     if iterations < 1:
         raise ValueError(f"dynamic_routing: iterations must be >= 1, got {iterations}")
     out_dtype = u_hat.dtype
-    u_hat = u_hat.to(_compute_dtype(out_dtype))
+    u_hat = u_hat.to(_compute_dtype(out_dtype, "dynamic_routing"))
     B, J, I, D = u_hat.shape
     peak = torch.linalg.vector_norm(u_hat.detach().reshape(B, -1), ord=math.inf, dim=1)
     scale = _pow2(_pow2_exponent(peak), u_hat.dtype).view(B, 1, 1)  # (B, 1, 1); a constant for autograd
@@ -180,7 +187,7 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
     if (I2, P2) != (I, P):
         raise ValueError(f"linear_dynamic_routing: weight {tuple(weight.shape)} does not fit children {tuple(u.shape)}")
     out_dtype = u.dtype
-    dtype = _compute_dtype(out_dtype)
+    dtype = _compute_dtype(out_dtype, "linear_dynamic_routing")
     u, weight = u.to(dtype), weight.to(dtype)
     e_u = _pow2_exponent(torch.linalg.vector_norm(u.detach().reshape(B, -1), ord=math.inf, dim=1))  # (B,)
     e_w = _pow2_exponent(torch.linalg.vector_norm(weight.detach(), ord=math.inf))

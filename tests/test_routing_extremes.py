@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from probcaps.errors import ConfigError
 from probcaps.models.em_routing import EMConfig, em_routing, em_routing_conv
 from probcaps.models.routing import capsule_predictions, dynamic_routing, linear_dynamic_routing, squash
 
@@ -314,3 +315,18 @@ def test_rescaled_em_routing_gradient_is_exact():
         return mu / 2.0 ** 140, var / 2.0 ** 280, log_a_out
 
     assert torch.autograd.gradcheck(scaled_conv, (M, W, log_a), fast_mode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64] + ([torch.float8_e4m3fn]
+                                                                   if hasattr(torch, "float8_e4m3fn") else []))
+def test_other_dtypes_are_refused_in_one_line(dtype):
+    x = torch.ones(1, 2, 3, 16).to(dtype)
+    calls = [("squash", lambda: squash(x)), ("dynamic_routing", lambda: dynamic_routing(x)),
+             ("linear_dynamic_routing", lambda: linear_dynamic_routing(x[0], torch.ones(2, 3, 16, 4).to(dtype))),
+             ("em_routing", lambda: em_routing(x, torch.zeros(1, 3), torch.zeros(2), torch.zeros(2))),
+             ("em_routing_conv", lambda: em_routing_conv(torch.ones(1, 3, 4, 4).to(dtype), torch.ones(3, 2, 4, 4),
+                                                         torch.zeros(1, 3), torch.zeros(2), torch.zeros(2)))]
+    for name, call in calls:
+        with pytest.raises(ConfigError, match=f"^{name}: dtype {dtype} is not supported") as info:
+            call()
+        assert "\n" not in str(info.value)
