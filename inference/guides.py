@@ -48,6 +48,14 @@ class EncoderConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def validate(self) -> None:
+        """What no single key's range says (``probcaps.config`` runs this on every encoder section it builds)."""
+        if self.set_hidden % self.set_heads:
+            raise ValueError(f"encoder.set_hidden ({self.set_hidden}) must be a multiple of encoder.set_heads "
+                             f"({self.set_heads}): each attention head takes an equal share")
+        if not self.min_scale < self.max_scale:
+            raise ValueError(f"encoder.min_scale ({self.min_scale}) must be below encoder.max_scale ({self.max_scale})")
+
 
 class Latents(NamedTuple):
     """Encoder outputs (all ``B`` first): part presence logits ``(B, M)``, part poses ``(B, M, 6)``,

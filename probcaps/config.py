@@ -123,7 +123,7 @@ RULES: list[tuple[tuple[str, ...], Range]] = [
     (("expected_parents_start",), Range(0, note="0: no annealing")),
     (("steps", "*batch_size", "eval_batch", "*_every", "num_*", "*_size", "iterations", "*_iterations", "*max_iter",
       "*_n_init", "kernel", "*_kernel", "*_stride", "*strides", "*channels", "*hidden", "*_capsules", "*_dim",
-      "set_heads", "set_inducing", "parent_code", "part_embedding", "keypoints", "refine_glimpse", "elevations",
+      "set_heads", "set_inducing", "set_blocks", "parent_code", "part_embedding", "keypoints", "refine_glimpse", "elevations",
       "lightings", "instances_per_split", "pairs", "*_pairs", "A", "B", "C", "D"), COUNT),
     (("lr", "*temperature", "*_std", "*_std_*", "*_std_init", "probe_C", "var_floor", "min_scale", "max_scale",
       "expected_parents", "dummy_affinity", "parent_pose_scale", "keypoint_radius", "grad_clip"), POSITIVE),
