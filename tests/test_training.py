@@ -380,6 +380,22 @@ def test_removed_options_load_when_off_and_fail_in_one_line_when_on(trained_run,
 
 # --------------------------------------------------------------------------------------------- config errors
 
+def test_mnist_recipes_are_named_after_their_files_and_the_demo_is_a_diff_on_the_recommended_one():
+    # catches: a recipe writing another recipe's results (name != file stem), or the demo drifting from mnist.toml in
+    # a key it does not mean to change
+    configs = ROOT / "experiments" / "configs"
+    mnist, demo = (load_experiment_config(configs / f"{name}.toml") for name in ("mnist", "demo"))
+    assert (mnist["name"], demo["name"]) == ("mnist", "demo")
+    changed = {f"{section}.{key}" for section in ("data", "model", "encoder", "train", "eval")
+               for key, value in demo[section].to_dict().items() if value != getattr(mnist[section], key)}
+    assert changed == {"data.test_limit", "model.expected_parents", "model.max_affinity", "model.prior_anneal_steps",
+                       "encoder.set_hidden", "encoder.bf16", "train.steps", "train.warmup_steps", "train.compile",
+                       "eval.probe_train_limit"}
+    trained = json.loads((ROOT / "results" / "mnist.json").read_text())["provenance"]["configs"]
+    for section in ("model", "encoder"):  # the recipe is the one its results were trained with
+        assert all(trained[section][k] == v for k, v in mnist[section].to_dict().items() if k in trained[section])
+
+
 def test_unknown_config_key_names_key_and_file(tmp_path, tiny_toml):
     # catches: a typo in a config silently falling back to the default
     path = tmp_path / "typo.toml"
