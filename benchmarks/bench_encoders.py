@@ -9,6 +9,7 @@ with a soft key mask; both attention kernels (explicit / SDPA).  PartEncoder: M=
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -34,16 +35,17 @@ def timeit(fn, repeats: int, device: str, warmup: int = 3) -> str:
     return f"{times[0] * 1e3:7.1f} / {times[len(times) // 2] * 1e3:7.1f} ms"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=20)
-    args = ap.parse_args()
+    ap.add_argument("--batch", type=int, default=128, help="images (and part sets) per call")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dev = args.device
-    B, N, M = 128, 40, 40
+    B, N, M = args.batch, 40, 40
 
     st = SetTransformer(16, 10, 32, dim_hidden=128, num_heads=4, num_inds=16, num_isab=2).to(dev)
     x = torch.randn(B, N, 16, device=dev)
@@ -84,7 +86,8 @@ def main() -> None:
         f"PartEncoder M={M} 4x128ch B={B} 40x40: fwd+bwd {timeit(enc_step, reps, dev)}, "
         f"fwd (no_grad) {timeit(enc_fwd, reps, dev)}  (min / median)"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,7 +26,7 @@ from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--A", type=int, default=64)
     p.add_argument("--B", type=int, default=8)
@@ -117,8 +117,8 @@ def main(argv=None) -> dict:
           f"load average {result['load_average'][0]:.1f} (the machine is shared)")
     if args.json:
         write_json(args.json, result)
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,10 +1,9 @@
-"""CapsNet: squash, routing (both implementations), margin loss, decoder masking, LeNet-5, and smoke tests of the
-MultiMNIST and rotated-MNIST entry points and the benchmark on tiny synthetic data."""
+"""CapsNet: squash, routing (both implementations), margin loss, decoder masking, LeNet-5, and the MultiMNIST
+entry point on tiny synthetic data (evaluation curve, resume)."""
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -232,32 +231,3 @@ def test_multimnist_bad_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope.toml" in err[0]
     assert multimnist.main(["--set", "model.image_size=28", "--quiet"]) == 2
-
-
-def test_rotated_entry_point(tmp_path):
-    from probcaps.experiments import rotated_mnist_cnn_vs_capsnet as rot
-
-    results = tmp_path / "results"
-    args = ["--seeds", "0", "--out", str(tmp_path / "runs"), "--results-dir", str(results), "--quiet",
-            "--set", "data.dataset=\"synthetic\"", "--set", "data.angles=[0, 35, 90]",
-            "--set", "lenet_train.steps=3", "--set", "capsnet_train.steps=3", "--set", "lenet_train.batch_size=8",
-            "--set", "capsnet_train.batch_size=8",
-            *[f"--set=capsnet.{k}={json.dumps(v)}" for k, v in TINY_CAPS.items()]]
-    assert rot.main(args) == 0
-    data = json.loads((results / "rotated_mnist_cnn_vs_capsnet.json").read_text())
-    m = data["metrics"]
-    assert m["angles"] == [0, 35, 90]
-    assert len(m["per_seed"][0]["lenet_acc"]) == 3 and len(m["per_seed"][0]["capsnet_acc"]) == 3
-    assert (results / "rotated_mnist_cnn_vs_capsnet_accuracy.png").is_file()
-    assert "35" in rot.readme_table(results)
-
-
-def test_bench_capsnet_runs(tmp_path):
-    from benchmarks import bench_capsnet
-
-    out = tmp_path / "bench.json"
-    sets = [f"model.{k}={json.dumps(v)}" for k, v in TINY_CAPS.items()]
-    assert bench_capsnet.main(["--configs", "reduced", "--batch", "4", "--repeats", "1", "--json", str(out),
-                               *sum((["--set", s] for s in sets), [])]) == 0
-    (row,) = json.loads(out.read_text())
-    assert row["images_per_s"] > 0 and row["num_primary_capsules"] == 400 and math.isfinite(row["peak_memory_mb"])
