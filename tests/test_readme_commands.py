@@ -15,6 +15,7 @@ import importlib.util
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,57 @@ def test_commands_are_found():
     assert {"probcaps", "make"} <= programs and len(COMMANDS) >= 10
     assert _split_commands("A=1 python -m x --set … && make -n demo  # note") == [["python", "-m", "x"],
                                                                                    ["make", "-n", "demo"]]
+
+
+# ------------------------------------------------------------------------------------------- the splicing itself
+
+
+def test_splice_replaces_only_inside_markers_and_names_a_missing_table(tmp_path):
+    # catches: text outside the markers rewritten, a table spliced into the wrong marker, a missing table file
+    # passing silently or a half-written set of documents
+    from probcaps.errors import DataError
+    from probcaps.report import splice_tables, update_readme, write_table
+
+    results = tmp_path / "results"
+    (tmp_path / "docs").mkdir()
+    readme, doc = tmp_path / "README.md", tmp_path / "docs" / "b.md"
+    readme.write_text("head\n<!-- results:a -->\nold a\n<!-- /results:a -->\nmiddle\n<!-- results:b -->\n"
+                      "<!-- /results:b -->\ntail\n")
+    doc.write_text("<!-- results:b -->\nold b\n<!-- /results:b -->\n")
+    write_table(results, "a", "| a |")
+    with pytest.raises(DataError, match=r"README.md: marker 'results:b' has no table file .*b\.md"):
+        update_readme(results, readme)
+    assert "old a" in readme.read_text()  # nothing written before every table was found
+    write_table(results, "b", "| b |\n\nnote\n")
+    assert update_readme(results, readme) == ["a", "b", "b"]
+    assert readme.read_text() == ("head\n<!-- results:a -->\n| a |\n<!-- /results:a -->\nmiddle\n<!-- results:b -->\n"
+                                  "| b |\n\nnote\n<!-- /results:b -->\ntail\n")
+    assert doc.read_text() == "<!-- results:b -->\n| b |\n\nnote\n<!-- /results:b -->\n"
+    stamp = doc.stat().st_mtime_ns
+    splice_tables(results, [doc])  # up to date: not rewritten
+    assert doc.stat().st_mtime_ns == stamp
+    doc.write_text("<!-- results:b -->\nno end\n")
+    with pytest.raises(DataError, match="no closing"):
+        splice_tables(results, [doc])
+
+
+def test_recorded_paths_are_relative_to_the_repository(tmp_path, monkeypatch):
+    # catches: an absolute machine path (a checkout, a script under -m) in a results file or a table
+    from probcaps.provenance import REPO_ROOT, command_line, provenance, repo_relative, write_results
+    from probcaps.report import write_table
+
+    here = str(REPO_ROOT)
+    assert repo_relative(f"{here}/checkpoints/mnist.pt") == "checkpoints/mnist.pt"
+    assert repo_relative({"a": [f"x {here}/results/a.png", 3], "b": None}) == {"a": ["x results/a.png", 3], "b": None}
+    assert repo_relative("/elsewhere/checkpoints/mnist.pt") == "/elsewhere/checkpoints/mnist.pt"
+    assert command_line([f"{here}/probcaps/__main__.py", "train", "--out", f"{here}/runs/x", "--set", "a=b c"]) == \
+        "probcaps train --out runs/x --set 'a=b c'"
+    assert command_line([f"{here}/experiments/affnist.py", "--limit", "3"]) == "experiments/affnist.py --limit 3"
+    monkeypatch.setattr(sys, "argv", [f"{here}/experiments/affnist.py", "--checkpoint", f"{here}/checkpoints/m.pt"])
+    prov = provenance(checkpoint=f"{here}/checkpoints/m.pt")
+    assert prov["command"] == "experiments/affnist.py --checkpoint checkpoints/m.pt"
+    assert prov["checkpoint"] == "checkpoints/m.pt"
+    path = write_results(tmp_path / "r.json", {"figure": f"{here}/results/r.png"}, {"checkpoint": f"{here}/c.pt"})
+    assert here not in path.read_text() and "results/r.png" in path.read_text()
+    table = write_table(tmp_path, "r", f"command: `{here}/experiments/affnist.py`")
+    assert table.read_text() == "command: `experiments/affnist.py`\n"
