@@ -6,7 +6,7 @@
     probcaps run <experiment> [its arguments]   # any experiment script, e.g. probcaps run mnist_probe --seeds 0
     probcaps demo                      # a few minutes of training on real MNIST, then the probe report
     probcaps download [--data-dir D]   # fetch MNIST (needs a network)
-    probcaps report                    # regenerate the README tables from results/*.json
+    probcaps report                    # splice results/<name>.md into the README's and docs' results markers
 
 Errors in input (files, configs, checkpoints, arguments, unreadable or unwritable paths) are printed as one line,
 exit status 2; nothing is written by a command refused for its input.
@@ -293,9 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("download", help="download MNIST into the data root (needs a network)")
     p.add_argument("--data-dir", default=None)
 
-    p = sub.add_parser("report", help="regenerate the README's result tables from results/*.json")
-    p.add_argument("--results-dir", default="results")
-    p.add_argument("--readme", default="README.md")
+    p = sub.add_parser("report", help="put each results/<name>.md (written by the experiment that wrote "
+                                      "results/<name>.json) between the README's and docs/*.md's results markers")
+    p.add_argument("--results-dir", default="results", help="where the table files are")
+    p.add_argument("--readme", default="README.md", help="the README (its docs/ folder is spliced too)")
     return parser
 
 
