@@ -216,12 +216,13 @@ def experiments() -> dict[str, str]:
 
 
 def run_experiment(name: str, argv: list[str]) -> int:
-    """``probcaps.experiments.<name>.main(argv)``: the experiment as its own script would run it."""
+    """``probcaps.experiments.<name>.main(argv)``: the experiment as its own script would run it (its errors as one
+    line even where its ``main`` lacks :func:`one_line_errors`)."""
     module = importlib.import_module(f"probcaps.experiments.{name}")
     program = sys.argv[0]
     sys.argv[0] = f"probcaps run {name}"  # the experiment's argparse names itself after sys.argv[0]
     try:
-        return module.main(argv) or 0
+        return one_line_errors(name)(module.main)(argv)
     finally:
         sys.argv[0] = program
 

@@ -322,3 +322,16 @@ def test_train_force_starts_afresh_in_a_used_run_folder(tiny_toml, tmp_path, cap
     assert load_checkpoint(out / "final.pt")["state"]["step"] == 1
     assert main(["train", "--config", str(tiny_toml), "--out", str(out), "--steps", "2", "--quiet", "--force"]) == 0
     assert load_checkpoint(out / "final.pt")["state"]["step"] == 2
+
+
+def test_run_turns_an_undecorated_experiments_errors_into_one_line(monkeypatch, capsys):
+    # catches: an experiment whose main lacks one_line_errors leaking a traceback through `probcaps run`
+    import probcaps.experiments.rotated_digits as rotated_digits
+    from probcaps.errors import DataError
+
+    def bare_main(argv=None):
+        raise DataError("/data/x.mat: truncated")
+
+    monkeypatch.setattr(rotated_digits, "main", bare_main)
+    assert main(["run", "rotated_digits"]) == 2
+    _one_error_line(capsys, "rotated_digits: error: /data/x.mat: truncated")
