@@ -158,7 +158,7 @@ def test_python_m_probcaps_help():
     proc = subprocess.run([sys.executable, "-m", "probcaps", "--help"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for command in ("train", "evaluate", "demo", "download", "report"):
+    for command in ("train", "evaluate", "ttvi", "run", "demo", "download", "report"):
         assert command in proc.stdout
 
 
