@@ -39,10 +39,10 @@ def _setup(no_reexec, pyro_clean, seed, tmp_path, monkeypatch):
     monkeypatch.setenv("PROBCAPS_DATA", str(tmp_path / "no_data"))
 
     def too_slow(*_):
-        raise RefusalTooSlow("still running after 60 s")
+        raise RefusalTooSlow("still running after 120 s")
 
     previous = signal.signal(signal.SIGALRM, too_slow)
-    signal.alarm(60)
+    signal.alarm(120)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
