@@ -1,6 +1,7 @@
 """Every command in README.md and docs/*.md still runs as written, and every file they point at is there.
 
-The commands are the fenced ```bash blocks and the inline `python ...`, `probcaps ...` and `make ...` spans.  Each
+The commands are the fenced ```bash blocks and the inline `python ...`, `probcaps ...` and `make ...` spans, outside
+the results tables (those record the commands their results came from).  Each
 ``python``/``probcaps`` command is parsed by its own entry point's argument parser (in this process, stopping right
 after the parse), so a renamed script, subcommand or option fails here; ``make`` targets are checked with
 ``make -n``.  Config files, checkpoints and results files named in the text must exist, and ``probcaps report`` must
@@ -27,6 +28,13 @@ _FENCE = re.compile(r"^```(?:bash|sh|shell|console)\s*\n(.*?)^```", re.S | re.M)
 _ANY_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 _INLINE = re.compile(r"`((?:python3?|probcaps|make|\.venv/bin/python|\.venv/bin/probcaps) [^`\n]*|probcaps|make)`")
 _PLACEHOLDERS = {"...", "…"}
+# the spliced tables record the commands their results came from (history, perhaps under older names): not read
+_TABLE_BLOCK = re.compile(r"<!-- results:([\w.-]+) -->\n.*?<!-- /results:\1 -->", re.S)
+
+
+def _prose(doc: Path) -> str:
+    """The text of ``doc`` without its results tables."""
+    return _TABLE_BLOCK.sub("", doc.read_text())
 
 
 def _fenced_lines(text: str) -> list[str]:
@@ -76,7 +84,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     """``(where, argv)`` of every python/probcaps/make command in the README and the docs."""
     found = []
     for doc in DOCUMENTS:
-        text = doc.read_text()
+        text = _prose(doc)
         lines = _fenced_lines(text)
         # inline spans, outside the fenced blocks
         lines += [m.group(1) for m in _INLINE.finditer(_ANY_FENCE.sub("", text))]
@@ -171,7 +179,7 @@ def test_documented_make_targets_exist():
 
 
 def _mentioned(pattern: str) -> list[tuple[str, str]]:
-    return sorted({(str(doc.relative_to(ROOT)), m) for doc in DOCUMENTS for m in re.findall(pattern, doc.read_text())})
+    return sorted({(str(doc.relative_to(ROOT)), m) for doc in DOCUMENTS for m in re.findall(pattern, _prose(doc))})
 
 
 @pytest.mark.parametrize("doc, path", _mentioned(r"(?<![\w/.-])((?:experiments/)?configs/[\w./-]+\.toml)"))
