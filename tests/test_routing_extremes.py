@@ -67,6 +67,30 @@ def test_squash_is_finite_with_norm_below_one_and_finite_gradient(dtype, dim_siz
     assert (out == 0).all() and (z.grad == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_squash_plain_and_scaled_paths_agree(dtype):
+    # a tensor with one row whose |s|^2 overflows takes the scaled path for every row; the other rows alone take
+    # the plain formula: values and gradients agree to rounding (compared where the outputs, about |s|^2, are
+    # normal numbers: below, both are rounded to the subnormals' fewer digits)
+    f = torch.finfo(dtype)
+    s = _vectors(dtype, (3, 8), seed=20)
+    n2 = (s.double() ** 2).sum(-1)
+    plain_rows = (n2 < f.max / 4).all(1)
+    assert 0 < plain_rows.sum() < len(s)
+    a = s.clone().requires_grad_(True)
+    b = s[plain_rows].clone().requires_grad_(True)
+    va, vb = squash(a), squash(b)
+    w = torch.randn(va.shape, generator=torch.Generator().manual_seed(21), dtype=dtype)
+    (va * w).sum().backward()
+    (vb * w[plain_rows]).sum().backward()
+    normal = (n2[plain_rows] > 16 * f.tiny / f.eps).all(1)
+    assert normal.sum() >= 4
+    va, vb, ga, gb = va.detach()[plain_rows][normal], vb.detach()[normal], a.grad[plain_rows][normal], b.grad[normal]
+    assert torch.allclose(va, vb, rtol=4 * f.eps, atol=0)
+    scale = gb.abs().amax((1, 2), keepdim=True)
+    assert torch.allclose(ga / scale, gb / scale, rtol=0, atol=8 * f.eps)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_squash_of_a_huge_vector_is_a_unit_vector_in_its_direction(dtype):
     f = torch.finfo(dtype)
@@ -330,3 +354,16 @@ def test_other_dtypes_are_refused_in_one_line(dtype):
         with pytest.raises(ConfigError, match=f"^{name}: dtype {dtype} is not supported") as info:
             call()
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("mag", [1e-12, 1e30])
+def test_fused_routing_equals_reference_beyond_the_window(mag):
+    # weights far outside [2^-32, 2^32]: the fused path scales children and weights separately, the reference
+    # scales the (representable) predictions; both give the same routing in float32
+    g = torch.Generator().manual_seed(22)
+    u = squash(torch.randn(3, 7, 4, generator=g))
+    w = mag * torch.randn(5, 7, 4, 6, generator=g)
+    v1, c1 = linear_dynamic_routing(u, w, 3)
+    v2, c2 = dynamic_routing(capsule_predictions(u, w.permute(1, 0, 3, 2)), 3)
+    assert torch.allclose(c1, c2, atol=1e-5)
+    assert v2.abs().max() > 0 and torch.allclose(v1, v2, rtol=1e-4, atol=1e-5 * float(v2.abs().max()))
