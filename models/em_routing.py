@@ -289,7 +289,8 @@ def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_
 def _scale_exponent(x: torch.Tensor, above: float) -> torch.Tensor:
     """``(N,)`` per row of ``x`` ``(N, ...)``: the ``e`` with ``2^e <= max |x_n| < 2^(e + 1)`` where that maximum
     exceeds ``2^above``, else 0 (rows of ordinary magnitude are left exactly as they are)."""
-    peak = torch.linalg.vector_norm(x.detach().reshape(x.shape[0], -1), ord=math.inf, dim=1)
+    lo, hi = torch.aminmax(x.detach().reshape(x.shape[0], -1), dim=1)  # (faster than vector_norm(ord=inf))
+    peak = torch.maximum(-lo, hi)
     e = torch.frexp(peak)[1] - 1
     return torch.where(e >= above, e, torch.zeros_like(e))
 
