@@ -21,7 +21,9 @@ Range: votes whose squares could overflow (largest entry above ``2^(emax/4)``, a
 of a power of two per row ``n`` (an exact division), the variances' logarithms carrying the scale; smaller votes
 are routed exactly as given.  Half-precision inputs are routed in float32 and the results cast back.  So the
 outputs stay finite for every finite input of float16, bfloat16, float32 and float64; ``var`` saturates at the
-dtype's largest value where the votes' spread squared exceeds it.
+dtype's largest value where the votes' spread squared exceeds it, and where the rescaled ``var_floor`` falls
+below what the quadratic form can hold (votes beyond about ``4e15`` in float32) the floor is raised to that.
+Other dtypes are refused (:class:`probcaps.errors.ConfigError`).
 
 Speed: the votes are stored once, centred per (n, j), with their squares next to them, as ``VV`` of shape
 ``(N, J, I, 2H)`` (contiguous).  Every M-step is then one batched product ``w @ VV`` over the ``N*J`` parents
@@ -236,7 +238,7 @@ def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_flo
     H = moments.shape[-1] // 2
     mu, second = moments[..., :H], moments[..., H:]
     # a second floor keeps 1 / var and the quadratic form (up to 64 H / var for votes scaled below 2) finite; it
-    # acts only where rescaling has pushed var_floor below 2^-emax times 64 H (votes beyond ~1e15 in float32)
+    # acts only where rescaling has pushed var_floor below 2^-emax times 64 H (votes beyond ~4e15 in float32)
     var_min = 64 * H * 2.0 ** -_max_exponent(mu.dtype)
     var = ((second - mu * mu).clamp_min(0) + var_floor).clamp_min(var_min)
     log_S = torch.logsumexp(log_w, dim=-1)                 # log sum_i r_ij
