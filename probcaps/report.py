@@ -40,30 +40,34 @@ def write_table(results_dir: str | Path, name: str, text: str | None) -> Path | 
     return atomic_write(Path(results_dir) / f"{name}.md", lambda f: f.write(body), mode="w")
 
 
+def _table_files(path: Path, text: str, results_dir: Path) -> dict[str, Path]:
+    """``{marker name: its table file}`` of the markdown ``text`` of ``path``; a :class:`DataError` naming the file
+    and the marker when a marker has no closing marker or no table file."""
+    closed = {m.group("name") for m in MARKER.finditer(text)}
+    files = {}
+    for name in _OPENING.findall(text):
+        if name not in closed:
+            raise DataError(f"{path}: marker 'results:{name}' has no closing '<!-- /results:{name} -->'")
+        files[name] = results_dir / f"{name}.md"
+        if not files[name].is_file():
+            raise DataError(f"{path}: marker 'results:{name}' has no table file {files[name]} (the experiment that "
+                            f"writes {results_dir / name}.json writes it)")
+    return files
+
+
 def splice_file(path: str | Path, results_dir: str | Path = "results") -> list[str]:
     """Replace the inside of every results marker of the markdown file ``path`` with ``results_dir/NAME.md``.
 
     The file is rewritten only when a table changed.  Returns the marker names, in order of appearance.
-    Raises :class:`DataError` naming the file and the marker when a marker has no closing marker or no table file.
+    Raises :class:`DataError` naming the file and the marker when a marker has no closing marker or no table file
+    (and then writes nothing).
     """
-    path, results_dir = Path(path), Path(results_dir)
+    path = Path(path)
     text = path.read_text()
-    closed = {m.group("name") for m in MARKER.finditer(text)}
-    for name in _OPENING.findall(text):
-        if name not in closed:
-            raise DataError(f"{path}: marker 'results:{name}' has no closing '<!-- /results:{name} -->'")
-    names = []
-
-    def table(match: re.Match) -> str:
-        name = match.group("name")
-        source = results_dir / f"{name}.md"
-        if not source.is_file():
-            raise DataError(f"{path}: marker 'results:{name}' has no table file {source} (the experiment that "
-                            f"writes {results_dir / name}.json writes it)")
-        names.append(name)
-        return match.group(1) + source.read_text().rstrip("\n") + "\n" + match.group(4)
-
-    spliced = MARKER.sub(table, text)
+    files = _table_files(path, text, Path(results_dir))
+    names = [m.group("name") for m in MARKER.finditer(text)]
+    spliced = MARKER.sub(lambda m: m.group(1) + files[m.group("name")].read_text().rstrip("\n") + "\n" + m.group(4),
+                         text)
     if spliced != text:
         atomic_write(path, lambda f: f.write(spliced), mode="w")
     return names
@@ -82,10 +86,7 @@ def splice_tables(results_dir: str | Path = "results", files: list[str | Path] |
     for path in files:
         if not path.is_file():
             raise DataError(f"{path}: no such file")
-        for name in dict.fromkeys(m.group("name") for m in MARKER.finditer(path.read_text())):
-            if not (Path(results_dir) / f"{name}.md").is_file():
-                raise DataError(f"{path}: marker 'results:{name}' has no table file {Path(results_dir) / name}.md "
-                                f"(the experiment that writes {Path(results_dir) / name}.json writes it)")
+        _table_files(path, path.read_text(), Path(results_dir))
     return {path: splice_file(path, results_dir) for path in files}
 
 
