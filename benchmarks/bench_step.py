@@ -27,8 +27,6 @@ from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config
 from probcaps.inference.train import make_elbo, make_optimiser  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
-from probcaps.encoders import use_compiled_part_cnn  # noqa: E402
-from probcaps.render import use_compiled_compositing  # noqa: E402
 from probcaps.report import write_table  # noqa: E402
 
 
@@ -40,15 +38,17 @@ def readme_table(results_dir: Path, name: str = "bench_step") -> str | None:
     rows = json.loads(path.read_text())
     rows = rows if isinstance(rows, list) else [rows]
     lines = ["| setting | parts × objects | batch | Pyro step (ms) | torch step (ms) | ratio | images/s | "
-             "peak memory (MB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "peak memory (MB) | load average |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         enc = r.get("encoder", {})
         setting = (f"{r.get('label') or ''} (conv {enc.get('channels')}, strides {enc.get('strides')}, set "
                    f"transformer {enc.get('set_hidden')} wide × {enc.get('set_heads')} heads"
+                   f"{', bf16 convolutions' if enc.get('bf16') else ''}"
                    f"{', compiled compositing and part CNN' if r.get('compiled_compositing') else ''})")
+        load = r.get("load_average")
         lines.append(f"| {setting} | {r['parts']} × {r['parents']} | {r['batch']} | {r['pyro_step_ms']:.0f} | "
                      f"{r['torch_step_ms']:.0f} | {r['ratio_pyro_over_torch']:.3f} | {r['pyro_images_per_s']:.0f} | "
-                     f"{r['peak_memory_mb']:.0f} |")
+                     f"{r['peak_memory_mb']:.0f} | {f'{load[0]:.1f}' if load else '–'} |")
     lines.append("")
     lines.append(f"Device: {rows[0].get('device_description', rows[0].get('device'))}, "
                  f"{rows[0]['threads']} threads, glibc allocator thresholds set: {rows[0].get('malloc_env')}; "
@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--jit", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN")
+    p.add_argument("--full-canvas", action="store_true",
+                   help="render every part over the whole canvas (the reference renderer) instead of its footprint")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     p.add_argument("--append", action="store_true", help="append a row to --json instead of replacing it")
     p.add_argument("--label", default=None, help="name of this row in the JSON file")
@@ -81,12 +83,10 @@ def main(argv=None) -> int:
         print("note: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ unset; `make bench` sets them (25-40% faster)")
     pyro.settings.set(module_local_params=True)
     pyro.enable_validation(False)
-    if args.compile:
-        use_compiled_compositing()
-        use_compiled_part_cnn()
     cfg = load_experiment_config(args.config, [f"model.num_parts={args.parts}", f"model.num_parents={args.parents}",
                                                f"model.template_size={args.template_size}", *args.set])
-    system = CapsuleSystem(cfg["model"], cfg["encoder"]).to(args.device)
+    system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=args.compile).to(args.device)
+    system.model.footprint = not args.full_canvas
     opt = make_optimiser(system, cfg["train"])  # the training loop's optimiser (param groups, fused Adam)
     elbo = make_elbo(args.jit)
     x = torch.rand(args.batch, 1, cfg["model"].canvas_size, cfg["model"].canvas_size, device=args.device)
@@ -128,7 +128,8 @@ def main(argv=None) -> int:
         "device_description": device_description(args.device), "label": args.label,
         "encoder": cfg["encoder"].to_dict(), "command": " ".join(["python", *sys.argv]),
         "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "compiled_compositing": args.compile,
-        "compiled_part_cnn": args.compile,
+        "compiled_part_cnn": args.compile, "renderer": "full canvas" if args.full_canvas else "footprint",
+        "bf16_supported": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "load_average": list(os.getloadavg()),
     }
     print(f"batch {args.batch}, {args.parts} parts, {args.parents} objects, {torch.get_num_threads()} threads, "
           f"{args.device}")
