@@ -36,6 +36,9 @@ test: install
 HEADLINE = --config experiments/configs/mnist.toml --set encoder.set_hidden=128 --set encoder.bf16=false
 BF16 = $(shell $(PY) -c "import torch; print(str(torch.ops.mkldnn._is_mkldnn_bf16_supported()).lower())" 2>/dev/null || echo false)
 RECOMMENDED = --config experiments/configs/mnist.toml --set encoder.bf16=$(BF16)
+# OpenMP threads that sleep while they wait instead of spinning: on a machine shared with other jobs a spinning
+# thread holds a core another process needs, and a step of many mid-sized kernels then runs several times slower
+bench bench-render bench-vs-torch-scae: export OMP_WAIT_POLICY := PASSIVE
 bench: install
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, recommended encoder" --compile \
 	  $(RECOMMENDED) --json results/bench_step.json

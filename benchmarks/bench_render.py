@@ -23,7 +23,8 @@ import torch
 from probcaps.geometry import pose6_to_matrix
 from probcaps.io import write_json
 from probcaps.provenance import device_description
-from probcaps.render import footprints, render_over, window_size
+from probcaps import render
+from probcaps.render import footprints, render_over, window_sides
 
 
 def trained_poses(checkpoint: str, batch: int, parts: int, generator: torch.Generator) -> torch.Tensor:
@@ -72,11 +73,13 @@ def main(argv=None) -> int:
     presence = torch.rand(B, M, generator=gen).requires_grad_()
     box = footprints(poses.detach().view(-1, 3, 3), (t, t), (S, S))
     extents = torch.maximum(box[:, 2] - box[:, 0], box[:, 3] - box[:, 1]) + 1
-    side = window_size(extents, (S, S))
-    whole_canvas = float((extents > side).float().mean())
-    print(f"batch {B}, {M} parts, {t}x{t} templates, {S}x{S} canvas, {args.poses} poses: window side {side}, "
-          f"{100 * whole_canvas:.1f}% of the parts over the whole canvas, median footprint side "
-          f"{extents.float().median():.0f}")
+    sides = window_sides(extents, (S, S))
+    tier = torch.searchsorted(torch.tensor(sides), extents)
+    parts_per_side = {side: int((tier == i).sum()) for i, side in enumerate(sides)}
+    window_share = render._window_cost(extents, sides, (S, S)) / (extents.numel() * S * S)
+    print(f"batch {B}, {M} parts, {t}x{t} templates, {S}x{S} canvas, {args.poses} poses: window sides "
+          f"{parts_per_side} (side: parts), {100 * window_share:.0f}% of the full layers' pixels, median footprint "
+          f"side {extents.float().median():.0f}")
 
     def step(footprint: bool, compiled: bool):
         # the model's render: presences scale the alpha templates, then warp and composite (capsule_model.render)
@@ -100,12 +103,13 @@ def main(argv=None) -> int:
     med = {name: 1000 * statistics.median(v) for name, v in times.items()}
     result = {
         "batch": B, "parts": M, "template_size": t, "canvas": S, "poses": args.poses,
-        "checkpoint": args.checkpoint if args.poses == "trained" else None, "window_side": side,
-        "share_over_whole_canvas": whole_canvas, "repeats": args.repeats, "threads": torch.get_num_threads(),
+        "checkpoint": args.checkpoint if args.poses == "trained" else None, "parts_per_window_side": parts_per_side,
+        "window_pixel_share": window_share, "repeats": args.repeats, "threads": torch.get_num_threads(),
         "ms": med, "speedup_over_full_canvas": med["full canvas"] / med["footprint"],
         "speedup_over_full_canvas_compiled": med["full canvas, compiled"] / med["footprint"],
         "images_agree": agree, "device_description": device_description("cpu"),
         "load_average": list(os.getloadavg()), "command": " ".join(["python", *sys.argv]),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     print(f"  rendering + compositing, forward + backward, median of {args.repeats}:")
     for name, ms in med.items():

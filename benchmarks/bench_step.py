@@ -130,6 +130,7 @@ def main(argv=None) -> int:
         "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "compiled_compositing": args.compile,
         "compiled_part_cnn": args.compile, "renderer": "full canvas" if args.full_canvas else "footprint",
         "bf16_supported": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "load_average": list(os.getloadavg()),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     print(f"batch {args.batch}, {args.parts} parts, {args.parents} objects, {torch.get_num_threads()} threads, "
           f"{args.device}")

@@ -223,6 +223,7 @@ def main(argv=None) -> int:
             "threads": args.threads, "steps_per_process": args.steps, "warmup_steps": args.warmup,
             "peer": "bdsaglam/torch-scae", "peer_commit": args.peer_commit,
             "device_description": device_description("cpu"), "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "command": " ".join(["python", *sys.argv]),
         })
     return 0

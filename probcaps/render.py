@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .geometry import determinant, invert
 
 __all__ = ["sampling_grid", "warp", "render_templates", "alpha_over", "composite_over", "composite_layers",
-           "footprints", "window_size", "render_over"]
+           "footprints", "window_sides", "render_over"]
 
 _GRID_CACHE: dict = {}
 
@@ -270,21 +270,54 @@ def footprints(poses: torch.Tensor, template_size: tuple[int, int], out_size: tu
         return torch.cat([torch.minimum(lo.clamp_min(0), limit), torch.minimum(hi.clamp_min(-1), limit)], -1)
 
 
-def window_size(extents: torch.Tensor, out_size: tuple[int, int]) -> int:
-    """The side ``s`` of the square windows that minimises the pixels sampled: a part whose footprint fits in
-    ``s x s`` is rendered in a window, the others over the whole canvas (``Σ`` window pixels ``+ n_full H W``).
+#: What one more window size costs in :func:`window_sides`, in sampled pixels (a few more kernel calls).
+WINDOW_SIZE_COST = 20_000
+#: :func:`render_over` takes the full renderer when the windows would hold more than this share of the full layers'
+#: pixels: the footprint compositing's fixed passes over its ``(B, H W, M)`` buffer are then not paid back.
+MAX_WINDOW_SHARE = 0.5
+
+
+def window_sides(extents: torch.Tensor, out_size: tuple[int, int], max_sizes: int = 3) -> list[int]:
+    """Up to ``max_sizes`` square window sides that minimise the pixels sampled when every part is rendered in the
+    smallest of them that holds its footprint (``Σ_parts side² + WINDOW_SIZE_COST`` per size; a side as large as
+    the canvas is the whole canvas).  An exact dynamic programme over the ``max(H, W)`` possible sides.
 
     Args:
         extents: ``(N,)`` each part's footprint side (the larger of its width and height in pixels).
     Returns:
-        ``s`` in ``1 .. max(H, W)``.
+        the sides, increasing; the last holds the largest footprint.
     """
     H, W = out_size
-    sides = torch.arange(1, max(H, W) + 1, device=extents.device)
-    fits = torch.bincount(extents.clamp(1, max(H, W)), minlength=max(H, W) + 1)[1:].cumsum(0)  # parts with ext <= s
-    window_pixels = sides.clamp(max=H) * sides.clamp(max=W)
-    cost = fits * window_pixels + (extents.numel() - fits) * (H * W)
-    return int(sides[int(torch.argmin(cost))])
+    S = max(H, W)
+    sides = torch.arange(S + 1, dtype=torch.float64)
+    area = sides.clamp(max=H) * sides.clamp(max=W)
+    covered = torch.bincount(extents.clamp(1, S).cpu(), minlength=S + 1).cumsum(0).to(torch.float64)  # ext <= s
+    largest = int(extents.max().clamp(1, S))
+    # cost[j][s]: the least cost of rendering every part with extent <= s in j + 1 sizes, the largest s
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    best = area * covered + WINDOW_SIZE_COST
+    best[0] = inf
+    choices, costs = [], [best]
+    below = torch.ones(S + 1, S + 1, dtype=torch.bool).triu(1)                    # [s', s]: s' < s
+    for _ in range(max_sizes - 1):
+        step = costs[-1][:, None] + area[None, :] * (covered[None, :] - covered[:, None]) + WINDOW_SIZE_COST
+        step = torch.where(below, step, inf)
+        value, previous = step.min(0)
+        choices.append(previous)
+        costs.append(value)
+    n = int(torch.stack([c[largest] for c in costs]).argmin())
+    picked = [largest]
+    for j in range(n, 0, -1):
+        picked.append(int(choices[j - 1][picked[-1]]))
+    return sorted(picked)
+
+
+def _window_cost(extents: torch.Tensor, sides: list[int], out_size: tuple[int, int]) -> float:
+    """Pixels sampled by the windows :func:`render_over` renders ``extents`` into, for ``sides``."""
+    H, W = out_size
+    tier = torch.searchsorted(torch.tensor(sides, device=extents.device), extents)
+    counts = torch.bincount(tier, minlength=len(sides)).tolist()
+    return sum(c * min(s, H) * min(s, W) for c, s in zip(counts, sides))
 
 
 class _FootprintOver(torch.autograd.Function):
@@ -373,9 +406,10 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
     ``footprint=True`` samples each template only over the canvas window it can touch (:func:`footprints`) and
     composites from those windows (:class:`_FootprintOver`); ``footprint=False`` renders every template over the
     whole canvas (:func:`render_templates`) and composites the full layers (:func:`composite_layers`).  Both give
-    the same image and gradients.  The windows are squares of one side per call, the one :func:`window_size`
-    picks; parts whose footprint does not fit are rendered over the whole canvas, and when none fits (or the side
-    would be the canvas') the whole call takes the full renderer.
+    the same image and gradients.  The windows are squares of up to three sides per call, the ones
+    :func:`window_sides` picks for the batch's footprints, each part in the smallest that holds its footprint (a
+    side as large as the canvas is the whole canvas); when the windows would hold more than
+    :data:`MAX_WINDOW_SHARE` of the full layers' pixels the call takes the full renderer.
 
     Args:
         templates: ``(M, 2, t, t)`` shared by the batch or ``(B, M, 2, t, t)``: colour and alpha channels.
@@ -402,41 +436,40 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
     if footprint:
         box = footprints(P, (t_h, t_w), out_size)                                 # (N, 4)
         extents = torch.maximum(box[:, 2] - box[:, 0], box[:, 3] - box[:, 1]) + 1
-        side = window_size(extents, out_size)
-        fits = extents <= side
-    if not footprint or side >= max(H, W) or not bool(fits.any()):
+        sides = window_sides(extents, out_size)
+        footprint = _window_cost(extents, sides, out_size) <= MAX_WINDOW_SHARE * N * H * W
+    if not footprint:
         layers = render_templates(templates, poses, out_size)
         image, weights = composite_layers(layers, dim=1, background=background, compiled=compiled)
         return image, (weights * layers[:, :, :1] if contributions else None)
 
     sources = templates.reshape(N, 2, t_h, t_w)
     A = _canvas_to_source(P, (t_h, t_w), out_size)                                # (N, 2, 3)
-    win_h, win_w = min(side, H), min(side, W)
-    small = fits.nonzero().squeeze(1)
-    large = (~fits).nonzero().squeeze(1)
-    # the window's top-left pixel, kept on the canvas: the window still covers the footprint's part on the canvas
-    x0 = box[small, 0].clamp(max=W - win_w)
-    y0 = box[small, 1].clamp(max=H - win_h)
-    # canvas x of window column c: (2 (x0 + c) + 1) / W - 1 = u_c win_w / W + (win_w + 2 x0) / W - 1, where u_c is
-    # the column's coordinate in the window's own [-1, 1] frame (the one sampling_grid writes)
-    A_small = A[small]
-    shift_x = ((win_w + 2 * x0).to(A.dtype) / W - 1)[:, None]
-    shift_y = ((win_h + 2 * y0).to(A.dtype) / H - 1)[:, None]
-    A_window = torch.stack([A_small[..., 0] * (win_w / W), A_small[..., 1] * (win_h / H),
-                            torch.addcmul(torch.addcmul(A_small[..., 2], A_small[..., 0], shift_x),
-                                          A_small[..., 1], shift_y)], -1)
-    windows = F.grid_sample(sources[small], sampling_grid(A_window, (win_h, win_w)), mode="bilinear",
-                            padding_mode="zeros", align_corners=False)          # (Ns, 2, h, w)
-    rows = torch.arange(win_h, device=P.device)
-    cols = torch.arange(win_w, device=P.device)
-    canvas_pixel = ((y0[:, None] + rows) * W)[:, :, None] + (x0[:, None] + cols)[:, None, :]   # (Ns, h, w)
-    pixel = ((small // M) * (H * W))[:, None, None] + canvas_pixel
-    groups = [windows, (pixel * M + (small % M)[:, None, None]).reshape(-1), pixel.reshape(-1)]
-    if large.numel():
-        full = F.grid_sample(sources[large], sampling_grid(A[large], (H, W)), mode="bilinear",
-                             padding_mode="zeros", align_corners=False)         # (Nl, 2, H, W)
-        pixel = ((large // M) * (H * W))[:, None] + torch.arange(H * W, device=P.device)
-        groups += [full, (pixel * M + (large % M)[:, None]).reshape(-1), pixel.reshape(-1)]
+    tier = torch.searchsorted(torch.tensor(sides, device=P.device), extents)
+    groups = []
+    for i, side in enumerate(sides):
+        parts = (tier == i).nonzero().squeeze(1)
+        if not parts.numel():
+            continue
+        win_h, win_w = min(side, H), min(side, W)
+        # the window's top-left pixel, kept on the canvas: the window still covers the footprint's part on it
+        x0 = box[parts, 0].clamp(max=W - win_w)
+        y0 = box[parts, 1].clamp(max=H - win_h)
+        # canvas x of window column c: (2 (x0 + c) + 1) / W - 1 = u_c win_w / W + (win_w + 2 x0) / W - 1, where
+        # u_c is the column's coordinate in the window's own [-1, 1] frame (the one sampling_grid writes)
+        A_part = A[parts]
+        shift_x = ((win_w + 2 * x0).to(A.dtype) / W - 1)[:, None]
+        shift_y = ((win_h + 2 * y0).to(A.dtype) / H - 1)[:, None]
+        A_window = torch.stack([A_part[..., 0] * (win_w / W), A_part[..., 1] * (win_h / H),
+                                torch.addcmul(torch.addcmul(A_part[..., 2], A_part[..., 0], shift_x),
+                                              A_part[..., 1], shift_y)], -1)
+        windows = F.grid_sample(sources[parts], sampling_grid(A_window, (win_h, win_w)), mode="bilinear",
+                                padding_mode="zeros", align_corners=False)      # (n, 2, h, w)
+        rows = torch.arange(win_h, device=P.device)
+        cols = torch.arange(win_w, device=P.device)
+        canvas_pixel = ((y0[:, None] + rows) * W)[:, :, None] + (x0[:, None] + cols)[:, None, :]   # (n, h, w)
+        pixel = ((parts // M) * (H * W))[:, None, None] + canvas_pixel
+        groups += [windows, (pixel * M + (parts % M)[:, None, None]).reshape(-1), pixel.reshape(-1)]
     image, *weights = _FootprintOver.apply((B, H * W, M), float(background), *groups)
     shares = None
     if contributions:

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from probcaps import render
+
 from probcaps.geometry import (
     affine_matrix,
     compose,
@@ -24,7 +26,7 @@ from probcaps.geometry import (
     translation_matrix,
 )
 from probcaps.render import (alpha_over, composite_over, footprints, render_over, render_templates, sampling_grid,
-                             warp, window_size)
+                             warp, window_sides)
 
 DT = torch.float64
 
@@ -444,11 +446,12 @@ def _render_and_grads(templates, presences, poses, size, footprint, background=0
 @pytest.mark.parametrize("dtype, atol, rtol, speck", [(torch.float32, 1e-5, 1e-5, 0.25),
                                                       (torch.float64, 1e-10, 1e-10, 0.05)])
 @pytest.mark.parametrize("background", [0.0, 0.3])
-def test_footprint_rendering_equals_full_canvas(dtype, atol, rtol, speck, background):
+def test_footprint_rendering_equals_full_canvas(dtype, atol, rtol, speck, background, monkeypatch):
     # catches: a window that misses part of a template's support (a clipped edge, the bilinear half pixel, a
     # template partly or wholly off the canvas), a window placed at the wrong offset, parts mixed up between
     # images, a wrong prefix sum over the layers in the footprint compositing or its hand-written backward, and
     # the parts too large for a window (rendered over the whole canvas) composited out of order
+    monkeypatch.setattr(render, "WINDOW_SIZE_COST", 0)  # several window sizes even for these few parts
     gen = torch.Generator().manual_seed(0)
     B, M, t, size = 3, 16, 7, (24, 28)
     templates = torch.rand(M, 2, t, t, generator=gen, dtype=dtype)
@@ -456,8 +459,10 @@ def test_footprint_rendering_equals_full_canvas(dtype, atol, rtol, speck, backgr
     poses = _mixed_poses(B, M, dtype, gen, speck)
     box = footprints(poses.view(-1, 3, 3), (t, t), size)
     extents = torch.maximum(box[:, 2] - box[:, 0], box[:, 3] - box[:, 1]) + 1
-    side = window_size(extents, size)
-    assert side < min(size) and (extents > side).any() and (extents <= side).any()  # both kinds of part rendered
+    sides = window_sides(extents, size)
+    # windows of several sizes, the whole canvas among them, and the footprint path taken
+    assert len(sides) >= 2 and sides[-1] >= max(size)
+    assert render._window_cost(extents, sides, size) <= render.MAX_WINDOW_SHARE * extents.numel() * size[0] * size[1]
     footprint = _render_and_grads(templates, presences, poses, size, True, background, contributions=True)
     full = _render_and_grads(templates, presences, poses, size, False, background, contributions=True)
     for name, got, want in zip(["image", "contributions", "templates", "presences", "poses"], footprint, full):
@@ -467,6 +472,31 @@ def test_footprint_rendering_equals_full_canvas(dtype, atol, rtol, speck, backgr
         assert error <= atol + rtol * scale, (name, error, scale)
     assert full[0].abs().max() > 0.1 and full[4].abs().max() > 0.1  # the comparison is not between zeros
     assert torch.all(full[4][(torch.arange(B * M).view(B, M) % 8) == 2] == 0)  # off the canvas: no gradient
+
+
+def test_window_sides_minimise_the_pixels_sampled(monkeypatch):
+    # catches: a wrong dynamic programme (a side that does not hold its parts, a worse choice than another set of
+    # sides, or the per-size cost ignored)
+    from itertools import combinations
+
+    extents = torch.tensor([3] * 100 + [9] * 30 + [20] * 2)
+    # one size: 132 * 400 + 20000; [9, 20]: 130 * 81 + 2 * 400 + 40000; [3, 9, 20]: 900 + 2430 + 800 + 60000
+    assert window_sides(extents, (40, 40)) == [9, 20]
+    assert window_sides(extents, (40, 40), max_sizes=1) == [20]
+    monkeypatch.setattr(render, "WINDOW_SIZE_COST", 0)
+    assert window_sides(extents, (40, 40)) == [3, 9, 20]
+    monkeypatch.setattr(render, "WINDOW_SIZE_COST", 50)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        extents = torch.randint(1, 13, (60,), generator=gen)
+        best = window_sides(extents, (12, 10))
+        assert best[-1] == int(extents.max())
+        cost = render._window_cost(extents, best, (12, 10)) + render.WINDOW_SIZE_COST * len(best)
+        for n in (1, 2, 3):
+            for sides in combinations(range(1, int(extents.max()) + 1), n):
+                if sides[-1] == int(extents.max()):
+                    other = render._window_cost(extents, list(sides), (12, 10)) + render.WINDOW_SIZE_COST * n
+                    assert cost <= other
 
 
 def test_footprint_rendering_all_parts_too_large_falls_back_to_full_canvas():
