@@ -433,12 +433,12 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
     t_h, t_w = templates.shape[-2:]
     N = B * M
     P = poses.reshape(N, 3, 3)
-    if footprint:
+    if footprint and N:
         box = footprints(P, (t_h, t_w), out_size)                                 # (N, 4)
         extents = torch.maximum(box[:, 2] - box[:, 0], box[:, 3] - box[:, 1]) + 1
         sides = window_sides(extents, out_size)
         footprint = _window_cost(extents, sides, out_size) <= MAX_WINDOW_SHARE * N * H * W
-    if not footprint:
+    if not (footprint and N):
         layers = render_templates(templates, poses, out_size)
         image, weights = composite_layers(layers, dim=1, background=background, compiled=compiled)
         return image, (weights * layers[:, :, :1] if contributions else None)
