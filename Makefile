@@ -56,10 +56,12 @@ bench-render: install
 # over rounds (results/bench_vs_torch_scae.json). PEER: a checkout of torch-scae outside this repository, e.g.
 #   git --git-dir=<mirror> archive HEAD | tar -x -C /tmp/torch-scae
 # PEER_SITE: a folder with its imports beyond torch (pip install --no-deps --target /tmp/scae-deps monty pyyaml)
+# PEER_COMMIT: the commit checked out, recorded in the results
 PEER ?= /tmp/torch-scae
 PEER_SITE ?= /tmp/scae-deps
+PEER_COMMIT ?= unknown
 bench-vs-torch-scae: install
-	$(PY) benchmarks/bench_vs_torch_scae.py --peer-path $(PEER) --peer-site $(PEER_SITE) \
+	$(PY) benchmarks/bench_vs_torch_scae.py --peer-path $(PEER) --peer-site $(PEER_SITE) --peer-commit $(PEER_COMMIT) \
 	  --json results/bench_vs_torch_scae.json
 
 # one CapsNet training step at batch 128, reduced and paper-size configs

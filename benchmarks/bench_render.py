@@ -17,11 +17,13 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from probcaps.geometry import pose6_to_matrix
 from probcaps.io import write_json
+from probcaps.report import write_table
 from probcaps.provenance import device_description
 from probcaps import render
 from probcaps.render import footprints, render_over, window_sides
@@ -46,6 +48,21 @@ def encoder_poses(batch: int, parts: int, canvas: int) -> torch.Tensor:
     encoder = CapsuleEncoder(parts, 32, EncoderConfig())
     with torch.no_grad():
         return encoder.encode_parts(torch.rand(batch, 1, canvas, canvas))[1]
+
+
+def table(r: dict) -> str:
+    """The README table of one ``bench_render.py`` result."""
+    lines = ["| renderer | forward + backward (ms) | footprint speed-up |", "| --- | --- | --- |"]
+    for name, ms in r["ms"].items():
+        lines.append(f"| {name} | {ms:.1f} | {r['ms'][name] / r['ms']['footprint']:.2f}× |")
+    sides = ", ".join(f"{n} parts in {s}×{s}" for s, n in r["parts_per_window_side"].items())
+    lines += ["", f"Batch {r['batch']}, {r['parts']} parts, {r['template_size']}×{r['template_size']} templates, "
+              f"{r['canvas']}×{r['canvas']} canvas; part poses: {r['poses']}"
+              f"{' (' + r['checkpoint'] + ')' if r.get('checkpoint') else ''}; windows: {sides} "
+              f"({100 * r['window_pixel_share']:.0f}% of the full layers' pixels); median of {r['repeats']}, "
+              f"interleaved; {r['device_description']}, load average {r['load_average'][0]:.1f}; "
+              f"command: `{r['command']}`."]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -119,6 +136,7 @@ def main(argv=None) -> int:
           f"(images {'agree' if agree else 'DISAGREE'}); load average {result['load_average'][0]:.2f}")
     if args.json:
         write_json(args.json, result)
+        write_table(Path(args.json).parent, Path(args.json).stem, table(result))
     return 0 if agree else 1
 
 

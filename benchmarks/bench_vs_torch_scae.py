@@ -127,6 +127,24 @@ def torch_scae(peer: Path, batch: int):
     return step, described
 
 
+def table(r: dict) -> str:
+    """The README table of one ``bench_vs_torch_scae.py`` result."""
+    lines = ["| model | images/s | step (ms) | peak memory (MB) | speed vs torch-scae |", "| --- | --- | --- | --- | --- |"]
+    for name, s in r["summary"].items():
+        lines.append(f"| {name} | {s['images_per_s']:.0f} | {s['step_ms']:.0f} | {s['peak_memory_mb']:.0f} | "
+                     f"{s['speedup_over_torch_scae']:.2f}× |")
+    loads = [x for row in r["rounds"] for x in row["load_average"]]
+    bf16 = next((row[n].get("bf16_supported") for row in r["rounds"] for n in row if isinstance(row[n], dict)
+                 and "bf16_supported" in row[n]), None)
+    lines += ["", f"Batch {r['batch']}, {r['parts']} parts, {r['parents']} objects; each number the median over "
+              f"{len(r['rounds'])} rounds of fresh processes (each the median of {r['steps_per_process']} steps after "
+              f"{r['warmup_steps']} untimed), the speed ratio paired within a round; bdsaglam/torch-scae "
+              f"{(r.get('peer_commit') or '')[:7]}; bf16 convolutions {'on' if bf16 else 'off (no bfloat16 kernels)'}; "
+              f"{r['device_description']}, {r['threads']} threads, load average {min(loads):.1f} to {max(loads):.1f}; "
+              f"command: `{r['command']}`."]
+    return "\n".join(lines)
+
+
 def worker(args) -> None:
     """One measurement in this process: warm-up, then the median of ``--steps`` timed steps, as one JSON line."""
     torch.set_num_threads(args.threads)
@@ -179,6 +197,7 @@ def main(argv=None) -> int:
 
     from probcaps.io import write_json
     from probcaps.provenance import device_description
+    from probcaps.report import write_table
 
     common = ["--peer-path", str(peer), "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
               str(args.batch), "--parts", str(args.parts), "--parents", str(args.parents), "--threads",
@@ -218,14 +237,16 @@ def main(argv=None) -> int:
         print(f"{name:28s} {s['images_per_s']:6.0f} images/s  {s['step_ms']:6.0f} ms/step  "
               f"{s['peak_memory_mb']:6.0f} MB peak  x{s['speedup_over_torch_scae']:.2f} torch-scae")
     if args.json:
-        write_json(args.json, {
+        result = {
             "summary": summary, "rounds": rounds, "batch": args.batch, "parts": args.parts, "parents": args.parents,
             "threads": args.threads, "steps_per_process": args.steps, "warmup_steps": args.warmup,
             "peer": "bdsaglam/torch-scae", "peer_commit": args.peer_commit,
             "device_description": device_description("cpu"), "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "command": " ".join(["python", *sys.argv]),
-        })
+        }
+        write_json(args.json, result)
+        write_table(Path(args.json).parent, Path(args.json).stem, table(result))
     return 0
 
 
