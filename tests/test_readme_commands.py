@@ -273,3 +273,52 @@ def test_recorded_paths_are_relative_to_the_repository(tmp_path, monkeypatch):
     assert here not in path.read_text() and "results/r.png" in path.read_text()
     table = write_table(tmp_path, "r", f"command: `{here}/experiments/affnist.py`")
     assert table.read_text() == "command: `experiments/affnist.py`\n"
+
+
+# ------------------------------------------------------------------------------------------- the table files
+
+#: how each committed table file is rebuilt from the committed results: (entry point, its arguments, tables written)
+TABLE_SOURCES = [
+    *[("experiments.mnist_probe", ["--name", n], [n, "pilots"]) for n in
+      ("mnist", "mnist_probe", "mnist_probe_ceiling", "mnist_probe_prior4", "mnist_probe_tau1", "mnist_probe_rho1")],
+    *[("experiments.affnist", ["--name", n], [n]) for n in ("affnist", "affnist_ceiling", "affnist_fast")],
+    *[("experiments.rotated_digits", ["--name", n], [n]) for n in ("rotated_digits", "rotated_digits_fast")],
+    *[("experiments.ttvi_classification", ["--name", n], [n])
+      for n in ("ttvi_classification", "ttvi_classification_ceiling", "ttvi_classification_fast")],
+    ("experiments.normal_guide", [], ["normal_guide"]),
+    ("experiments.rotated_training", [], ["rotated_training"]),
+    ("experiments.rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
+    ("experiments.multimnist", [], ["multimnist"]),
+    ("experiments.transforming_autoencoder", [], ["transforming_autoencoder", "tae_pilots"]),
+    *[("experiments.norb_viewpoints", ["--name", n], [n, "norb_pilots"]) for n in
+      ("norb_viewpoints", "norb_viewpoints_asymmetric", "norb_viewpoints_asymmetric_large",
+       "norb_viewpoints_asymmetric_large_bn", "norb_azimuth", "norb_viewpoints_asymmetric_elevation",
+       "norb_elevation", "norb_all_views")],
+]
+
+
+def test_committed_tables_are_what_their_results_give(tmp_path, monkeypatch):
+    # catches: a table function changed without its table file rebuilt, a table file edited by hand, or a table
+    # file nothing rebuilds
+    monkeypatch.setenv("PROBCAPS_NO_REEXEC", "1")
+    results = ROOT / "results"
+    for path in results.iterdir():  # the results, read-only: links in a scratch folder the tables are written to
+        if path.suffix != ".md":
+            (tmp_path / path.name).symlink_to(path)
+    rebuilt = set()
+    for module, args, tables in TABLE_SOURCES:
+        main = importlib.import_module(f"probcaps.{module}").main
+        assert main(["--tables-only", "--results-dir", str(tmp_path), *args]) == 0, (module, args)
+        rebuilt.update(tables)
+    from probcaps.experiments.ttvi_classification import throughput_table
+    from probcaps.report import write_table
+
+    write_table(tmp_path, "ttvi_throughput", throughput_table(tmp_path, "ttvi_throughput"))
+    write_table(tmp_path, "bench_step", _script_main(ROOT / "benchmarks" / "bench_step.py").__globals__[
+        "readme_table"](tmp_path, "bench_step"))
+    rebuilt |= {"ttvi_throughput", "bench_step"}
+    committed = {p.stem for p in results.glob("*.md")}
+    assert committed <= rebuilt, f"no rule rebuilds {sorted(committed - rebuilt)} (add it to TABLE_SOURCES)"
+    differ = [name for name in sorted(committed) if (tmp_path / f"{name}.md").read_text()
+              != (results / f"{name}.md").read_text()]
+    assert not differ, f"results/<name>.md differs from what its results give (rebuild with --tables-only): {differ}"
