@@ -343,7 +343,7 @@ class _FootprintOver(torch.autograd.Function):
         through_to = torch.zeros(B * HW * M, dtype=dtype, device=device)
         for lay, entry in zip(layers, entries):
             through_to.scatter_(0, entry, torch.log1p(-lay[:, 1].clamp(max=ALPHA_CLAMP)).reshape(-1))
-        through_to = through_to.view(B, HW, M).cumsum(-1)
+        through_to = through_to.view(B, HW, M).cumsum_(-1)
         total = through_to[..., -1].reshape(-1)                                   # (B HW,)
         through_to = through_to.view(-1)
         image = torch.zeros(B * HW, dtype=dtype, device=device)
@@ -382,7 +382,7 @@ class _FootprintOver(torch.autograd.Function):
             gs.append(g)
             qs.append(q)
             wqs.append(wq)
-        below = below.view(B, HW, M).cumsum(-1).view(-1)
+        below = below.view(B, HW, M).cumsum_(-1).view(-1)
         if ctx.background != 0.0:
             behind = ctx.background * background_share * grad_image            # the background's w q
         grads = []
