@@ -330,9 +330,10 @@ class _FootprintOver(torch.autograd.Function):
     at the footprints; the image is the footprints' weighted colours added into ``(B, H W)``.  The backward does
     the same with ``w q`` (the formulas are :class:`_OverComposite`'s).
 
-    The footprints come in groups of one shape each (windows, and parts rendered over the whole canvas):
-    ``layers`` ``(n, 2, h, w)`` (colour, alpha) with ``entries`` ``(n h w,)``, each pixel's index
-    ``(b H W + pixel) M + m`` in the buffer, and ``pixels`` ``(n h w,)``, its index ``b H W + pixel`` in the image.
+    The footprints come in groups, one per window size: ``layers`` ``(n, 2, h, w)`` (colour, alpha) with
+    ``entries`` ``(n h w,)``, each pixel's index ``(b H W + pixel) M + m`` in the buffer, and ``pixels``
+    ``(n h w,)``, its index ``b H W + pixel`` in the image.  The outputs are the image ``(B, H W)`` and each
+    group's weights ``w_m`` ``(n, h, w)``.
     """
 
     @staticmethod
