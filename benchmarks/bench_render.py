@@ -13,6 +13,7 @@ one run; the median of ``--repeats`` calls is reported, with the ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -48,6 +49,12 @@ def encoder_poses(batch: int, parts: int, canvas: int) -> torch.Tensor:
     encoder = CapsuleEncoder(parts, 32, EncoderConfig())
     with torch.no_grad():
         return encoder.encode_parts(torch.rand(batch, 1, canvas, canvas))[1]
+
+
+def readme_table(results_dir, name: str = "bench_render") -> str | None:
+    """The README table of ``results_dir/<name>.json`` (None when there is none)."""
+    path = Path(results_dir) / f"{name}.json"
+    return table(json.loads(path.read_text())) if path.is_file() else None
 
 
 def table(r: dict) -> str:
@@ -136,7 +143,7 @@ def main(argv=None) -> int:
           f"(images {'agree' if agree else 'DISAGREE'}); load average {result['load_average'][0]:.2f}")
     if args.json:
         write_json(args.json, result)
-        write_table(Path(args.json).parent, Path(args.json).stem, table(result))
+        write_table(Path(args.json).parent, Path(args.json).stem, readme_table(Path(args.json).parent, Path(args.json).stem))
     return 0 if agree else 1
 
 

@@ -127,6 +127,12 @@ def torch_scae(peer: Path, batch: int):
     return step, described
 
 
+def readme_table(results_dir, name: str = "bench_vs_torch_scae") -> str | None:
+    """The README table of ``results_dir/<name>.json`` (None when there is none)."""
+    path = Path(results_dir) / f"{name}.json"
+    return table(json.loads(path.read_text())) if path.is_file() else None
+
+
 def table(r: dict) -> str:
     """The README table of one ``bench_vs_torch_scae.py`` result."""
     lines = ["| model | images/s | step (ms) | peak memory (MB) | speed vs torch-scae |", "| --- | --- | --- | --- | --- |"]
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
             "command": " ".join(["python", *sys.argv]),
         }
         write_json(args.json, result)
-        write_table(Path(args.json).parent, Path(args.json).stem, table(result))
+        write_table(Path(args.json).parent, Path(args.json).stem, readme_table(Path(args.json).parent, Path(args.json).stem))
     return 0
 
 
