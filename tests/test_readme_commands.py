@@ -283,8 +283,8 @@ TABLE_SOURCES = [
       ("mnist", "mnist_probe", "mnist_probe_ceiling", "mnist_probe_prior4", "mnist_probe_tau1", "mnist_probe_rho1")],
     *[("experiments.affnist", ["--name", n], [n]) for n in ("affnist", "affnist_ceiling", "affnist_fast")],
     *[("experiments.rotated_digits", ["--name", n], [n]) for n in ("rotated_digits", "rotated_digits_fast")],
-    *[("experiments.ttvi_classification", ["--name", n], [n])
-      for n in ("ttvi_classification", "ttvi_classification_ceiling", "ttvi_classification_fast")],
+    *[("experiments.ttvi_classification", ["--name", p.stem], [p.stem])  # every checkpoint and protocol run
+      for p in sorted((ROOT / "results").glob("ttvi_classification*.json"))],
     ("experiments.normal_guide", [], ["normal_guide"]),
     ("experiments.rotated_training", [], ["rotated_training"]),
     ("experiments.rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
