@@ -242,8 +242,8 @@ def main(argv=None) -> int:
                    help="the fair protocol: test-time VI on the first N training images too, probes refit on them "
                         "(0: off)")
     p.add_argument("--parts-ttvi", action=argparse.BooleanOptionalAction, default=True,
-                   help="with the fair protocol, also the test-time VI of the parts alone (about 1.5x the time of the "
-                        "free-form one)")
+                   help="with the fair protocol, also the test-time VI of the parts alone (about as long again as "
+                        "the free-form one)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a key of the checkpoint's config, e.g. encoder.bf16=false on a CPU without bfloat16")
     p.add_argument("--tables-only", action="store_true",
