@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=positive_int, default=250)
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--name", default="ttvi_classification")
-    p.add_argument("--n-train-ttvi", type=int, default=500,
+    p.add_argument("--n-train-ttvi", type=non_negative_int, default=500,
                    help="the fair protocol: test-time VI on the first N training images too, probes refit on them "
                         "(0: off)")
     p.add_argument("--parts-ttvi", action=argparse.BooleanOptionalAction, default=True,
