@@ -407,9 +407,10 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
     ``footprint=True`` samples each template only over the canvas window it can touch (:func:`footprints`) and
     composites from those windows (:class:`_FootprintOver`); ``footprint=False`` renders every template over the
     whole canvas (:func:`render_templates`) and composites the full layers (:func:`composite_layers`).  Both give
-    the same image and gradients.  The windows are squares of up to three sides per call, the ones
-    :func:`window_sides` picks for the batch's footprints, each part in the smallest that holds its footprint (a
-    side as large as the canvas is the whole canvas); when the windows would hold more than
+    the same image and gradients.  The parts are grouped by the window sides :func:`window_sides` picks for the
+    batch's footprints (up to three; each part with the smallest side that holds its footprint, a side as large
+    as the canvas is the whole canvas), and each group's windows are as wide and as tall as its widest and tallest
+    footprint; when the windows would hold more than
     :data:`MAX_WINDOW_SHARE` of the full layers' pixels the call takes the full renderer.
 
     Args:
@@ -452,7 +453,9 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
         parts = (tier == i).nonzero().squeeze(1)
         if not parts.numel():
             continue
-        win_h, win_w = min(side, H), min(side, W)
+        # the window: the tier's widest and tallest footprints (at most side x side)
+        win_w = int((box[parts, 2] - box[parts, 0]).max().clamp(0, W - 1)) + 1
+        win_h = int((box[parts, 3] - box[parts, 1]).max().clamp(0, H - 1)) + 1
         # the window's top-left pixel, kept on the canvas: the window still covers the footprint's part on it
         x0 = box[parts, 0].clamp(max=W - win_w)
         y0 = box[parts, 1].clamp(max=H - win_h)
