@@ -22,9 +22,10 @@ from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
 from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_accuracy, mean_by_class
 from probcaps.provenance import provenance, write_results
+from probcaps.report import load_result, provenance_line, write_table
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
-           "posterior_part_counts", "readout_features", "READOUTS", "SCAE_PUBLISHED"]
+           "posterior_part_counts", "readout_features", "readout_table", "READOUTS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {
@@ -221,4 +222,32 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}, figures=figure_paths)
     write_results(results_dir / f"{name}.json", metrics, prov)
+    write_table(results_dir, name, readout_table(results_dir, name))
     return metrics
+
+
+def readout_table(results_dir: str | Path, name: str) -> str | None:
+    """The table of ``results_dir/<name>.json`` written by :func:`evaluate_checkpoint`: probe and k-means on every
+    readout (train / test), beside SCAE's; None when the file does not exist."""
+    loaded = load_result(results_dir, name)
+    if loaded is None:
+        return None
+    m, prov = loaded
+    if "probe_posterior_counts_test_acc" not in m:
+        return None
+
+    def pct(key: str) -> str:
+        return f"{100 * m[f'{key}_train_acc']:.1f} / {100 * m[f'{key}_test_acc']:.1f}"
+
+    lines = ["| object features (MNIST, 40×40) | linear probe, train / test (%) | k-means (10) + Hungarian, "
+             "train / test (%) |", "| --- | --- | --- |"]
+    lines += [f"| {label} | {pct(f'probe_{key}')} | {pct(f'kmeans_{key}')} |" for key, label in READOUTS.items()]
+    lines.append(f"| SCAE (Kosiorek et al. 2019, Table 1) | {100 * SCAE_PUBLISHED['probe_test_acc']:.1f} (test) | "
+                 f"{100 * SCAE_PUBLISHED['kmeans_test_acc']:.1f} (test) |")
+    return "\n".join(lines + [
+        "",
+        f"Objects' class purity {m['object_class_purity']:.3f} by expected part counts, "
+        f"{m['object_class_purity_presence']:.3f} by presences (0.1: no class preference); "
+        f"{m['mean_active_parents']:.1f} objects on per image, {m['parents_in_use']} in use; probes fit on "
+        f"{m['n_train']} training images, scored on {m['n_test']} test images; checkpoint `{prov.get('checkpoint')}`; "
+        + provenance_line(prov)])
