@@ -30,12 +30,12 @@ from probcaps.models.cnn_classifier import ConvClassifier  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, folder_arg, non_negative_int, positive_int, launch, one_line_errors,
+    add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors,
 )
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
@@ -118,18 +118,11 @@ def main(argv=None) -> int:
     p.add_argument("--ttvi-steps", type=positive_int, default=200)
     p.add_argument("--cnn-steps", type=positive_int, default=1500)
     p.add_argument("--cnn-seeds", type=non_negative_int, nargs="*", default=[0])
-    p.add_argument("--out", type=folder_arg, default="runs/affnist", help="run folder of the CNN baseline")
-    p.add_argument("--name", default="affnist")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
-                        "stop")
-    add_common_args(p, results_dir=ROOT / "results")
+    add_run_args(p, name="affnist", out="runs/affnist", out_help="run folder of the CNN baseline")
     args = p.parse_args(argv)
-    if args.tables_only:
-        print(f"wrote {write_table(args.results_dir, args.name, readme_table(Path(args.results_dir), args.name))}")
+    tables = table_writer(readme_table, args.name)
+    if setup_run(args, tables):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     progress = not args.quiet
     cfg, system = load_trained(args.checkpoint, device=args.device)
@@ -186,7 +179,7 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.cnn_seeds, steps=args.cnn_steps, wall_time_s=time.perf_counter() - t0,
                       device=args.device, checkpoint=str(args.checkpoint))
     write_results(results / f"{args.name}.json", metrics, prov)
-    write_table(results, args.name, readme_table(results, args.name))
+    tables(results)
     print(f"{ood_name}: probe presence+pose {metrics['ood_probe_presence_pose_acc']:.4f}, presence "
           f"{metrics['ood_probe_presence_acc']:.4f} (MNIST test {metrics['mnist_probe_presence_pose_acc']:.4f}); "
           f"CNN {np.mean([r['ood_acc'] for r in metrics['cnn']]) if metrics['cnn'] else float('nan'):.4f}")

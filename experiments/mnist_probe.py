@@ -21,14 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules  # noqa: E402
 from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
+    add_run_args, setup_run, non_negative_int, launch, one_line_errors,
 )
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -161,11 +160,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--out", type=folder_arg, default=None, help="run folders, <out>/seed<S> (default: runs/<name>)")
-    p.add_argument("--checkpoint-out", default=None,
-                   help="export the first seed's model here (default: checkpoints/<name>.pt; '' for none)")
-    p.add_argument("--name", default=None, help="names the results, runs and checkpoint (default: the config's name)")
-    p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--jit", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN (faster steps)")
@@ -173,18 +167,15 @@ def main(argv=None) -> int:
                    help="take a seed's metrics from its results JSON when that is newer than its final checkpoint")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README tables (RESULTS_DIR/<name>.md, RESULTS_DIR/pilots.md) from the results "
-                        "JSON already there, then stop")
-    add_common_args(p, results_dir=ROOT / "results")
+    add_run_args(p, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
+                 resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/<name>.md, "
+                 "RESULTS_DIR/pilots.md)", checkpoint_out="export the first seed's model here (default: "
+                 "checkpoints/<name>.pt; '' for none)")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
     args.out = args.out or str(ROOT / "runs" / args.name)
-    if args.tables_only:
-        print("\n".join(f"wrote {path}" for path in write_tables(Path(args.results_dir), args.name)))
+    if setup_run(args, lambda results: write_tables(results, args.name)):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     runs = []
     for seed in args.seeds:
         overrides = [*args.set, f"train.seed={seed}"] + (["train.jit=true"] if args.jit else []) \

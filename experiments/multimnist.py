@@ -36,7 +36,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
+    add_run_args, setup_run, non_negative_int, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
@@ -241,19 +241,13 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
-    p.add_argument("--out", type=folder_arg, default=None, help="run folders, one per seed (default runs/<name>)")
-    p.add_argument("--resume", action="store_true", help="continue each seed from its last checkpoint")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README table (RESULTS_DIR/multimnist.md) from the results JSON already there, then "
-                        "stop")
-    add_common_args(p, results_dir=ROOT / "results", threads=1)
+    add_run_args(p, name=False, out_help="run folders, one per seed (default runs/<name>)",
+                 resume="continue each seed from its last checkpoint", tables="table (RESULTS_DIR/multimnist.md)",
+                 threads=1)
     args = p.parse_args(argv)
-    if args.tables_only:
-        print(f"wrote {write_table(args.results_dir, TABLE, readme_table(Path(args.results_dir)))}")
+    if setup_run(args, lambda results: write_table(results, TABLE, readme_table(results))):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
     name = cfg["name"]
     out_root = Path(args.out or ROOT / "runs" / name)

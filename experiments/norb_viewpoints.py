@@ -44,7 +44,7 @@ from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnor
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb  # noqa: E402
 from probcaps.data.transforms import standardise_per_image  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
+    add_run_args, setup_run, non_negative_int, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -369,22 +369,15 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--out", type=folder_arg, default=None, help="run folders (<out>/seed<S>/<model>; default: runs/<name>)")
-    p.add_argument("--name", default=None, help="results name (default: the config's name)")
-    p.add_argument("--resume", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
     p.add_argument("--no-figures", action="store_true", help="write the results JSON only")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/norb_pilots.md when there "
-                        "are tries) from the results JSON already there, then stop")
-    add_common_args(p, results_dir=ROOT / "results", threads=1)
+    add_run_args(p, out_help="run folders (<out>/seed<S>/<model>; default: runs/<name>)", resume=True, threads=1,
+                 tables="tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/norb_pilots.md when there are tries)")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
     name = args.name or cfg["name"]
     args.out = args.out or str(ROOT / "runs" / name)
-    if args.tables_only:
-        print("\n".join(f"wrote {path}" for path in write_tables(Path(args.results_dir), name)))
+    if setup_run(args, lambda results: write_tables(results, name)):
         return 0
     t0 = time.perf_counter()
     sets = load_sets(cfg["data"], args.data_dir)

@@ -26,12 +26,13 @@ from probcaps.inference.capsule_svi import encode_dataset, load_images, load_tra
 from probcaps.inference.evaluate import test_elbo  # noqa: E402
 from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, folder_arg, finite_positive_float, non_negative_int, positive_int, launch, one_line_errors,
+    add_run_args, finite_positive_float, setup_run, table_writer, non_negative_int, positive_int, launch,
+    one_line_errors,
 )
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import load_result, provenance_line, write_table  # noqa: E402
+from probcaps.report import load_result, provenance_line  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 
@@ -85,21 +86,12 @@ def main(argv=None) -> int:
     p.add_argument("--n-elbo-images", type=positive_int, default=2000)
     p.add_argument("--elbo-samples", type=positive_int, default=3)
     p.add_argument("--probe-train-limit", type=non_negative_int, default=10000, help="0: all")
-    p.add_argument("--out", type=folder_arg, default="runs/normal_guide")
-    p.add_argument("--checkpoint-out", default=None,
-                   help="export the trained model here (default: checkpoints/<name>.pt; '' for none)")
-    p.add_argument("--name", default="normal_guide")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
-                        "stop")
-    add_common_args(p, results_dir=ROOT / "results")
+    add_run_args(p, name="normal_guide", out="runs/normal_guide", out_help="run folder", resume=True,
+                 checkpoint_out="export the trained model here (default: checkpoints/<name>.pt; '' for none)")
     args = p.parse_args(argv)
-    if args.tables_only:
-        print(f"wrote {write_table(args.results_dir, args.name, readme_table(Path(args.results_dir), args.name))}")
+    tables = table_writer(readme_table, args.name)
+    if setup_run(args, tables):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cfg, delta = load_trained(args.checkpoint, device=args.device)
     if delta.guide_spec["family"] != "delta":
         raise ProbcapsError(f"{args.checkpoint}: expected a delta-trained checkpoint, found "
@@ -133,7 +125,7 @@ def main(argv=None) -> int:
                       min_scale=args.min_scale)
     results = Path(args.results_dir)
     write_results(results / f"{args.name}.json", metrics, prov)
-    write_table(results, args.name, readme_table(results, args.name))
+    tables(results)
     plot_training_curves({"Normal poses": out / "log.jsonl"}, results / f"{args.name}_training.png")
     if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
         export_checkpoint(final, checkpoint_out)

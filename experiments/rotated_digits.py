@@ -28,11 +28,12 @@ from probcaps.inference.ttvi import ttvi_batches  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, finite_float, finite_positive_float, non_negative_int, positive_int, launch, one_line_errors,
+    add_run_args, setup_run, table_writer, finite_float, finite_positive_float, non_negative_int, positive_int,
+    launch, one_line_errors,
 )
 from probcaps.errors import ProbcapsError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import load_result, provenance_line, write_table  # noqa: E402
+from probcaps.report import load_result, provenance_line  # noqa: E402
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 
@@ -107,17 +108,11 @@ def main(argv=None) -> int:
     p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
     p.add_argument("--example", type=non_negative_int, default=0, help="index of the digit shown across angles")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--name", default="rotated_digits")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
-                        "stop")
-    add_common_args(p, results_dir=ROOT / "results")
+    add_run_args(p, name="rotated_digits", out=False)
     args = p.parse_args(argv)
-    if args.tables_only:
-        print(f"wrote {write_table(args.results_dir, args.name, readme_table(Path(args.results_dir), args.name))}")
+    tables = table_writer(readme_table, args.name)
+    if setup_run(args, tables):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if not 0 <= args.example < args.n_images:
         raise ProbcapsError(f"--example {args.example}: must be in [0, --n-images={args.n_images})")
     cfg, system = load_trained(args.checkpoint, device=args.device)
@@ -170,7 +165,7 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
                       checkpoint=str(args.checkpoint), checkpoint_train_steps=state.get("step"))
     write_results(results / f"{args.name}.json", metrics, prov)
-    write_table(results, args.name, readme_table(results, args.name))
+    tables(results)
     c = metrics["checks"]
     print(f"ELBO improved at every angle >= 45: {c['ttvi_improves_elbo_at_every_angle_ge_45']}; "
           f"MSE reduction at 90: {c.get('mse_reduction_at_90', float('nan')):.2f}; "

@@ -38,11 +38,11 @@ from probcaps.data import iterate_batches, place_on_canvas, random_offsets, rota
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.loaders import seeded_generator  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
+    add_run_args, setup_run, table_writer, non_negative_int, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, write_table  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result  # noqa: E402
 
 NAME = "rotated_mnist_cnn_vs_capsnet"
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
@@ -206,20 +206,13 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
-    p.add_argument("--out", type=folder_arg, default=None, help="run folders, one per model and seed (default: runs/<name>)")
-    p.add_argument("--resume", action="store_true", help="continue (or reuse) each model's run")
     p.add_argument("--probcaps-checkpoint", default=None,
                    help="also score this probabilistic capsule model (e.g. checkpoints/mnist_probe.pt)")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
-                        "stop")
-    add_common_args(p, results_dir=ROOT / "results", threads=1)
+    add_run_args(p, name=False, out_help="run folders, one per model and seed (default: runs/<name>)",
+                 resume="continue (or reuse) each model's run", threads=1)
     args = p.parse_args(argv)
-    if args.tables_only:
-        print(f"wrote {write_table(args.results_dir, NAME, readme_table(Path(args.results_dir)))}")
+    if setup_run(args, table_writer(readme_table, NAME)):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.set)
     name = cfg["name"]  # names the results and the runs, so that another config cannot overwrite them
     args.out = args.out or str(ROOT / "runs" / name)
@@ -264,7 +257,7 @@ def main(argv=None) -> int:
                       wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs),
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
     write_results(results / f"{name}.json", summary, prov)
-    write_table(results, name, readme_table(results, name))
+    table_writer(readme_table, name)(results)
     plot_accuracy(angles, curves, results / f"{name}_accuracy.png")
     show = [a for a in (0, 35, 90, 180) if a in angles] or angles[:1]
     grid = torch.stack([rotated_tests[a][:8] for a in show])

@@ -32,13 +32,13 @@ from probcaps.inference.capsule_svi import (  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, folder_arg, finite_non_negative_float, non_negative_int, launch, one_line_errors,
+    add_run_args, setup_run, table_writer, finite_non_negative_float, non_negative_int, launch, one_line_errors,
 )
 from probcaps.io import write_json  # noqa: E402
 from probcaps.inference.evaluate import posterior_part_counts  # noqa: E402
 from probcaps.metrics import LinearProbe, class_purity  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table  # noqa: E402
+from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "rotated_training.toml"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
@@ -138,24 +138,16 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--thetas", type=finite_non_negative_float, nargs="+", default=[0, 45, 90, 180])
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1])
-    p.add_argument("--out", type=folder_arg, default=None, help="run folders (default: runs/<name>)")
-    p.add_argument("--name", default=None, help="names the results (default: the config's name)")
-    p.add_argument("--resume", action="store_true", help="continue interrupted runs; reuse finished ones")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--jit", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train (and probe) the runs, skip the summary")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
-                        "stop")
-    add_common_args(p, results_dir=ROOT / "results")
+    add_run_args(p, resume="continue interrupted runs; reuse finished ones")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
     args.out = args.out or str(ROOT / "runs" / args.name)
-    if args.tables_only:
-        print(f"wrote {write_table(args.results_dir, args.name, readme_table(Path(args.results_dir), args.name))}")
+    tables = table_writer(readme_table, args.name)
+    if setup_run(args, tables):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     thetas = sorted(args.thetas)
     runs = []
@@ -192,7 +184,7 @@ def main(argv=None) -> int:
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
     results = Path(args.results_dir)
     write_results(results / f"{args.name}.json", summary, prov)
-    write_table(results, args.name, readme_table(results, args.name))
+    tables(results)
     plot(summary, results / f"{args.name}.png")
     print(f"wrote {results / (args.name + '.json')} and {results / (args.name + '.png')}")
     return 0

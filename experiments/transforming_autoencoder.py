@@ -43,7 +43,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, seeded_generator  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, folder_arg, non_negative_int, launch, one_line_errors,
+    add_run_args, setup_run, non_negative_int, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
@@ -693,19 +693,12 @@ def main(argv=None) -> int:
                    help="one or more recipes (default: the translation and the affine one)")
     p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--out", type=folder_arg, default=None, help="run folders (<out>/seed<S>; default: runs/<name>)")
-    p.add_argument("--name", default=None, help="names the results files (default: the config's name)")
-    p.add_argument("--resume", action="store_true", help="continue unfinished runs, re-evaluate finished ones")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README tables (RESULTS_DIR/transforming_autoencoder.md, RESULTS_DIR/tae_pilots.md) "
-                        "from the results JSON already there, then stop")
-    add_common_args(p, results_dir=ROOT / "results", threads=1)
+    add_run_args(p, out_help="run folders (<out>/seed<S>; default: runs/<name>)", threads=1,
+                 resume="continue unfinished runs, re-evaluate finished ones",
+                 tables="tables (RESULTS_DIR/transforming_autoencoder.md, RESULTS_DIR/tae_pilots.md)")
     args = p.parse_args(argv)
-    if args.tables_only:
-        print("\n".join(f"wrote {path}" for path in write_tables(Path(args.results_dir))))
+    if setup_run(args, write_tables):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if len(args.config) > 1 and (args.name or args.out):
         raise ConfigError("--name and --out take one --config (each recipe writes its own files)")
     for config in args.config:

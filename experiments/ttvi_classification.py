@@ -48,7 +48,8 @@ from probcaps.errors import TrainingDiverged  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_common_args, finite_float, finite_positive_float, non_negative_int, positive_int, launch, one_line_errors,
+    add_run_args, setup_run, table_writer, finite_float, finite_positive_float, non_negative_int, positive_int,
+    launch, one_line_errors,
 )
 from probcaps.metrics import LinearProbe  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -237,7 +238,6 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=finite_positive_float, default=0.03)
     p.add_argument("--batch-size", type=positive_int, default=250)
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--name", default="ttvi_classification")
     p.add_argument("--n-train-ttvi", type=non_negative_int, default=500,
                    help="the fair protocol: test-time VI on the first N training images too, probes refit on them "
                         "(0: off)")
@@ -246,16 +246,10 @@ def main(argv=None) -> int:
                         "the free-form one)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a key of the checkpoint's config, e.g. encoder.bf16=false on a CPU without bfloat16")
-    p.add_argument("--tables-only", action="store_true",
-                   help="rewrite the README table (RESULTS_DIR/<name>.md) from the results JSON already there, then "
-                        "stop")
-    add_common_args(p, results_dir=ROOT / "results")
+    add_run_args(p, name="ttvi_classification", out=False)
     args = p.parse_args(argv)
-    if args.tables_only:
-        print(f"wrote {write_table(args.results_dir, args.name, table_text(Path(args.results_dir), args.name))}")
+    if setup_run(args, table_writer(table_text, args.name)):
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     progress = not args.quiet
     cfg, system = load_trained(args.checkpoint, device=args.device, overrides=args.set)
     ecfg = cfg["eval"]

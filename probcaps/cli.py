@@ -89,51 +89,31 @@ def launch(main) -> None:
 # argparse turns the ArgumentTypeError of a type into "usage: ..." plus one "error: argument --x: ..." line, exit 2.
 
 
-def _number(text: str, kind: type, what: str):
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
+def _bounded(kind: type, low: float | None, strict: bool, doc: str):
+    """An argparse type reading a finite ``kind`` (int or float) that is ``> low`` (``strict``) or ``>= low``."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if low is not None and (value <= low if strict else value < low):
+            shown = value if kind is int else f"{value:g}"
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {shown}")
+        return value
+
+    parse.__doc__ = doc
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (counts, steps, batch sizes, thread counts, image limits)."""
-    value = _number(text, int, "an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0 (seeds; limits where 0 means all or none, as each option's help says)."""
-    value = _number(text, int, "an integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """Any finite number (angles)."""
-    return _number(text, float, "a number")
-
-
-def finite_positive_float(text: str) -> float:
-    """A finite number > 0 (learning rates, scales)."""
-    value = _number(text, float, "a number")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
-    return value
-
-
-def finite_non_negative_float(text: str) -> float:
-    """A finite number >= 0 (maximum angles)."""
-    value = _number(text, float, "a number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
-    return value
+positive_int = _bounded(int, 1, False, "An integer >= 1 (counts, steps, batch sizes, thread counts, image limits).")
+non_negative_int = _bounded(int, 0, False, "An integer >= 0 (seeds; limits where 0 means all or none).")
+finite_float = _bounded(float, None, False, "Any finite number (angles).")
+finite_positive_float = _bounded(float, 0, True, "A finite number > 0 (learning rates, scales).")
+finite_non_negative_float = _bounded(float, 0, False, "A finite number >= 0 (maximum angles).")
 
 
 def device_arg(text: str) -> str:
@@ -192,6 +172,56 @@ def add_common_args(p: argparse.ArgumentParser, results_dir=None, threads: int |
     if results_dir is not None:
         p.add_argument("--results-dir", type=folder_arg, default=str(results_dir),
                        help="where the results JSON and figures go")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def add_run_args(p: argparse.ArgumentParser, *, name: str | bool | None = None, out: str | bool | None = None,
+                 out_help: str = "run folders (default: runs/<name>)", resume: str | bool = False,
+                 checkpoint_out: str | None = None, tables: str = "table (RESULTS_DIR/<name>.md)",
+                 threads: int | None = None) -> None:
+    """An experiment's output options, then :func:`add_common_args` with ``--results-dir`` the repository's
+    ``results/``: ``--out`` (default ``out``; False: no option), ``--checkpoint-out`` (when its help
+    ``checkpoint_out`` is given), ``--name`` (default ``name``, None: the config's name; False: no option),
+    ``--resume`` (when ``resume``, its help or True, is given) and ``--tables-only`` (rewriting the README
+    ``tables``)."""
+    if out is not False:
+        p.add_argument("--out", type=folder_arg, default=out, help=out_help)
+    if checkpoint_out:
+        p.add_argument("--checkpoint-out", default=None, help=checkpoint_out)
+    if name is not False:
+        p.add_argument("--name", default=name, help="names the results files" + (
+            " (default: the config's name)" if name is None else ""))
+    if resume:
+        p.add_argument("--resume", action="store_true",
+                       help=resume if isinstance(resume, str) else "continue an interrupted run; reuse a finished one")
+    p.add_argument("--tables-only", action="store_true",
+                   help=f"rewrite the README {tables} from the results JSON already there, then stop")
+    add_common_args(p, results_dir=REPO / "results", threads=threads)
+
+
+def table_writer(readme_table, name: str):
+    """``results_dir -> write_table(results_dir, name, readme_table(results_dir, name))``: an experiment's README
+    table file (None while there are no results)."""
+    from probcaps.report import write_table
+
+    return lambda results_dir: write_table(results_dir, name, readme_table(Path(results_dir), name))
+
+
+def setup_run(args, write_tables) -> bool:
+    """With ``--tables-only``: ``write_tables(results_dir)`` (the table file or files it wrote, None for none), print
+    each, True (the experiment stops there).  Otherwise set torch's CPU threads from ``--threads``; False."""
+    if args.tables_only:
+        written = write_tables(Path(args.results_dir))
+        written = written if isinstance(written, list) else [written]
+        print("\n".join(f"wrote {path}" for path in written if path is not None))
+        return True
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return False
 
 
 # ------------------------------------------------------------------------------------------- experiments
