@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -22,6 +22,7 @@ from .transforms import place_on_canvas, random_offsets, rotate, to_float
 __all__ = [
     "derive_seed",
     "seeded_generator",
+    "TensorRecord",
     "PlacedMNIST",
     "placed_mnist",
     "num_batches",
@@ -46,6 +47,17 @@ def seeded_generator(*parts) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(derive_seed(*parts))
     return g
+
+
+class TensorRecord:
+    """Base of a dataclass whose tensor fields hold one row per example, along dim 0 (the first field's length)."""
+
+    def __len__(self) -> int:
+        return getattr(self, fields(self)[0].name).shape[0]
+
+    def subset(self, index: torch.Tensor):
+        """The examples at ``index`` (int indices or an ``(N,)`` boolean mask), every field indexed alike."""
+        return type(self)(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
 @dataclass

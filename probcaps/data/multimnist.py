@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from .loaders import seeded_generator
+from .loaders import TensorRecord, seeded_generator
 from .transforms import place_on_canvas, to_float
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
 
 
 @dataclass
-class MultiMNISTPairs:
+class MultiMNISTPairs(TensorRecord):
     """Pair indices and shifts (compact; images are composed per batch with :func:`compose_pairs`).
 
     Attributes:
@@ -49,12 +49,6 @@ class MultiMNISTPairs:
     shifts: torch.Tensor
     labels: torch.Tensor
     iou: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.first.shape[0]
-
-    def subset(self, idx: torch.Tensor) -> "MultiMNISTPairs":
-        return MultiMNISTPairs(self.first[idx], self.second[idx], self.shifts[idx], self.labels[idx], self.iou[idx])
 
 
 def bounding_boxes(images: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import os
 import struct
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..errors import DataError
 from .idx import read_maybe_gzipped
+from .loaders import TensorRecord
 from ..io import atomic_write
 from .mnist import resolve_data_root
 
@@ -77,7 +78,7 @@ ELEVATIONS = tuple(range(30, 75, 5))
 
 
 @dataclass
-class NorbSet:
+class NorbSet(TensorRecord):
     """Images with viewpoint metadata (the real smallNORB or the synthetic stand-in).
 
     Attributes:
@@ -92,13 +93,6 @@ class NorbSet:
     azimuth: torch.Tensor
     elevation: torch.Tensor
     lighting: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.images.shape[0]
-
-    def subset(self, mask: torch.Tensor) -> "NorbSet":
-        """The examples where the boolean ``(N,)`` ``mask`` is true."""
-        return NorbSet(**{f.name: getattr(self, f.name)[mask] for f in fields(self)})
 
 
 # --------------------------------------------------------------------------- the binary matrix format
