@@ -91,7 +91,11 @@ def _new_figure(width_in: float, height_in: float) -> Figure:
     return fig
 
 
-def _save(fig: Figure, path: str | os.PathLike) -> Path:
+def _save(fig: Figure, path: str | os.PathLike, title: str | None = None, fontsize=None, rect=None) -> Path:
+    """Lay ``fig`` out (under the suptitle ``title``, if any; within ``rect``) and write it to ``path`` as PNG."""
+    if title:
+        fig.suptitle(title, **({} if fontsize is None else {"fontsize": fontsize}))
+    fig.tight_layout(rect=rect)
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=_DPI), mode="wb")
 
 
@@ -157,10 +161,7 @@ def plot_templates(
                 ax.set_title(f"{label} {k}", fontsize=7)
             else:
                 _blank(ax)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _save(fig, path, title)
 
 
 # --------------------------------------------------------------------------- coloured parts
@@ -231,10 +232,7 @@ def plot_reconstructions(
             _show(ax, data[c])
             if c == 0 and r < len(titles):
                 ax.set_ylabel(titles[r], fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _save(fig, path, title)
 
 
 # --------------------------------------------------------------------------- curves
@@ -335,7 +333,6 @@ def _curve_figure(panels: Sequence[Mapping[str, Any]], path: str | os.PathLike, 
     fig = _new_figure(6.0 * ncols, 4.0 * nrows)
     for i, panel in enumerate(panels):
         _draw_curve_panel(fig.add_subplot(nrows, ncols, i + 1), panel, where_of(i))
-    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -452,8 +449,7 @@ def plot_heatmap(
     if title:
         ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.05, label=colorbar_label)
-    fig.tight_layout(rect=(0.0, legend_in / height_in, 1.0, 1.0))
-    return _save(fig, path)
+    return _save(fig, path, rect=(0.0, legend_in / height_in, 1.0, 1.0))
 
 
 def plot_confusion_matrix(
@@ -492,7 +488,6 @@ def plot_confusion_matrix(
     if title:
         ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.05, label="share of the true class")
-    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -526,10 +521,7 @@ def plot_objects_by_class(
         ax.set_ylabel("object capsule")
         ax.set_title(name, fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.06)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _save(fig, path, title, fontsize=10)
 
 
 # --------------------------------------------------------------------------- generic grid
@@ -571,10 +563,7 @@ def plot_predicted_vs_true(
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("true", fontsize=8)
         ax.set_ylabel("predicted", fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _save(fig, path, title, fontsize=10)
 
 
 def plot_image_grid(
@@ -601,7 +590,4 @@ def plot_image_grid(
                 ax.set_title(str(col_labels[c]), fontsize=8)
             if c == 0 and row_labels is not None:
                 ax.set_ylabel(str(row_labels[r]), fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    return _save(fig, path)
+    return _save(fig, path, title)
