@@ -27,7 +27,7 @@ from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_run_args, setup_run, non_negative_int, launch, one_line_errors,
+    add_config_args, add_run_args, setup_run, launch, one_line_errors,
 )
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -158,9 +158,7 @@ def write_tables(results_dir: Path, name: str) -> list[Path]:
 @one_line_errors("mnist_probe")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_config_args(p, DEFAULT_CONFIG, [0, 1, 2])
     p.add_argument("--jit", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--reuse-results", action="store_true",

@@ -36,7 +36,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_run_args, setup_run, non_negative_int, launch, one_line_errors,
+    add_config_args, add_run_args, setup_run, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
@@ -238,9 +238,7 @@ def plot_training(runs: dict[str, Path], path: Path) -> None:
 @one_line_errors("multimnist")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
+    add_config_args(p, DEFAULT_CONFIG, [0])
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
     add_run_args(p, name=False, out_help="run folders, one per seed (default runs/<name>)",
                  resume="continue each seed from its last checkpoint", tables="table (RESULTS_DIR/multimnist.md)",

@@ -44,7 +44,7 @@ from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnor
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb  # noqa: E402
 from probcaps.data.transforms import standardise_per_image  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_run_args, setup_run, non_negative_int, launch, one_line_errors,
+    add_config_args, add_run_args, setup_run, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -365,9 +365,7 @@ def plot_training(logs_by_seed: dict, path: Path) -> None:
 @one_line_errors("norb_viewpoints")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
+    add_config_args(p, DEFAULT_CONFIG, [0, 1, 2])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
     p.add_argument("--no-figures", action="store_true", help="write the results JSON only")

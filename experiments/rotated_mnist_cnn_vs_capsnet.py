@@ -38,7 +38,7 @@ from probcaps.data import iterate_batches, place_on_canvas, random_offsets, rota
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.loaders import seeded_generator  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_run_args, setup_run, table_writer, non_negative_int, launch, one_line_errors,
+    add_config_args, add_run_args, setup_run, table_writer, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -203,9 +203,7 @@ def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
 @one_line_errors("rotated_mnist_cnn_vs_capsnet")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
+    add_config_args(p, DEFAULT_CONFIG, [0])
     p.add_argument("--probcaps-checkpoint", default=None,
                    help="also score this probabilistic capsule model (e.g. checkpoints/mnist_probe.pt)")
     add_run_args(p, name=False, out_help="run folders, one per model and seed (default: runs/<name>)",

@@ -32,7 +32,7 @@ from probcaps.inference.capsule_svi import (  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_run_args, setup_run, table_writer, finite_non_negative_float, non_negative_int, launch, one_line_errors,
+    add_config_args, add_run_args, setup_run, table_writer, finite_non_negative_float, launch, one_line_errors,
 )
 from probcaps.io import write_json  # noqa: E402
 from probcaps.inference.evaluate import posterior_part_counts  # noqa: E402
@@ -135,10 +135,8 @@ def readme_table(results_dir: Path, name: str = "rotated_training") -> str | Non
 @one_line_errors("rotated_training")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    add_config_args(p, DEFAULT_CONFIG, [0, 1])
     p.add_argument("--thetas", type=finite_non_negative_float, nargs="+", default=[0, 45, 90, 180])
-    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1])
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--jit", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train (and probe) the runs, skip the summary")
     add_run_args(p, resume="continue interrupted runs; reuse finished ones")

@@ -43,7 +43,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, seeded_generator  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_run_args, setup_run, non_negative_int, launch, one_line_errors,
+    add_config_args, add_run_args, setup_run, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
@@ -689,10 +689,7 @@ def _error_note(mode: str, runs: list[dict]) -> list[str]:
 @one_line_errors("transforming_autoencoder")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", nargs="+", default=[str(path) for path in RECIPES],
-                   help="one or more recipes (default: the translation and the affine one)")
-    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_config_args(p, list(RECIPES), [0, 1, 2], "one or more recipes (default: the translation and the affine one)")
     add_run_args(p, out_help="run folders (<out>/seed<S>; default: runs/<name>)", threads=1,
                  resume="continue unfinished runs, re-evaluate finished ones",
                  tables="tables (RESULTS_DIR/transforming_autoencoder.md, RESULTS_DIR/tae_pilots.md)")

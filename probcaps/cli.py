@@ -177,6 +177,16 @@ def add_common_args(p: argparse.ArgumentParser, results_dir=None, threads: int |
 REPO = Path(__file__).resolve().parent.parent
 
 
+def add_config_args(p: argparse.ArgumentParser, config, seeds: list[int], config_help: str | None = None) -> None:
+    """``--config`` (default ``config``; a list of recipes: one or more), ``--seeds`` (default ``seeds``) and the
+    repeatable ``--set SECTION.KEY=VALUE`` overrides of the config."""
+    many = isinstance(config, list)
+    p.add_argument("--config", nargs="+" if many else None, default=[str(c) for c in config] if many else str(config),
+                   help=config_help)
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=seeds)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
+
+
 def add_run_args(p: argparse.ArgumentParser, *, name: str | bool | None = None, out: str | bool | None = None,
                  out_help: str = "run folders (default: runs/<name>)", resume: str | bool = False,
                  checkpoint_out: str | None = None, tables: str = "table (RESULTS_DIR/<name>.md)",
@@ -331,13 +341,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_torch(args) -> None:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-
 def _train(args) -> None:
     from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
 
@@ -442,35 +445,31 @@ def main(argv: list[str] | None = None) -> int:
         reexec_with_allocator_settings(["-m", "probcaps", *argv])
     if args.command == "run":  # the experiment prints its own one-line errors
         return run_experiment(args.experiment, args.args)
-    try:
-        if args.command == "download":
-            from probcaps.data import download_mnist, resolve_data_root
+    return one_line_errors(f"probcaps {args.command}")(_command)(args)
 
-            download_mnist(resolve_data_root(args.data_dir))
-        elif args.command == "report":
-            from probcaps.report import update_readme
 
-            update_readme(args.results_dir, args.readme)
-        else:
-            _setup_torch(args)
-            if args.command == "train":
-                _train(args)
-            elif args.command == "evaluate":
-                metrics = _evaluate_path(args.checkpoint, args, name=args.name, overrides=args.set)
-                _print_metrics(metrics)
-            elif args.command == "demo":
-                _demo(args)
-            elif args.command == "ttvi":
-                _ttvi(args)
-    except ProbcapsError as e:
-        print(f"probcaps {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"probcaps {args.command}: error: {os_error_message(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        return interrupted_exit_code(e)
-    return 0
+def _command(args) -> None:
+    if args.command == "download":
+        from probcaps.data import download_mnist, resolve_data_root
+
+        download_mnist(resolve_data_root(args.data_dir))
+    elif args.command == "report":
+        from probcaps.report import update_readme
+
+        update_readme(args.results_dir, args.readme)
+    else:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        if args.command == "train":
+            _train(args)
+        elif args.command == "evaluate":
+            _print_metrics(_evaluate_path(args.checkpoint, args, name=args.name, overrides=args.set))
+        elif args.command == "demo":
+            _demo(args)
+        elif args.command == "ttvi":
+            _ttvi(args)
 
 
 if __name__ == "__main__":
