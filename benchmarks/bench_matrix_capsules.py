@@ -22,21 +22,16 @@ from pathlib import Path
 import torch  # noqa: E402
 
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss  # noqa: E402
+from probcaps.cli import positive_int  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--A", type=int, default=64)
-    p.add_argument("--B", type=int, default=8)
-    p.add_argument("--C", type=int, default=16)
-    p.add_argument("--D", type=int, default=16)
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--input-size", type=int, default=32)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
+    for option, default in (("--A", 64), ("--B", 8), ("--C", 16), ("--D", 16), ("--iterations", 3),
+                            ("--input-size", 32), ("--batch", 64), ("--repeats", 5), ("--threads", 2)):
+        p.add_argument(option, type=positive_int, default=default)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = p.parse_args(argv)
