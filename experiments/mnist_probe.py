@@ -20,14 +20,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-import numpy as np  # noqa: E402
 
 from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules  # noqa: E402
 from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_config_args, add_run_args, setup_run, launch, one_line_errors,
+    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors,
 )
 from probcaps.io import atomic_torch_save  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -201,17 +200,11 @@ def main(argv=None) -> int:
               f"training {state['wall_time_s'] / 60:.1f} min")
     if args.train_only:
         return 0
-    summary = {"per_seed": runs}
-    for key in runs[0]:
-        if key in ("seed", "steps") or not isinstance(runs[0][key], float):
-            continue
-        values = np.array([r[key] for r in runs])
-        summary[f"{key}_mean"] = float(values.mean())
-        summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items() if isinstance(v, float)])}
     cfg = load_experiment_config(args.config, args.set)
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                       wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
-                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+                      configs=config_dicts(cfg))
     prov["device"] = device_description(args.device)
     write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
     write_tables(Path(args.results_dir), args.name)

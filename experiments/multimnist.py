@@ -36,7 +36,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_config_args, add_run_args, setup_run, launch, one_line_errors,
+    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.io import atomic_write  # noqa: E402
@@ -178,7 +178,7 @@ def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, da
             f.write(json.dumps(record) + "\n")
 
     metadata = {"name": cfg["name"], "kind": "capsnet",
-                "configs": {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}}
+                "configs": config_dicts(cfg)}
     state = train_loop(model, loss_fn, batches, tcfg, out, resume=resume, metadata=metadata, progress=progress,
                        on_checkpoint=on_checkpoint)
     return model, state, test
@@ -292,15 +292,12 @@ def main(argv=None) -> int:
             model.to(args.device)
     if args.train_only:
         return 0
-    summary = {"per_seed": runs, "writeup_set_acc": WRITEUP_SET_ACC, "paper_set_acc": PAPER_SET_ACC}
-    for key in ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"):
-        values = np.array([r[key] for r in runs])
-        summary[f"{key}_mean"] = float(values.mean())
-        summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    summary = {"per_seed": runs, "writeup_set_acc": WRITEUP_SET_ACC, "paper_set_acc": PAPER_SET_ACC,
+               **seed_summary(runs, ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"))}
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                       wall_time_s=sum(r["train_wall_time_s"] for r in runs),
                       batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
-                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+                      configs=config_dicts(cfg))
     write_results(results / f"{name}.json", summary, prov)
     write_table(results, TABLE, readme_table(results))
     if cfg["eval"].figures:

@@ -44,7 +44,7 @@ from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnor
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb  # noqa: E402
 from probcaps.data.transforms import standardise_per_image  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_config_args, add_run_args, setup_run, launch, one_line_errors,
+    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
@@ -417,19 +417,15 @@ def main(argv=None) -> int:
                "n_novel_eval": len(sets["novel"]), "n_train_eval": len(sets["train_eval"]),
                "caps_parameters": sum(p.numel() for p in build_model("caps", cfg).parameters()),
                "cnn_parameters": sum(p.numel() for p in build_model("cnn", cfg).parameters())}
-    for key in ("target_familiar_acc", "caps_novel_acc", "cnn_novel_acc", "caps_familiar_acc",
-                "cnn_familiar_acc", "novel_error_reduction", "caps_final_novel_acc", "cnn_final_novel_acc",
-                "caps_novel_acc_interpolated", "cnn_novel_acc_interpolated", "novel_error_reduction_interpolated",
-                "caps_final_train_acc", "cnn_final_train_acc"):
-        if key not in runs[0]:  # the all-views reference has no matched comparison
-            continue
-        values = np.array([r[key] for r in runs])
-        summary[f"{key}_mean"] = float(values.mean())
-        summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    summary.update(seed_summary(runs, [key for key in (  # the all-views reference has no matched comparison
+        "target_familiar_acc", "caps_novel_acc", "cnn_novel_acc", "caps_familiar_acc", "cnn_familiar_acc",
+        "novel_error_reduction", "caps_final_novel_acc", "cnn_final_novel_acc", "caps_novel_acc_interpolated",
+        "cnn_novel_acc_interpolated", "novel_error_reduction_interpolated", "caps_final_train_acc",
+        "cnn_final_train_acc") if key in runs[0]]))
     results = Path(args.results_dir)
     prov = provenance(seed=args.seeds, steps={k: runs[0][f"{k}_steps"] for k in MODELS}, device=args.device,
                       wall_time_s=sum(sum(w.values()) for w in walls.values()), threads=args.threads,
-                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
+                      configs=config_dicts(cfg),
                       report_wall_time_s=time.perf_counter() - t0)
     prov["device"] = device_description(args.device)
     write_results(results / f"{name}.json", summary, prov)

@@ -38,7 +38,7 @@ from probcaps.data import iterate_batches, place_on_canvas, random_offsets, rota
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.data.loaders import seeded_generator  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_config_args, add_run_args, setup_run, table_writer, launch, one_line_errors,
+    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, table_writer, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.provenance import provenance, write_results  # noqa: E402
@@ -139,8 +139,7 @@ def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, r
             return model.loss(x, y[:, None], x[:, None])[0]
     state = train_loop(model, loss_fn, shifted_batches(images, labels, cfg["data"], tcfg, device), tcfg, out,
                        resume=resume and (out / "checkpoint.pt").is_file(), progress=progress,
-                       metadata={"kind": kind, "configs": {k: v.to_dict() for k, v in cfg.items()
-                                                           if hasattr(v, "to_dict")}})
+                       metadata={"kind": kind, "configs": config_dicts(cfg)})
     return model, state.wall_time_s, state.step
 
 
@@ -246,14 +245,12 @@ def main(argv=None) -> int:
                             args.data_dir, args.device, not args.quiet)
         summary["probcaps"] = {**probe, "eval_time_s": time.perf_counter() - t0}
         curves["probabilistic capsules, linear probe"] = np.array([probe["probe_presence_pose_acc"]])
-    for key, acc in (("lenet_acc", curves["LeNet-5"]), ("capsnet_acc", curves["CapsNet"])):
-        summary[f"{key}_mean"] = acc.mean(0).tolist()
-        summary[f"{key}_std"] = (acc.std(0, ddof=1) if len(acc) > 1 else np.zeros(len(angles))).tolist()
+    summary.update(seed_summary(runs, ("lenet_acc", "capsnet_acc")))
     results = Path(args.results_dir)
     prov = provenance(seed=args.seeds, steps={"lenet": runs[0]["lenet_steps"], "capsnet": runs[0]["capsnet_steps"]},
                       device=args.device, threads=torch.get_num_threads(),
                       wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs),
-                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+                      configs=config_dicts(cfg))
     write_results(results / f"{name}.json", summary, prov)
     table_writer(readme_table, name)(results)
     plot_accuracy(angles, curves, results / f"{name}_accuracy.png")

@@ -32,7 +32,7 @@ from probcaps.inference.capsule_svi import (  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_config_args, add_run_args, setup_run, table_writer, finite_non_negative_float, launch, one_line_errors,
+    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, table_writer, finite_non_negative_float, launch, one_line_errors,
 )
 from probcaps.io import write_json  # noqa: E402
 from probcaps.inference.evaluate import posterior_part_counts  # noqa: E402
@@ -82,12 +82,8 @@ def summarise(runs: list[dict], thetas: list[float]) -> dict:
     summary: dict = {"per_run": runs, "per_theta": []}
     for theta in thetas:
         rows = [r for r in runs if r["theta_max"] == theta]
-        entry = {"theta_max": theta, "seeds": [r["seed"] for r in rows]}
-        for key in [*(f"probe_{k}_test_acc" for k in FEATURES), "parent_class_purity", "train_wall_time_s"]:
-            v = np.array([r[key] for r in rows], float)
-            entry[f"{key}_mean"] = float(v.mean())
-            entry[f"{key}_std"] = float(v.std(ddof=1)) if len(v) > 1 else 0.0
-        summary["per_theta"].append(entry)
+        summary["per_theta"].append({"theta_max": theta, "seeds": [r["seed"] for r in rows], **seed_summary(
+            rows, [*(f"probe_{k}_test_acc" for k in FEATURES), "parent_class_purity", "train_wall_time_s"])})
     means = [e["probe_presence_pose_test_acc_mean"] for e in summary["per_theta"]]
     summary["finding"] = finding(thetas, means) if len(thetas) > 1 else None
     return summary
@@ -179,7 +175,7 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                       wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
                       thetas=thetas, sweep_wall_time_s=time.perf_counter() - t0,
-                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")})
+                      configs=config_dicts(cfg))
     results = Path(args.results_dir)
     write_results(results / f"{args.name}.json", summary, prov)
     tables(results)

@@ -43,7 +43,7 @@ from probcaps.config import load_sections  # noqa: E402
 from probcaps.data import iterate_batches, seeded_generator  # noqa: E402
 from probcaps.data import load_digits as data_digits  # noqa: E402
 from probcaps.cli import (  # noqa: E402
-    add_config_args, add_run_args, setup_run, launch, one_line_errors,
+    add_config_args, seed_summary, add_run_args, setup_run, launch, one_line_errors,
 )
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
@@ -504,15 +504,9 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
 
 
 def summarise(runs: list[dict]) -> dict:
-    summary: dict = {"per_seed": runs}
-    for key, value in runs[0].items():
-        if key in ("seed", "steps", "threads", "heldout_pairs") or isinstance(value, (bool, str, list, dict)) or value is None:
-            continue
-        values = np.array([r[key] for r in runs], dtype=float)
-        summary[f"{key}_mean"] = float(values.mean())
-        summary[f"{key}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
-    summary["components"] = runs[0]["components"]
-    return summary
+    return {"per_seed": runs, **seed_summary(runs, [
+        key for key, value in runs[0].items() if key not in ("seed", "steps", "threads", "heldout_pairs")
+        and not isinstance(value, (bool, str, list, dict)) and value is not None]), "components": runs[0]["components"]}
 
 
 def run_recipe(config: str | Path, args) -> Path:

@@ -255,6 +255,24 @@ def experiments() -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+def seed_summary(runs: list[dict], keys) -> dict:
+    """``{<key>_mean, <key>_std}`` of each of ``keys`` over ``runs`` (one dict per seed; a number or a list of
+    numbers per key): the mean and the sample standard deviation (zero for one run)."""
+    import numpy as np
+
+    summary = {}
+    for key in keys:
+        values = np.array([r[key] for r in runs], dtype=float)
+        summary[f"{key}_mean"] = values.mean(0).tolist()
+        summary[f"{key}_std"] = (values.std(0, ddof=1) if len(values) > 1 else np.zeros(values.shape[1:])).tolist()
+    return summary
+
+
+def config_dicts(cfg: dict) -> dict:
+    """``{section: its to_dict()}`` of the config sections of ``cfg``, as results and checkpoints record them."""
+    return {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}
+
+
 def run_experiment(name: str, argv: list[str]) -> int:
     """``probcaps.experiments.<name>.main(argv)``: the experiment as its own script would run it (its errors as one
     line even where its ``main`` lacks :func:`one_line_errors`)."""

@@ -335,3 +335,33 @@ def test_run_turns_an_undecorated_experiments_errors_into_one_line(monkeypatch, 
     monkeypatch.setattr(rotated_digits, "main", bare_main)
     assert main(["run", "rotated_digits"]) == 2
     _one_error_line(capsys, "rotated_digits: error: /data/x.mat: truncated")
+
+
+def test_seed_summary_is_the_mean_and_sample_std_over_seeds():
+    # catches: the population std (ddof=0) reported as the seed-to-seed spread, a per-angle curve averaged over its
+    # angles instead of over seeds, or a NaN std for a single seed
+    from probcaps.cli import seed_summary
+
+    runs = [{"acc": 0.5, "curve": [1.0, 4.0]}, {"acc": 0.7, "curve": [3.0, 8.0]}, {"acc": 0.9, "curve": [5.0, 0.0]}]
+    summary = seed_summary(runs, ("acc", "curve"))
+    assert summary["acc_mean"] == pytest.approx(0.7) and summary["acc_std"] == pytest.approx(0.2)
+    assert summary["curve_mean"] == pytest.approx([3.0, 4.0]) and summary["curve_std"] == pytest.approx([2.0, 4.0])
+    single = seed_summary(runs[:1], ("acc", "curve"))
+    assert single == {"acc_mean": 0.5, "acc_std": 0.0, "curve_mean": [1.0, 4.0], "curve_std": [0.0, 0.0]}
+
+
+def test_numeric_argument_types_keep_their_bounds():
+    # catches: the factory giving every type the same bound (0 accepted as a step count, 0 refused as a seed,
+    # 0 accepted as a learning rate) or letting a non-finite number through
+    import argparse
+
+    from probcaps import cli
+
+    accepted = {cli.positive_int: ("1", 1), cli.non_negative_int: ("0", 0), cli.finite_float: ("-2.5", -2.5),
+                cli.finite_positive_float: ("1e-9", 1e-9), cli.finite_non_negative_float: ("0", 0.0)}
+    refused = {cli.positive_int: "0", cli.non_negative_int: "-1", cli.finite_float: "inf",
+               cli.finite_positive_float: "0", cli.finite_non_negative_float: "-1e-9"}
+    for parse, (text, value) in accepted.items():
+        assert parse(text) == value and type(parse(text)) is type(value)
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(refused[parse])
