@@ -112,6 +112,18 @@ figures = true
 """
 
 
+def train_tiny40(folder: Path, overrides: list[str]) -> Path:
+    """``folder/final.pt`` of a capsule model named ``tiny40`` trained from seed 0 with the config ``overrides``."""
+    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
+
+    torch.manual_seed(0)
+    cfg = load_experiment_config(None, overrides)
+    cfg["name"] = "tiny40"
+    train_capsules(cfg, folder, progress=False)
+    pyro.clear_param_store()
+    return folder / "final.pt"
+
+
 @pytest.fixture
 def tiny_toml(tmp_path) -> Path:
     path = tmp_path / "tiny.toml"

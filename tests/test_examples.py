@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -252,17 +251,9 @@ EXAMPLES = [
 @pytest.fixture(scope="module")
 def tiny40_checkpoint(tmp_path_factory):
     """``final.pt`` of a 2-step delta-trained 40x40 capsule model on synthetic digits."""
-    import pyro
+    from conftest import train_tiny40
 
-    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny40")
-    cfg = load_experiment_config(None, TINY40)
-    cfg["name"] = "tiny40"
-    train_capsules(cfg, out, progress=False)
-    pyro.clear_param_store()
-    return out / "final.pt"
+    return train_tiny40(tmp_path_factory.mktemp("tiny40"), TINY40)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])

@@ -32,17 +32,9 @@ TINY40 = [
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A 3-step delta-trained 40x40 model on synthetic digits: ``final.pt``."""
-    import pyro
+    from conftest import train_tiny40
 
-    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
-
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny40")
-    cfg = load_experiment_config(None, TINY40)
-    cfg["name"] = "tiny40"
-    train_capsules(cfg, out, progress=False)
-    pyro.clear_param_store()
-    return out / "final.pt"
+    return train_tiny40(tmp_path_factory.mktemp("tiny40"), TINY40)
 
 
 @pytest.fixture(autouse=True)
