@@ -112,6 +112,17 @@ figures = true
 """
 
 
+# a 40x40 synthetic capsule model (affNIST-recipe images are 40x40), tiny everywhere else
+TINY40 = [
+    'data.dataset="synthetic"', "data.canvas_size=40", "data.max_shift=6", "data.train_limit=16", "data.test_limit=16",
+    "model.num_parents=2", "model.num_parts=3", "model.template_size=5", "model.canvas_size=40",
+    "encoder.channels=[8,8]", "encoder.strides=[2,2]", "encoder.set_hidden=16", "encoder.set_heads=2",
+    "encoder.set_inducing=4", "encoder.set_blocks=1", "encoder.parent_code=8", "encoder.head_hidden=8",
+    "encoder.part_embedding=4", "train.batch_size=4", "train.log_every=1", "eval.batch_size=8",
+    "eval.probe_train_limit=16", "eval.probe_max_iter=50", "eval.kmeans_n_init=1",
+]
+
+
 def train_tiny40(folder: Path, overrides: list[str]) -> Path:
     """``folder/final.pt`` of a capsule model named ``tiny40`` trained from seed 0 with the config ``overrides``."""
     from probcaps.inference.capsule_svi import load_experiment_config, train_capsules

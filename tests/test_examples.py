@@ -21,19 +21,12 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from conftest import TINY40 as TINY40_COMMON, train_tiny40
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# a 40x40 synthetic capsule model, tiny everywhere else (affNIST-recipe images are 40x40)
-TINY40 = [
-    'data.dataset="synthetic"', "data.canvas_size=40", "data.max_shift=6", "data.train_limit=16", "data.test_limit=16",
-    "model.num_parents=2", "model.num_parts=3", "model.template_size=5", "model.canvas_size=40",
-    "encoder.channels=[8,8]", "encoder.strides=[2,2]", "encoder.set_hidden=16", "encoder.set_heads=2",
-    "encoder.set_inducing=4", "encoder.set_blocks=1", "encoder.parent_code=8", "encoder.head_hidden=8",
-    "encoder.part_embedding=4", "encoder.bf16=false", "train.steps=2", "train.batch_size=4", "train.log_every=1",
-    "train.warmup_steps=1", "train.checkpoint_every=2", "train.compile=false", "eval.batch_size=8",
-    "eval.probe_train_limit=16", "eval.probe_max_iter=50", "eval.kmeans_n_init=1", "eval.figures=false",
-]
+TINY40 = [*TINY40_COMMON, "encoder.bf16=false", "train.steps=2", "train.warmup_steps=1", "train.checkpoint_every=2",
+          "train.compile=false", "eval.figures=false"]
 TINY_CAPS = dict(conv1_channels=8, primary_capsules=4, primary_dim=4, digit_dim=6, decoder_hidden=[16, 16],
                  weight_init_std=0.1)
 TINY_NORB = ["data.instances_per_split=1", "data.elevations=1", "data.lightings=1", "data.familiar_eval=30",
@@ -251,8 +244,6 @@ EXAMPLES = [
 @pytest.fixture(scope="module")
 def tiny40_checkpoint(tmp_path_factory):
     """``final.pt`` of a 2-step delta-trained 40x40 capsule model on synthetic digits."""
-    from conftest import train_tiny40
-
     return train_tiny40(tmp_path_factory.mktemp("tiny40"), TINY40)
 
 

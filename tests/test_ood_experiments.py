@@ -17,23 +17,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from probcaps.errors import DataError  # noqa: E402
 
-# a 40x40 synthetic model (affNIST is 40x40), tiny everywhere else
-TINY40 = [
-    'data.dataset="synthetic"', "data.canvas_size=40", "data.max_shift=6", "data.train_limit=16", "data.test_limit=16",
-    "model.num_parents=2", "model.num_parts=3", "model.template_size=5", "model.canvas_size=40",
-    "encoder.channels=[8,8]", "encoder.strides=[2,2]", "encoder.set_hidden=16", "encoder.set_heads=2",
-    "encoder.set_inducing=4", "encoder.set_blocks=1", "encoder.parent_code=8", "encoder.head_hidden=8",
-    "encoder.part_embedding=4", "train.steps=3", "train.batch_size=4", "train.log_every=1",
-    "train.checkpoint_every=3", "eval.batch_size=8", "eval.probe_train_limit=16", "eval.probe_max_iter=50",
-    "eval.kmeans_n_init=1",
-]
+from conftest import TINY40 as TINY40_COMMON, train_tiny40  # noqa: E402
+
+TINY40 = [*TINY40_COMMON, "train.steps=3", "train.checkpoint_every=3"]
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A 3-step delta-trained 40x40 model on synthetic digits: ``final.pt``."""
-    from conftest import train_tiny40
-
     return train_tiny40(tmp_path_factory.mktemp("tiny40"), TINY40)
 
 
