@@ -125,13 +125,8 @@ def _blank(ax) -> None:
 # --------------------------------------------------------------------------- templates
 
 
-def plot_templates(
-    templates: Any,
-    path: str | os.PathLike,
-    alphas: Any = None,
-    ncols: int | None = None,
-    title: str | None = None,
-) -> Path:
+def plot_templates(templates: Any, path: str | os.PathLike, alphas: Any = None, ncols: int | None = None,
+                   title: str | None = None) -> Path:
     """Grid of ``(M, t, t)`` or ``(M, 1, t, t)`` templates; ``alphas`` (same shape) as a second row block."""
     T = _images(templates, "templates", 1)
     M = T.shape[0]
@@ -194,14 +189,9 @@ def colour_parts(weights: Any, colours: Any = None) -> np.ndarray:
 # --------------------------------------------------------------------------- reconstructions
 
 
-def plot_reconstructions(
-    inputs: Any,
-    recons: Any,
-    path: str | os.PathLike,
-    part_colours: Any = None,
-    titles: Sequence[str] = ("input", "reconstruction", "parts"),
-    title: str | None = None,
-) -> Path:
+def plot_reconstructions(inputs: Any, recons: Any, path: str | os.PathLike, part_colours: Any = None,
+                         titles: Sequence[str] = ("input", "reconstruction", "parts"),
+                         title: str | None = None) -> Path:
     """Rows: inputs / reconstructions / (coloured parts, if given); one column per image.
 
     ``inputs`` and ``recons`` are ``(N, H, W)`` (or ``(N, 1, H, W)``); ``part_colours`` is
@@ -354,14 +344,8 @@ def plot_curve_panels(panels: Sequence[Mapping[str, Any]], path: str | os.PathLi
     return _curve_figure(panels, path, where_of)
 
 
-def plot_curves(
-    curves: Mapping[str, Sequence[Any]],
-    path: str | os.PathLike,
-    xlabel: str,
-    ylabel: str,
-    title: str | None = None,
-    logy: bool = False,
-) -> Path:
+def plot_curves(curves: Mapping[str, Sequence[Any]], path: str | os.PathLike, xlabel: str, ylabel: str,
+                title: str | None = None, logy: bool = False) -> Path:
     """Line plot of ``{name: (x, y)}`` or ``{name: (x, y, yerr)}`` (error bars), one line per name.
 
     One panel of :func:`plot_curve_panels`.
@@ -389,22 +373,11 @@ def _cells(cells: Any, name: str, shape: tuple[int, int]) -> np.ndarray:
     return idx
 
 
-def plot_heatmap(
-    values: Any,
-    path: str | os.PathLike,
-    row_labels: Sequence[str] | None = None,
-    col_labels: Sequence[str] | None = None,
-    xlabel: str | None = None,
-    ylabel: str | None = None,
-    title: str | None = None,
-    vmin: float | None = None,
-    vmax: float | None = None,
-    cmap: str = "viridis",
-    colorbar_label: str | None = None,
-    outlined: Any = None,
-    marked: Any = None,
-    marked_label: str | None = None,
-) -> Path:
+def plot_heatmap(values: Any, path: str | os.PathLike, row_labels: Sequence[str] | None = None,
+                 col_labels: Sequence[str] | None = None, xlabel: str | None = None, ylabel: str | None = None,
+                 title: str | None = None, vmin: float | None = None, vmax: float | None = None, cmap: str = "viridis",
+                 colorbar_label: str | None = None, outlined: Any = None, marked: Any = None,
+                 marked_label: str | None = None) -> Path:
     """Heat map of ``(R, C)`` ``values`` (row 0 at the top) with a colour bar.
 
     ``row_labels`` / ``col_labels`` (R and C entries) label every row / column. ``outlined`` and ``marked``
@@ -452,12 +425,8 @@ def plot_heatmap(
     return _save(fig, path, rect=(0.0, legend_in / height_in, 1.0, 1.0))
 
 
-def plot_confusion_matrix(
-    confusion: Any,
-    path: str | os.PathLike,
-    class_labels: Sequence[str] | None = None,
-    title: str | None = None,
-) -> Path:
+def plot_confusion_matrix(confusion: Any, path: str | os.PathLike, class_labels: Sequence[str] | None = None,
+                          title: str | None = None) -> Path:
     """Confusion matrix ``(C, C)`` (row: true class, column: predicted class, as scikit-learn's
     ``confusion_matrix``), coloured by each row's share (the true class's recall on the diagonal) and annotated
     with the counts."""
@@ -491,12 +460,8 @@ def plot_confusion_matrix(
     return _save(fig, path)
 
 
-def plot_objects_by_class(
-    panels: Mapping[str, Any],
-    path: str | os.PathLike,
-    class_labels: Sequence[str] | None = None,
-    title: str | None = None,
-) -> Path:
+def plot_objects_by_class(panels: Mapping[str, Any], path: str | os.PathLike, class_labels: Sequence[str] | None = None,
+                          title: str | None = None) -> Path:
     """Side-by-side heat maps, one per entry of ``panels`` (its title -> an ``(K, C)`` table: rows objects,
     columns classes, e.g. the mean expected part count or the mean presence of each object on each class's
     images), each with its own colour bar.  A class-specific object shows as a row with one bright cell."""
@@ -527,16 +492,9 @@ def plot_objects_by_class(
 # --------------------------------------------------------------------------- generic grid
 
 
-def plot_predicted_vs_true(
-    pred: Any,
-    true: Any,
-    names: Sequence[str],
-    path: str | os.PathLike,
-    title: str | None = None,
-    scores: Sequence[float] | None = None,
-    score_name: str = "R²",
-    max_points: int = 2000,
-) -> Path:
+def plot_predicted_vs_true(pred: Any, true: Any, names: Sequence[str], path: str | os.PathLike,
+                           title: str | None = None, scores: Sequence[float] | None = None, score_name: str = "R²",
+                           max_points: int = 2000) -> Path:
     """One scatter panel per component of ``pred`` against ``true`` (both ``(N, K)``), with the diagonal.
 
     ``scores``: one number per component shown in its panel title (e.g. R²)."""
@@ -566,13 +524,8 @@ def plot_predicted_vs_true(
     return _save(fig, path, title, fontsize=10)
 
 
-def plot_image_grid(
-    images: Any,
-    path: str | os.PathLike,
-    row_labels: Sequence[str] | None = None,
-    col_labels: Sequence[str] | None = None,
-    title: str | None = None,
-) -> Path:
+def plot_image_grid(images: Any, path: str | os.PathLike, row_labels: Sequence[str] | None = None,
+                    col_labels: Sequence[str] | None = None, title: str | None = None) -> Path:
     """Grid of ``(R, C, H, W)`` greyscale (or ``(R, C, H, W, 3)`` RGB) images with optional labels."""
     I = _images(images, "images", 2)
     R, C = I.shape[:2]
