@@ -431,3 +431,26 @@ def test_load_digits_synthetic_and_mnist(tmp_path):
         load_digits("svhn", "train")
     with pytest.raises(ValueError, match="split"):
         load_digits("synthetic", "validation")
+
+
+def test_download_checked_writes_only_intact_files_and_tries_every_mirror(tmp_path):
+    # catches: a file written before its size and digest are checked, a bad mirror ending the download although a
+    # later mirror has the file, or a present intact file fetched again
+    import hashlib
+
+    from probcaps.data.mnist import download_checked
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir(), bad.mkdir()
+    (good / "a.bin").write_bytes(b"payload")
+    (bad / "a.bin").write_bytes(b"corrupt")
+    files = {"a.bin": (7, hashlib.sha256(b"payload").hexdigest())}
+    mirrors = [(bad.as_uri() + "/"), (tmp_path / "missing").as_uri() + "/", good.as_uri() + "/"]
+    log = []
+    out = download_checked(tmp_path / "data", files, mirrors, "sha256", timeout=5, log=log.append)
+    assert (out / "a.bin").read_bytes() == b"payload" and log == [f"{out / 'a.bin'}: downloaded from {mirrors[2]}a.bin"]
+    download_checked(out, files, mirrors[:1], "sha256", timeout=5, log=log.append)
+    assert log[-1].endswith("present, sha256 ok")
+    with pytest.raises(DataError, match="could not download from any mirror.*sha256"):
+        download_checked(tmp_path / "other", files, mirrors[:2], "sha256", timeout=5, log=log.append)
+    assert not (tmp_path / "other" / "a.bin").exists()

@@ -30,6 +30,7 @@ __all__ = [
     "md5_file",
     "load_mnist",
     "download_mnist",
+    "download_checked",
     "clear_mnist_cache",
 ]
 
@@ -160,21 +161,17 @@ def _fetch(url: str, timeout: float) -> bytes:
         return response.read()
 
 
-def download_mnist(root: str | os.PathLike | None = None, mirrors=MNIST_MIRRORS, timeout: float = 60.0,
-                   force: bool = False, log=print) -> Path:
-    """Download the four MNIST files into ``root/mnist`` (root resolved as in :func:`resolve_data_root`).
-
-    Each file is tried on every mirror in turn, checked against the expected size and md5, and only then
-    written (atomically, so an interrupted download never leaves a partial file).  Files already present with
-    the right md5 are kept unless ``force``.  Returns the mnist folder.  Raises DataError if a file cannot be
-    fetched intact from any mirror.
-    """
-    folder = mnist_dir(resolve_data_root(root))
+def download_checked(folder: Path, files: dict[str, tuple[int, str]], mirrors, hash_name: str, timeout: float,
+                     force: bool = False, log=print) -> Path:
+    """Download each of ``files`` (``{name: (size in bytes, hex digest)}``) into ``folder``, trying every mirror (a
+    URL prefix) in turn; a file is written (atomically, so an interrupted download never leaves a partial file)
+    only once its size and ``hash_name`` digest (a :mod:`hashlib` name) are right.  A file already there with the
+    right digest is kept unless ``force``.  Returns ``folder``; DataError when a file cannot be fetched intact."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name, (size, md5) in MNIST_FILES.items():
+    for name, (size, digest) in files.items():
         target = folder / name
-        if not force and target.is_file() and md5_file(target) == md5:
-            log(f"{target}: present, md5 ok")
+        if not force and target.is_file() and hashlib.new(hash_name, target.read_bytes()).hexdigest() == digest:
+            log(f"{target}: present, {hash_name} ok")
             continue
         failures = []
         for mirror in mirrors:
@@ -184,10 +181,10 @@ def download_mnist(root: str | os.PathLike | None = None, mirrors=MNIST_MIRRORS,
             except (urllib.error.URLError, OSError, ValueError) as e:
                 failures.append(f"{url}: {e}")
                 continue
-            found_md5 = hashlib.md5(payload).hexdigest()
-            if len(payload) != size or found_md5 != md5:
-                failures.append(f"{url}: got {len(payload)} bytes with md5 {found_md5}, expected {size} bytes "
-                                f"with md5 {md5}")
+            found = hashlib.new(hash_name, payload).hexdigest()
+            if len(payload) != size or found != digest:
+                failures.append(f"{url}: got {len(payload)} bytes with {hash_name} {found}, expected {size} bytes "
+                                f"with {hash_name} {digest}")
                 continue
             atomic_write(target, lambda f: f.write(payload))
             log(f"{target}: downloaded from {url}")
@@ -195,3 +192,10 @@ def download_mnist(root: str | os.PathLike | None = None, mirrors=MNIST_MIRRORS,
         else:
             raise DataError(f"{target}: could not download from any mirror ({'; '.join(failures)})")
     return folder
+
+
+def download_mnist(root: str | os.PathLike | None = None, mirrors=MNIST_MIRRORS, timeout: float = 60.0,
+                   force: bool = False, log=print) -> Path:
+    """Download the four MNIST files into ``root/mnist`` (root resolved as in :func:`resolve_data_root`), each
+    checked by size and md5 (:func:`download_checked`); returns the mnist folder."""
+    return download_checked(mnist_dir(resolve_data_root(root)), MNIST_FILES, mirrors, "md5", timeout, force, log)

@@ -20,11 +20,8 @@ the official files where a network is available (checked by size and sha256); it
 from __future__ import annotations
 
 import gzip
-import hashlib
 import os
 import struct
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +33,7 @@ from ..errors import DataError
 from .idx import read_maybe_gzipped
 from .loaders import TensorRecord
 from ..io import atomic_write
-from .mnist import resolve_data_root
+from .mnist import download_checked, resolve_data_root
 
 __all__ = [
     "NORB_MAGIC", "NORB_CLASSES", "SMALLNORB_FILES", "SMALLNORB_SPLITS", "TRAIN_AZIMUTHS", "ELEVATIONS",
@@ -236,32 +233,8 @@ def viewpoint_split(data: NorbSet, kind: str = "azimuth") -> tuple[torch.Tensor,
 # --------------------------------------------------------------------------- download
 
 
-def _sha256(payload: bytes) -> str:
-    return hashlib.sha256(payload).hexdigest()
-
-
 def download_smallnorb(root: str | os.PathLike | None = None, base_url: str = _BASE_URL, timeout: float = 120.0,
                        force: bool = False, log=print) -> Path:
     """Download the six official gzip files into ``<root>/smallnorb`` (about 260 MB), each checked by size and
-    sha256 before it is written (atomically).  Files already present with the right checksum are kept unless
-    ``force``.  Returns the folder; raises DataError when a file cannot be fetched intact."""
-    folder = smallnorb_dir(root)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, (size, sha) in SMALLNORB_FILES.items():
-        target = folder / name
-        if not force and target.is_file() and _sha256(target.read_bytes()) == sha:
-            log(f"{target}: present, sha256 ok")
-            continue
-        url = base_url + name
-        try:
-            req = urllib.request.Request(url, headers={"User-Agent": "probcaps"})
-            with urllib.request.urlopen(req, timeout=timeout) as response:
-                payload = response.read()
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise DataError(f"{target}: could not download {url}: {e}") from None
-        if len(payload) != size or _sha256(payload) != sha:
-            raise DataError(f"{target}: {url} gave {len(payload)} bytes with sha256 {_sha256(payload)}, expected "
-                            f"{size} bytes with sha256 {sha}")
-        atomic_write(target, lambda f: f.write(payload))
-        log(f"{target}: downloaded from {url}")
-    return folder
+    sha256 (:func:`~probcaps.data.mnist.download_checked`); returns the folder."""
+    return download_checked(smallnorb_dir(root), SMALLNORB_FILES, [base_url], "sha256", timeout, force, log)
