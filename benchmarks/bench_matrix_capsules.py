@@ -1,6 +1,6 @@
 """Time the paper's smallNORB matrix-capsule network: training steps (forward, backward, Adam) and inference.
 
-Default: the issue's network, ``A, B, C, D = 64, 8, 16, 16``, 3x3 ConvCaps kernels, 32x32 input, 3 EM iterations,
+Default: the benchmark network, ``A, B, C, D = 64, 8, 16, 16``, 3x3 ConvCaps kernels, 32x32 input, 3 EM iterations,
 batch 64 (the paper's is 32, 32, 32, 32: ``--A 32 --B 32 --C 32 --D 32``).  Prints images/s and the peak
 resident memory of the process (max RSS, which includes the Python interpreter and torch).
 

@@ -12,7 +12,7 @@ Every capsule has a 4x4 pose matrix ``M`` and an activation ``a`` (held as ``log
   *coordinate addition*: the scaled (x, y) centre of each input's receptive field is added to the first two
   entries of the right-hand column of its vote.
 
-The paper's smallNORB network is ``A, B, C, D = 32, 32, 32, 32``; the issue's benchmark network is
+The paper's smallNORB network is ``A, B, C, D = 32, 32, 32, 32``; the benchmark network here is
 ``64, 8, 16, 16`` (``MatrixCapsConfig()`` defaults).  Shapes: poses ``(batch, types, 16, H, W)``, log activations
 ``(batch, types, H, W)``.
 """

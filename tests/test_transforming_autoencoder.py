@@ -165,7 +165,7 @@ def test_known_translation_adds_dx_dy_to_every_capsule_pose():
 
 
 def test_rendering_goes_through_the_shared_warp(monkeypatch):
-    # catches: a second warp implementation sneaking into the model (the issue: one rendering path)
+    # catches: a second warp implementation sneaking into the model (one rendering path for every model)
     calls = []
     real_warp = probcaps.render.warp
 
