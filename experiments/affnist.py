@@ -1,5 +1,5 @@
 """Out-of-distribution classification (paper §5.2): fit the linear probe on MNIST training features only, score
-it on the affNIST-recipe stand-in (SPEC §3) generated from the 10,000 MNIST test digits.
+it on the affNIST-recipe stand-in (Tieleman 2013) generated from the 10,000 MNIST test digits.
 
     python experiments/affnist.py                                   # the committed run (headline checkpoint)
     python experiments/affnist.py --ttvi-limit 1000                 # also: probe after test-time VI on 1000 images

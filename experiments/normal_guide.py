@@ -1,4 +1,4 @@
-"""The full variational pose guide (SPEC §1 "Guides", paper §2.3): Normal posteriors over the part and object
+"""The full variational pose guide (Smith et al. 2020, §2.3): Normal posteriors over the part and object
 poses with learned scales, trained starting from a delta-trained checkpoint, against the delta model it started
 from, on the same test images.
 

@@ -1,4 +1,4 @@
-"""Evaluate a trained capsule model the way the paper does (SPEC §1 "Evaluation"), with SCAE's readout of the
+"""Evaluate a trained capsule model the way the paper does (Smith et al. 2020, §5), with SCAE's readout of the
 objects (Kosiorek et al. 2019, §3.1 and Table 1) in the model's own terms.
 
 SCAE scores its object capsules by their *posterior* presence: the evidence each object collects from the parts it

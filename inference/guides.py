@@ -1,4 +1,4 @@
-"""Guides for :class:`models.capsule_model.CapsuleModel` (SPEC §1 "Guides").
+"""Guides for :class:`models.capsule_model.CapsuleModel` (Smith et al. 2020, §2.3-2.4).
 
 The amortised encoder maps an image to the part capsules (a CNN with attentive pooling, one capsule per
 template) and the set of part capsules to the object capsules (a set transformer).  There is no direct path
@@ -147,7 +147,7 @@ class DeltaGuide(PyroModule):
 
 
 class NormalPoseGuide(DeltaGuide):
-    """Amortised guide with Normal posteriors on the poses ("full variational poses", SPEC §1 "Guides").
+    """Amortised guide with Normal posteriors on the poses ("full variational poses", Smith et al. 2020, §2.3).
 
     The encoder, the presences (concrete) and the sampling order are those of :class:`DeltaGuide`; only the pose
     family differs: ``y0 ~ Normal(loc, σ_parts).to_event(1)`` and ``y1 ~ Normal(loc, σ_parents).to_event(1)``, with

@@ -1,4 +1,4 @@
-"""Free-form test-time variational inference (SPEC §1 "Guides"; paper §2.4).
+"""Free-form test-time variational inference (Smith et al. 2020, §2.4).
 
 Each image gets its own variational parameters, initialised at the amortised encoder's output and then optimised on
 the same enumerated ELBO (``TraceEnum_ELBO``, ``s`` summed out) with the generative model frozen.  It repairs

@@ -1,4 +1,4 @@
-"""The generative capsule model of Smith, Schut, Gal & van der Wilk (2020) as a Pyro model (SPEC §1).
+"""The generative capsule model of Smith, Schut, Gal & van der Wilk (2020) as a Pyro model (Smith et al. 2020, §2).
 
 Sites, per image (plates: ``data`` at dim -2; ``parents`` / ``children`` at dim -1):
 
@@ -95,7 +95,7 @@ def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> 
 
 
 class CapsuleModel(PyroModule):
-    """Pyro generative model of SPEC §1.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``.
+    """Pyro generative model of Smith et al. 2020, §2.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``.
 
     ``footprint``: render each template only over the canvas window it can touch (the default; the same images
     and gradients as rendering over the whole canvas, ``footprint=False``, see :func:`probcaps.render.render_over`).

@@ -6,7 +6,7 @@ A pose is stored either as a 6-vector ``y`` or as the 3x3 matrix
             [y4,     1 + y5, y6],
             [0,      0,      1 ]]
 
-so that ``y = 0`` is the identity (SPEC §1).  Translations ``y3, y6`` are in the canvas's normalised
+so that ``y = 0`` is the identity (Smith et al. 2020, §2).  Translations ``y3, y6`` are in the canvas's normalised
 coordinates: ``[-1, 1]`` spans the canvas, as in ``torch.nn.functional.grid_sample(align_corners=False)``.
 All functions broadcast over leading dimensions.
 """

@@ -1,4 +1,4 @@
-"""The Normal-pose guide and free-form test-time VI (SPEC §1 "Guides"), on tiny models.
+"""The Normal-pose guide and free-form test-time VI (Smith et al. 2020, §2.3-2.4), on tiny models.
 
 Each test says in a comment which bug it would catch.
 """

@@ -1,7 +1,7 @@
 """affNIST: the original ``.mat`` files, and the "affNIST-recipe" stand-in generated from MNIST test digits.
 
 The real affNIST (Tieleman 2013) cannot be fetched on the machines this package is developed on, so the
-experiments use a stand-in built with affNIST's own recipe (SPEC §3): each MNIST test digit on a 40×40 canvas under
+experiments use a stand-in built with affNIST's own recipe (Tieleman 2013): each MNIST test digit on a 40×40 canvas under
 a random affine map (rotation within ±20°, shear within ±0.2, x and y scales within [0.8, 1.2]), then a random
 translation that keeps the digit inside the canvas.  Results on it are reported as "affNIST-recipe", never as
 affNIST.  Users with the real files load them with :func:`load_affnist_mat`.
