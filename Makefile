@@ -10,7 +10,7 @@ export PROBCAPS_DATA ?= $(if $(wildcard $(SHARED_DATA)/mnist),$(SHARED_DATA),)
 export MALLOC_MMAP_THRESHOLD_ := 1000000000
 export MALLOC_TRIM_THRESHOLD_ := 1000000000
 
-.PHONY: install demo test bench bench-render bench-vs-torch-scae bench-capsnet bench-matrix-capsules report clean
+.PHONY: install demo test bench bench-gpu bench-render bench-vs-torch-scae bench-capsnet bench-matrix-capsules report clean
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ PEER_COMMIT ?= unknown
 bench-vs-torch-scae: install
 	$(PY) benchmarks/bench_vs_torch_scae.py --peer-path $(PEER) --peer-site $(PEER_SITE) --peer-commit $(PEER_COMMIT) \
 	  --json results/bench_vs_torch_scae.json
+
+# on a GPU machine: each model's training step at paper size and a short MNIST training (results/bench_gpu.json)
+bench-gpu: install
+	$(PY) benchmarks/bench_gpu.py --device cuda
 
 # one CapsNet training step at batch 128, reduced and paper-size configs
 bench-capsnet: install
