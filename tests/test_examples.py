@@ -238,6 +238,8 @@ EXAMPLES = [
     # a checkout of another repository
     Example("bench_render", "benchmarks/bench_render.py", lambda c: ["--help"]),
     Example("bench_vs_torch_scae", "benchmarks/bench_vs_torch_scae.py", lambda c: ["--help"]),
+    # a GPU machine's prepared run: four fresh processes (its --tiny form runs anywhere, in about a minute)
+    Example("bench_gpu", "benchmarks/bench_gpu.py", lambda c: ["--help"]),
 ]
 
 
