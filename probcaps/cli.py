@@ -306,17 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validate", action="store_true", help="turn on Pyro's validation checks")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--evaluate", action="store_true", help="evaluate the final checkpoint afterwards")
-    p.add_argument("--results-dir", type=folder_arg, default="results")
-    add_common_args(p)
+    add_common_args(p, results_dir="results")
 
     p = sub.add_parser("evaluate", help="probe accuracies, k-means accuracy and figures of a checkpoint")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--name", default=None,
                    help="results/<name>.json (default: <the run's config name>_seed<its training seed>)")
-    p.add_argument("--results-dir", type=folder_arg, default="results")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--no-figures", action="store_true")
-    add_common_args(p)
+    add_common_args(p, results_dir="results")
 
     p = sub.add_parser("ttvi", help="free-form test-time VI on test images with a trained checkpoint")
     p.add_argument("--checkpoint", required=True)
@@ -335,10 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train a small model on real MNIST for a few minutes and report the probes")
     p.add_argument("--out", type=folder_arg, default="runs/demo")
-    p.add_argument("--results-dir", type=folder_arg, default="runs/demo/results")
     p.add_argument("--steps", type=positive_int, default=None)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    add_common_args(p)
+    add_common_args(p, results_dir="runs/demo/results")
 
     found = experiments()
     width = max(map(len, found), default=0)
