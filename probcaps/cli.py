@@ -358,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args) -> None:
     from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
+    from probcaps.inference.distributed import init_from_env
 
     overrides = list(args.set)
     if args.seed is not None:
@@ -374,8 +375,12 @@ def _train(args) -> None:
     args.out = args.out or Path("runs") / cfg["name"]
     # only the options asked for: the training loop's defaults stand otherwise
     loop_options = {key: True for key in ("force", "tensorboard") if getattr(args, key)}
+    # under torchrun: join the process group before the model is built, so each process takes its own GPU
+    world = init_from_env()
     state = train_capsules(cfg, args.out, resume=args.resume, device=args.device, data_dir=args.data_dir,
-                           progress=not args.quiet, **loop_options)
+                           progress=not args.quiet and world.rank == 0, **loop_options)
+    if world.rank != 0:
+        return
     print(f"trained {state.step} steps in {state.wall_time_s:.0f} s; checkpoint: {Path(args.out) / 'final.pt'}")
     if args.evaluate:
         _print_metrics(_evaluate_path(Path(args.out) / "final.pt", args, name=cfg["name"]))
@@ -400,7 +405,9 @@ def _demo(args) -> None:
     config = Path(__file__).resolve().parent.parent / "experiments" / "configs" / "demo.toml"
     overrides = list(args.set) + ([f"train.steps={args.steps}"] if args.steps else [])
     cfg = load_experiment_config(config if config.is_file() else None, overrides)
-    state = train_capsules(cfg, args.out, device=args.device, data_dir=args.data_dir, progress=not args.quiet)
+    # the demo always starts afresh: running it again replaces its run folder
+    state = train_capsules(cfg, args.out, device=args.device, data_dir=args.data_dir, progress=not args.quiet,
+                           force=True)
     print(f"trained {state.step} steps in {state.wall_time_s:.0f} s on {args.device}")
     metrics = _evaluate_path(Path(args.out) / "final.pt", args, name="demo")
     print("linear probe on MNIST test (fit on train features):")

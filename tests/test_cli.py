@@ -104,6 +104,11 @@ def test_demo_on_synthetic_data(tmp_path, capsys):
     assert METRIC_KEYS <= set(json.loads((results / "demo.json").read_text())["metrics"])
     assert (results / "demo_templates.png").is_file() and (results / "demo_reconstructions.png").is_file()
     assert "linear probe" in capsys.readouterr().out
+    # catches: `make demo` a second time refused because the run folder already holds a run
+    code = main(["demo", "--out", str(out), "--results-dir", str(results), "--steps", "3", "--quiet",
+                 *_sets(TINY_SETS)])
+    assert code == 0, capsys.readouterr().err
+    assert load_checkpoint(out / "final.pt")["state"]["step"] == 3
 
 
 def test_train_missing_config_is_one_line_error(tmp_path, capsys):
