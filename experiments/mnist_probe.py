@@ -33,7 +33,7 @@ from probcaps.provenance import device_description, provenance, write_results  #
 from probcaps.report import fmt_mean_std, load_result, results_in, write_table  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
-HEADLINE = "mnist_probe"  # the package's first full run, which the pilots changed one key at a time
+HEADLINE = "mnist_probe"  # the package's first full run, which the ablations changed one key at a time
 
 
 def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
@@ -102,15 +102,15 @@ def readme_table(results_dir: Path, name: str = "mnist_probe") -> str | None:
     return "\n".join(lines)
 
 
-#: one-seed tries of the headline config with one change each: ``results/pilots/*.json``, table ``results/pilots.md``
-PILOTS = "pilots"
+#: one-seed tries of the headline config with one change each: ``results/mnist_ablations/*.json``, table ``results/mnist_ablations.md``
+ABLATIONS = "mnist_ablations"
 
 
-def pilots_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
-    """The history of short tries (``results_dir/pilots/*.json``), each row naming the model and encoder keys
+def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
+    """The history of short tries (``results_dir/mnist_ablations/*.json``), each row naming the model and encoder keys
     where the try differs from the config of the ``headline`` run (``results_dir/<headline>.json``'s provenance),
     best presence + pose probe first."""
-    results = results_in(results_dir, PILOTS)
+    results = results_in(results_dir, ABLATIONS)
     loaded = load_result(results_dir, headline)
     if not results or loaded is None:
         return None
@@ -147,10 +147,10 @@ def pilots_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
 
 
 def write_tables(results_dir: Path, name: str) -> list[Path]:
-    """Write ``results_dir/<name>.md`` and, when ``results_dir/pilots/`` holds tries, ``results_dir/pilots.md``
+    """Write ``results_dir/<name>.md`` and, when ``results_dir/mnist_ablations/`` holds tries, ``results_dir/mnist_ablations.md``
     from the results JSON there; returns the files written."""
     written = [write_table(results_dir, name, readme_table(results_dir, name)),
-               write_table(results_dir, PILOTS, pilots_table(results_dir))]
+               write_table(results_dir, ABLATIONS, ablations_table(results_dir))]
     return [path for path in written if path is not None]
 
 
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     add_run_args(p, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
                  resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/<name>.md, "
-                 "RESULTS_DIR/pilots.md)", checkpoint_out="export the first seed's model here (default: "
+                 "RESULTS_DIR/mnist_ablations.md)", checkpoint_out="export the first seed's model here (default: "
                  "checkpoints/<name>.pt; '' for none)")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]

@@ -370,7 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
     p.add_argument("--no-figures", action="store_true", help="write the results JSON only")
     add_run_args(p, out_help="run folders (<out>/seed<S>/<model>; default: runs/<name>)", resume=True, threads=1,
-                 tables="tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/norb_pilots.md when there are tries)")
+                 tables="tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/norb_ablations.md when there are tries)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     name = args.name or cfg["name"]
@@ -558,14 +558,14 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
     return "\n".join(lines)
 
 
-#: one-seed tries with other settings: ``results/norb_pilots/*.json`` (``--results-dir results/norb_pilots``), table
-#: ``results/norb_pilots.md``
-NORB_PILOTS = "norb_pilots"
+#: one-seed tries with other settings: ``results/norb_ablations/*.json`` (``--results-dir results/norb_ablations``), table
+#: ``results/norb_ablations.md``
+NORB_ABLATIONS = "norb_ablations"
 
 
-def pilots_table(results_dir: Path) -> str | None:
-    """The history of one-seed tries of the novel-viewpoint experiment (``results_dir/norb_pilots/*.json``)."""
-    results = results_in(results_dir, NORB_PILOTS)
+def ablations_table(results_dir: Path) -> str | None:
+    """The history of one-seed tries of the novel-viewpoint experiment (``results_dir/norb_ablations/*.json``)."""
+    results = results_in(results_dir, NORB_ABLATIONS)
     if not results:
         return None
     lines = ["| data | capsules A, B, C, D | capsule steps | CNN steps | seed | matched familiar acc. | "
@@ -584,12 +584,12 @@ def pilots_table(results_dir: Path) -> str | None:
 
 def write_tables(results_dir: Path, name: str) -> list[Path]:
     """Write ``results_dir/<name>.md`` (with the matrix-capsule speed table for the default ``norb_viewpoints``)
-    and the table of tries, ``norb_pilots.md``, beside the ``norb_pilots/`` folder when a run wrote into it or it
+    and the table of tries, ``norb_ablations.md``, beside the ``norb_ablations/`` folder when a run wrote into it or it
     is there; returns the files written."""
     results_dir = Path(results_dir)
     written = [write_table(results_dir, name, readme_table(results_dir, name, with_benchmark=name == "norb_viewpoints"))]
-    history = results_dir.parent if results_dir.name == NORB_PILOTS else results_dir
-    written.append(write_table(history, NORB_PILOTS, pilots_table(history)))
+    history = results_dir.parent if results_dir.name == NORB_ABLATIONS else results_dir
+    written.append(write_table(history, NORB_ABLATIONS, ablations_table(history)))
     return [path for path in written if path is not None]
 
 

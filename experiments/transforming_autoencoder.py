@@ -621,15 +621,15 @@ def readme_table(results_dir: Path) -> str | None:
     return "\n".join(lines + [""] + footer)
 
 
-#: one-seed tries of the affine mode with other settings: ``results/tae_pilots/*.json``, table ``results/tae_pilots.md``
-TAE_PILOTS = "tae_pilots"
+#: one-seed tries of the affine mode with other settings: ``results/transforming_autoencoder_ablations/*.json``, table ``results/transforming_autoencoder_ablations.md``
+TAE_ABLATIONS = "transforming_autoencoder_ablations"
 
 
-def pilots_table(results_dir: Path) -> str | None:
-    """The history of tries of the affine transforming auto-encoder (``results_dir/tae_pilots/*.json``)."""
+def ablations_table(results_dir: Path) -> str | None:
+    """The history of tries of the affine transforming auto-encoder (``results_dir/transforming_autoencoder_ablations/*.json``)."""
     from probcaps.report import results_in
 
-    results = results_in(results_dir, TAE_PILOTS)
+    results = results_in(results_dir, TAE_ABLATIONS)
     if not results:
         return None
     names = ["m11", "m12", "tx", "m21", "m22", "ty"]
@@ -652,12 +652,12 @@ def pilots_table(results_dir: Path) -> str | None:
 
 def write_tables(results_dir: Path) -> list[Path]:
     """Write the table of the shipped recipes (``results_dir/transforming_autoencoder.md``) and of the tries
-    (``results_dir/tae_pilots.md``) from the results JSON there; returns the files written."""
+    (``results_dir/transforming_autoencoder_ablations.md``) from the results JSON there; returns the files written."""
     from probcaps.report import write_table
 
     results_dir = Path(results_dir)
     written = [write_table(results_dir, NAME, readme_table(results_dir)),
-               write_table(results_dir, TAE_PILOTS, pilots_table(results_dir))]
+               write_table(results_dir, TAE_ABLATIONS, ablations_table(results_dir))]
     return [path for path in written if path is not None]
 
 
@@ -686,7 +686,7 @@ def main(argv=None) -> int:
     add_config_args(p, list(RECIPES), [0, 1, 2], "one or more recipes (default: the translation and the affine one)")
     add_run_args(p, out_help="run folders (<out>/seed<S>; default: runs/<name>)", threads=1,
                  resume="continue unfinished runs, re-evaluate finished ones",
-                 tables="tables (RESULTS_DIR/transforming_autoencoder.md, RESULTS_DIR/tae_pilots.md)")
+                 tables="tables (RESULTS_DIR/transforming_autoencoder.md, RESULTS_DIR/transforming_autoencoder_ablations.md)")
     args = p.parse_args(argv)
     if setup_run(args, write_tables):
         return 0

@@ -39,14 +39,14 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
 
 
 def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
-    # catches: a pilot under another --name silently overwriting the committed checkpoints/mnist.pt
+    # catches: a short run under another --name silently overwriting the committed checkpoints/mnist.pt
     from probcaps.experiments import mnist_probe
 
     monkeypatch.setattr(mnist_probe, "ROOT", tmp_path)
     assert mnist_probe.checkpoint_out_path(None, "mnist") == tmp_path / "checkpoints" / "mnist.pt"
-    assert mnist_probe.checkpoint_out_path(None, "pilot") == tmp_path / "checkpoints" / "pilot.pt"
-    assert mnist_probe.checkpoint_out_path("elsewhere/x.pt", "pilot") == Path("elsewhere/x.pt")
-    assert mnist_probe.checkpoint_out_path("", "pilot") is None
+    assert mnist_probe.checkpoint_out_path(None, "trial") == tmp_path / "checkpoints" / "trial.pt"
+    assert mnist_probe.checkpoint_out_path("elsewhere/x.pt", "trial") == Path("elsewhere/x.pt")
+    assert mnist_probe.checkpoint_out_path("", "trial") is None
 
 
 def test_mnist_probe_bad_config_is_one_line(tmp_path, capsys):

@@ -282,7 +282,7 @@ def test_recorded_paths_are_relative_to_the_repository(tmp_path, monkeypatch):
 
 #: how each committed table file is rebuilt from the committed results: (entry point, its arguments, tables written)
 TABLE_SOURCES = [
-    *[("experiments.mnist_probe", ["--name", n], [n, "pilots"]) for n in
+    *[("experiments.mnist_probe", ["--name", n], [n, "mnist_ablations"]) for n in
       ("mnist", "mnist_probe", "mnist_probe_ceiling", "mnist_probe_prior4", "mnist_probe_tau1", "mnist_probe_rho1")],
     *[("experiments.affnist", ["--name", n], [n]) for n in ("affnist", "affnist_ceiling", "affnist_fast")],
     *[("experiments.rotated_digits", ["--name", n], [n]) for n in ("rotated_digits", "rotated_digits_fast")],
@@ -292,8 +292,8 @@ TABLE_SOURCES = [
     ("experiments.rotated_training", [], ["rotated_training"]),
     ("experiments.rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
     ("experiments.multimnist", [], ["multimnist"]),
-    ("experiments.transforming_autoencoder", [], ["transforming_autoencoder", "tae_pilots"]),
-    *[("experiments.norb_viewpoints", ["--name", n], [n, "norb_pilots"]) for n in
+    ("experiments.transforming_autoencoder", [], ["transforming_autoencoder", "transforming_autoencoder_ablations"]),
+    *[("experiments.norb_viewpoints", ["--name", n], [n, "norb_ablations"]) for n in
       ("norb_viewpoints", "norb_viewpoints_asymmetric", "norb_viewpoints_asymmetric_large",
        "norb_viewpoints_asymmetric_large_bn", "norb_azimuth", "norb_viewpoints_asymmetric_elevation",
        "norb_elevation", "norb_all_views")],
