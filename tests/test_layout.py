@@ -71,3 +71,14 @@ def test_installing_puts_only_probcaps_into_site_packages():
             name = ".".join(rel) if layer == "probcaps" else ".".join(("probcaps", *rel))
             assert name in listed, f"{init.parent} is not installed (add {name} to [tool.setuptools] packages)"
     assert cfg["project"]["requires-python"] == ">=3.11"  # tomllib
+
+
+def test_no_machine_paths_in_results_readme_or_docs():
+    # catches: provenance or prose recording where a file lay on one machine instead of its path in the repository
+    import re
+
+    absolute = re.compile(r"(?<![\w.])/(?:work|tmp|root|home|Users|private|var)/")
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "results").rglob("*.json"),
+             *(ROOT / "results").rglob("*.md")]
+    bad = [str(p.relative_to(ROOT)) for p in files if absolute.search(p.read_text())]
+    assert not bad, bad
