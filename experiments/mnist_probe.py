@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules  # noqa: E402
+from probcaps.inference.capsule_svi import REMOVED_AFTER, REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules  # noqa: E402
 from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
 from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
 from probcaps import plotting  # noqa: E402
@@ -129,8 +129,10 @@ def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
     rows = []
     for _, data in results:
         m, prov = data["metrics"], data["provenance"]
-        changes = [f"{section}.{key} = {value}" for section in ("model", "encoder")
-                   for key, value in prov["configs"][section].items()
+        # an option removed since is named with the last commit that had it
+        changes = [f"{section}.{key} = {value}"
+                   + (f" (removed; last at {REMOVED_AFTER})" if key in REMOVED_OPTIONS.get(section, {}) else "")
+                   for section in ("model", "encoder") for key, value in prov["configs"][section].items()
                    if key != "seed" and value != headline_value(section, key)]
         rows.append((m["probe_presence_pose_test_acc"], f"| {'; '.join(changes) or 'none'} | {prov['steps']} | "
                      f"{prov['wall_time_s']:.0f} | {m['test_elbo_per_image']:.0f} | "
