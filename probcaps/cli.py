@@ -395,8 +395,11 @@ def _evaluate_path(checkpoint, args, name=None, overrides=()):
 
 
 def _print_metrics(metrics: dict) -> None:
+    """The scalar metrics, one a line (per-class reports and confusion matrices stay in the results JSON)."""
     for key, value in metrics.items():
-        print(f"  {key:32s} {value:.4f}" if isinstance(value, float) else f"  {key:32s} {value}")
+        if isinstance(value, (dict, list)):
+            continue
+        print(f"  {key:34s} {value:.4f}" if isinstance(value, float) else f"  {key:34s} {value}")
 
 
 def _demo(args) -> None:
