@@ -44,7 +44,7 @@ from probcaps.provenance import provenance, write_results  # noqa: E402
 from probcaps.report import fmt_mean_std, load_result, write_table  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
-# anchors: the seed write-up's reduced numpy CapsNet and the paper (about 5% error at full scale)
+# anchors: a reduced numpy CapsNet reproduction and the paper (about 5% error at full scale)
 WRITEUP_SET_ACC = 0.486
 PAPER_SET_ACC = 0.95
 
@@ -320,7 +320,7 @@ def readme_table(results_dir: Path) -> str | None:
     if not rows and not bench.is_file():
         return None
     lines = [] if not rows else ["| config | two-digit set accuracy (%) | at least one digit (%) | recon MSE per pixel | training "
-             "steps (min) | steps/s | write-up (reduced numpy) | paper (full scale) |",
+             "steps (min) | steps/s | numpy reproduction (reduced) | paper (full scale) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, (m, prov) in rows:
         runs = m["per_seed"]

@@ -517,7 +517,7 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
     if m.get("train_views") == "all":
         return all_views_table(m, prov, label)
     lines = [f"| {m['split']} split ({label}), mean ± std over {len(runs)} seeds | matrix capsules | CNN | "
-             f"paper (smallNORB) | seed write-up (synthetic) |",
+             f"paper (smallNORB) | numpy reproduction (synthetic) |",
              "| --- | --- | --- | --- | --- |",
              f"| familiar-view accuracy at the matched checkpoint (%) | {col('caps_familiar_acc')} | "
              f"{col('cnn_familiar_acc')} | matched | — |",

@@ -1,6 +1,6 @@
-"""Rotated MNIST: LeNet-5 vs CapsNet vs the probabilistic capsule model's probe (seed 003).
+"""Rotated MNIST: LeNet-5 vs CapsNet vs the probabilistic capsule model's probe.
 
-LeNet-5 and a (reduced) CapsNet are trained on MNIST digits shifted by up to ±2 px (the write-up's
+LeNet-5 and a (reduced) CapsNet are trained on MNIST digits shifted by up to ±2 px (the numpy reproduction's
 ``RandomAffine(translate=0.0714)``) and tested on the test digits rotated by each angle (0° to 180°).  With
 ``--probcaps-checkpoint`` the probabilistic capsule model (``checkpoints/mnist_probe.pt``) is scored on the same
 rotated digits: each is placed on its 40x40 canvas at its SCAE offset, encoded, and classified by a linear
@@ -46,7 +46,7 @@ from probcaps.report import fmt_mean_std, load_result  # noqa: E402
 
 NAME = "rotated_mnist_cnn_vs_capsnet"
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
-# the write-up's numbers (seed 003): accuracy on the 10,000 test digits, unrotated and rotated by 35 degrees
+# the numpy reproduction's numbers: accuracy on the 10,000 test digits, unrotated and rotated by 35 degrees
 WRITEUP = {"lenet": {0: 0.9868, 35: 0.7605}, "capsnet": {0: 0.9937, 35: 0.8409}}
 
 
@@ -176,7 +176,7 @@ def probe_curve(checkpoint: Path, test_digits: torch.Tensor, test_labels: torch.
 
 
 def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
-    """Accuracy (%) against rotation angle, one line per model (mean ± std over seeds), the write-up's numbers as
+    """Accuracy (%) against rotation angle, one line per model (mean ± std over seeds), the numpy reproduction's numbers as
     separate markers, and the 35° point marked."""
     model_colours = {"LeNet-5": plotting.PART_PALETTE[0], "CapsNet": plotting.PART_PALETTE[1]}
     lines, colours = {}, {}
@@ -190,8 +190,8 @@ def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
     references = {}
     for key, label in (("lenet", "LeNet-5"), ("capsnet", "CapsNet")):
         pts = sorted(WRITEUP[key].items())
-        references[f"write-up {label}"] = ([a for a, _ in pts], [100 * v for _, v in pts])
-        colours[f"write-up {label}"] = model_colours[label]
+        references[f"numpy reproduction, {label}"] = ([a for a, _ in pts], [100 * v for _, v in pts])
+        colours[f"numpy reproduction, {label}"] = model_colours[label]
     plotting.plot_curve_panels([{
         "curves": lines, "references": references, "colours": colours, "vlines": [35], "ylim": (0, 101),
         "xlabel": "rotation of the test digits (degrees)", "ylabel": "test accuracy (%)",
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
 
 
 def readme_table(results_dir: Path, name: str = NAME) -> str | None:
-    """Accuracy per angle for LeNet-5, CapsNet and the probe, with the write-up's 0° and 35° numbers
+    """Accuracy per angle for LeNet-5, CapsNet and the probe, with the numpy reproduction's 0° and 35° numbers
     (``results_dir/<name>.json``)."""
     loaded = load_result(results_dir, name)
     if loaded is None:
@@ -272,12 +272,12 @@ def readme_table(results_dir: Path, name: str = NAME) -> str | None:
     runs = m["per_seed"]
     probe = m.get("probcaps")
     head = "| rotation | LeNet-5 (%) | CapsNet (%) |" + (" probabilistic capsules, probe (%) |" if probe else "") + \
-        " write-up LeNet-5 | write-up CapsNet |"
+        " numpy reproduction, LeNet-5 | numpy reproduction, CapsNet |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for i, a in enumerate(m["angles"]):
         key = str(int(a)) if float(a).is_integer() else str(a)
         wl, wc = m["writeup"]["lenet"].get(key), m["writeup"]["capsnet"].get(key)
-        label = f"**{a:.0f}°** (write-up's point)" if a == 35 else f"{a:.0f}°"
+        label = f"**{a:.0f}°** (reference point)" if a == 35 else f"{a:.0f}°"
         row = (f"| {label} | {fmt_mean_std([r['lenet_acc'][i] for r in runs])} | "
                f"{fmt_mean_std([r['capsnet_acc'][i] for r in runs])} |")
         if probe:

@@ -54,9 +54,9 @@ from probcaps.render import warp  # noqa: E402
 
 NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams
 RECIPES = [ROOT / "experiments" / "configs" / f"{NAME}_{mode}.toml" for mode in MODES]
-DIGIT_WINDOW = 22  # the write-up scores its MSE on a 22x22 crop: the same window, centred on the target digit
+DIGIT_WINDOW = 22  # the numpy reproduction scores its MSE on a 22x22 crop: the same window, centred on the target digit
 
-# write-up anchors (numpy reproduction, translation only, 28x28 canvas): seeds/000_bf86ff5c704eb41c.txt
+# anchors from a numpy reproduction ( translation only, 28x28 canvas)
 WRITEUP = {"r2_dx": 0.78, "r2_dy": 0.67, "recon_mse": 0.063, "active_median": 9, "wall_s": 100}
 
 
@@ -98,7 +98,7 @@ class TAEEvalConfig:
     pairs: int = 5000             # held-out pairs (MNIST test digits)
     readout_pairs: int = 5000     # training pairs for the optional linear readout
     batch_size: int = 500
-    presence_threshold: float = 0.1  # "active" capsule (the write-up's threshold)
+    presence_threshold: float = 0.1  # "active" capsule (the numpy reproduction's threshold)
     curve_pairs: int = 500        # held-out pairs scored at every checkpoint (the R² training curve)
     figures: bool = True
     test_time_warps: int = 0      # > 0: recognition averaged over this many known warps of each image (the identity
@@ -553,7 +553,7 @@ def run_recipe(config: str | Path, args) -> Path:
 
 
 def readme_table(results_dir: Path) -> str | None:
-    """Ours (mean ± std over seeds) against the write-up's numbers, built only from the shipped recipes' results,
+    """Ours (mean ± std over seeds) against the numpy reproduction's numbers, built only from the shipped recipes' results,
     ``results/transforming_autoencoder_<mode>.json`` (and ``..._<mode>_tta.json``, the same models re-scored with
     ``eval.test_time_warps > 0``, when present)."""
     from probcaps.report import fmt_mean_std
@@ -564,7 +564,7 @@ def readme_table(results_dir: Path) -> str | None:
         return None
     n_seeds = max(len(d["metrics"]["per_seed"]) for d in loaded.values())
     lines = [f"| mode | metric (held-out MNIST-test pairs) | ours: mean ± std over {n_seeds} seeds | target | "
-             "write-up (numpy, 28×28) |", "| --- | --- | --- | --- | --- |"]
+             "numpy reproduction (28×28) |", "| --- | --- | --- | --- | --- |"]
     anchors = {"dx": WRITEUP["r2_dx"], "dy": WRITEUP["r2_dy"]}
     footer = []
     for mode, data in loaded.items():

@@ -1,4 +1,4 @@
-"""LeNet-5 as the rotated-MNIST write-up defines it (seed 003): two 5x5 convolutions (6 and 16 channels) with
+"""LeNet-5 as the rotated-MNIST numpy reproduction defines it: two 5x5 convolutions (6 and 16 channels) with
 ReLU and 2x2 average pooling, then fully connected 256 -> 120 -> 84 -> 10, on 28x28 digits."""
 
 from __future__ import annotations

@@ -373,7 +373,7 @@ def estimate_transform(pose1: torch.Tensor, pose2: torch.Tensor, weights: torch.
     Weighted least squares over capsules, ``T = argmin Σ_m w_m ||T P1_m − P2_m||²`` (Frobenius):
 
     - ``"translation"``: ``T`` restricted to translations, whose solution is the weighted mean of
-      ``t2_m − t1_m`` (the write-up's "presence-weighted average of pose2 − pose1");
+      ``t2_m − t1_m`` (the numpy reproduction's "presence-weighted average of pose2 − pose1");
     - ``"affine"``: ``T = (Σ w P2 P1ᵀ)(Σ w P1 P1ᵀ)⁻¹``.  Each capsule contributes its position (the pose's last
       column) and its orientation / scale (the linear block), so three capsules at distinct places already fix
       ``T``.  ``ridge`` adds ``ridge · I`` to both sums (shrinks an ill-posed fit towards the identity).

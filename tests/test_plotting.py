@@ -103,7 +103,7 @@ def test_plot_curve_panels(tmp_path):
         {"curves": {"loss": (np.arange(200), np.exp(-np.arange(200) / 50.0))}, "xlabel": "step", "ylabel": "loss",
          "title": "training loss", "logy": True},
         {"curves": {"LeNet-5": (x, np.linspace(99, 20, 13), np.full(13, 1.5)), "CapsNet": (x, np.linspace(99, 30, 13))},
-         "references": {"write-up LeNet-5": ([0, 35], [98.7, 76.1])}, "colours": {"LeNet-5": "C0", "write-up LeNet-5": "C0"},
+         "references": {"numpy reproduction, LeNet-5": ([0, 35], [98.7, 76.1])}, "colours": {"LeNet-5": "C0", "numpy reproduction, LeNet-5": "C0"},
          "vlines": [35], "ylim": (0, 101), "xlabel": "angle", "ylabel": "accuracy (%)"},
     ]
     _assert_png(plot_curve_panels(panels, tmp_path / "p.png"), tmp_path)

@@ -3,7 +3,7 @@
 Each digit is shifted by integers in ``[-max_shift, max_shift]`` on each axis (the 28x28 digit centred on the
 canvas, as :func:`~probcaps.data.transforms.place_on_canvas` places it), the two are combined by pixel-wise max,
 and a pair is kept only if the two digits' *shifted bounding boxes* (the box around each digit's ink, moved by
-its shift) have IoU >= ``min_iou`` (the seed write-up's reading of the paper's "80% overlap").  A pair that
+its shift) have IoU >= ``min_iou`` (a numpy reproduction's reading of the paper's "80% overlap").  A pair that
 fails is redrawn (new partner, new shifts) until it passes: rejection sampling, vectorised over the pairs
 still failing, so the accepted pairs are exactly the uniform draws conditioned on the rule.
 
