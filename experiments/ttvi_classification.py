@@ -38,13 +38,11 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features  # noqa: E402
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained  # noqa: E402
 from probcaps.inference.evaluate import posterior_part_counts, readout_features  # noqa: E402
 from probcaps.inference.guides import Latents  # noqa: E402
-from probcaps.inference.train import make_elbo  # noqa: E402
-from probcaps.inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
+from probcaps.inference.ttvi import fit_guide, reencode_parents, ttvi_batches  # noqa: E402
 from probcaps.distributions import ClampedRelaxedBernoulli  # noqa: E402
-from probcaps.errors import TrainingDiverged  # noqa: E402
 from probcaps import plotting  # noqa: E402
 from probcaps.data import rotate, to_float  # noqa: E402
 from probcaps.cli import (  # noqa: E402
@@ -196,18 +194,8 @@ def ttvi_parts_batches(model, encoder, images: torch.Tensor, batch_size: int = 2
             with torch.random.fork_rng(devices=[]), pyro.settings.context(module_local_params=True):
                 torch.manual_seed(seed + i)
                 guide = PartsGuide(encoder, encoder.encode(x), temperature=model.config.temperature)
-                opt = torch.optim.Adam([guide.part_logits, guide.part_locs], lr=lr)
-                elbo, trace = make_elbo(max_plate_nesting=2), []
-                for step in range(steps):
-                    opt.zero_grad(set_to_none=True)
-                    loss = elbo.differentiable_loss(model, guide, x)
-                    if not torch.isfinite(loss):
-                        raise TrainingDiverged(f"test-time VI of the parts, step {step}: the loss is {loss.item()} "
-                                               f"(lr {lr}); try a smaller lr")
-                    loss.backward()
-                    opt.step()
-                    trace.append(-loss.item() / len(x))
-                    bar.update(1)
+                trace = fit_guide(model, guide, [guide.part_logits, guide.part_locs], x, steps, lr, bar,
+                                  what="test-time VI of the parts")
                 chunks.append([t.cpu() for t in guide.latents()])
                 traces.append(trace)
                 sizes.append(len(x))

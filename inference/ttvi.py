@@ -40,7 +40,7 @@ from probcaps.inference.train import make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.errors import TrainingDiverged
 
-__all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "run_ttvi", "ttvi_batches",
+__all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "fit_guide", "run_ttvi", "ttvi_batches",
            "reencode_parents"]
 
 POSE_FAMILIES = ("delta", "normal")
@@ -206,6 +206,27 @@ def _initial_scales(guide, pose_family: str, init_scale: float | None, min_scale
     return scale.expand(M, 6), scale.expand(K, 6), floor
 
 
+def fit_guide(model, guide, params, x: torch.Tensor, steps: int, lr: float, bar=None, what: str = "test-time VI",
+              show_elbo: bool = False) -> list[float]:
+    """Adam on ``params`` (the guide's per-image variational parameters) for ``steps`` steps of the enumerated ELBO
+    of ``model`` on images ``x`` ``(B, 1, H, W)``; returns the ELBO per image after each step.  A non-finite loss is
+    a one-line :class:`~probcaps.errors.TrainingDiverged` naming ``what`` and the step."""
+    elbo, opt, trace = make_elbo(max_plate_nesting=2), torch.optim.Adam(params, lr=lr), []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = elbo.differentiable_loss(model, guide, x)
+        if not torch.isfinite(loss):
+            raise TrainingDiverged(f"{what}, step {step}: the loss is {loss.item()} (lr {lr}); try a smaller lr")
+        loss.backward()
+        opt.step()
+        trace.append(-loss.item() / len(x))
+        if bar is not None:
+            bar.update(1)
+            if show_elbo and (step % 10 == 0 or step == steps - 1):
+                bar.set_postfix(elbo=f"{trace[-1]:.1f}")
+    return trace
+
+
 def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: float = 0.03, progress: bool = True,
              pose_family: str = "delta", *, init_scale: float | None = None, min_scale: float | None = None,
              elbo_samples: int = 4, elbo_seed: int = 0, seed: int | None = None, _bar=None) -> TTVIResult:
@@ -238,7 +259,6 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
         raise ValueError(f"run_ttvi: steps must be >= 0, got {steps}")
     t0, c0 = time.perf_counter(), time.process_time()
     x = model._check_images(x)
-    B = x.shape[0]
     frozen = [(p, p.requires_grad) for p in list(model.parameters()) + list(guide.parameters())]
     rng = (torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else [])
            if seed is not None else contextlib.nullcontext())
@@ -253,23 +273,10 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
             init = guide.encoder.encode(x)
             ff = FreeFormGuide(init, guide.temperature, pose_family, part_scales, parent_scales, floor)
             elbo_start = per_image_elbo(model, ff, x, elbo_samples, elbo_seed)
-            elbo = make_elbo(max_plate_nesting=2)
-            opt = torch.optim.Adam(ff.parameters(), lr=lr)
             bar = _bar if _bar is not None else tqdm(total=steps, disable=not progress, desc="ttvi", unit="step",
                                                      dynamic_ncols=True)
             try:
-                for step in range(steps):
-                    opt.zero_grad(set_to_none=True)
-                    loss = elbo.differentiable_loss(model, ff, x)
-                    if not torch.isfinite(loss):
-                        raise TrainingDiverged(f"test-time VI step {step}: the loss is {loss.item()} (lr {lr}); "
-                                               f"try a smaller lr")
-                    loss.backward()
-                    opt.step()
-                    trace.append(-loss.item() / B)
-                    bar.update(1)
-                    if step % 10 == 0 or step == steps - 1:
-                        bar.set_postfix(elbo=f"{trace[-1]:.1f}")
+                trace = fit_guide(model, ff, list(ff.parameters()), x, steps, lr, bar, show_elbo=True)
             finally:
                 if _bar is None:
                     bar.close()
