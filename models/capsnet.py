@@ -1,15 +1,13 @@
 """CapsNet with dynamic routing (Sabour, Frosst & Hinton 2017): Conv1 -> PrimaryCaps -> DigitCaps, margin loss,
 and masked reconstruction of each named digit.
 
-Sizes are a :class:`CapsNetConfig`; ``CapsNetConfig()`` is the paper's MultiMNIST network (36x36 input, Conv1 of
-256 9x9 kernels, 32 types of 8-D primary capsules on a 10x10 grid = 3200 children, 10 16-D digit capsules,
-3 routing iterations, decoder 512-1024-1296).  The routing and the decoder are the package's shared modules
-(:mod:`probcaps.models.routing`, :class:`probcaps.decoders.MaskedCapsuleDecoder`).
+``CapsNetConfig()`` is the paper's MultiMNIST network (36x36 input, Conv1 of 256 9x9 kernels, 32 types of 8-D
+primary capsules on a 10x10 grid = 3200 children, 10 16-D digit capsules, 3 routing iterations, decoder
+512-1024-1296).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -18,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probcaps.models.routing import capsule_predictions, linear_dynamic_routing, squash
+from probcaps.models.routing import linear_dynamic_routing, squash
 from probcaps.decoders import MaskedCapsuleDecoder
 
 __all__ = ["CapsNetConfig", "CapsNetOutput", "CapsNet", "margin_loss", "top_k_classes", "set_accuracy"]
@@ -48,6 +46,10 @@ class CapsNetConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        if self.primary_grid < 1:
+            raise ValueError(f"image_size {self.image_size} is too small for the two convolutions")
 
     @property
     def conv1_size(self) -> int:
@@ -101,8 +103,7 @@ class CapsNet(nn.Module):
     def __init__(self, config: CapsNetConfig | None = None):
         super().__init__()
         cfg = self.config = config or CapsNetConfig()
-        if cfg.primary_grid < 1:
-            raise ValueError(f"CapsNetConfig: image_size {cfg.image_size} too small for the two convolutions")
+        cfg.validate()
         self.conv1 = nn.Conv2d(cfg.in_channels, cfg.conv1_channels, cfg.conv1_kernel)
         self.primary = nn.Conv2d(cfg.conv1_channels, cfg.primary_capsules * cfg.primary_dim, cfg.primary_kernel,
                                  stride=cfg.primary_stride)
@@ -112,15 +113,10 @@ class CapsNet(nn.Module):
         self.decoder = MaskedCapsuleDecoder(cfg.num_classes, cfg.digit_dim, cfg.decoder_hidden,
                                             (cfg.in_channels, cfg.image_size, cfg.image_size))
 
-    def _autocast(self, x: torch.Tensor):
-        if not self.config.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=x.device.type, dtype=torch.bfloat16)
-
     def primary_capsules(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` images -> ``(B, I, P)`` squashed primary capsules (type-major: type, row, column)."""
         cfg = self.config
-        with self._autocast(x):
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             h = self.primary(F.relu(self.conv1(x)))
         B, _, g, _ = h.shape
         u = h.float().view(B, cfg.primary_capsules, cfg.primary_dim, g, g).permute(0, 1, 3, 4, 2)
@@ -131,11 +127,6 @@ class CapsNet(nn.Module):
         v, c = linear_dynamic_routing(u, self.digit_weight, self.config.routing_iterations,
                                       detach=self.config.detach_routing)
         return CapsNetOutput(v, v.norm(dim=-1), c, u)
-
-    def predictions(self, u: torch.Tensor) -> torch.Tensor:
-        """The materialised predictions ``u_hat`` ``(B, J, I, D)`` of primary capsules ``u`` (for inspection
-        and for checking the fused routing against :func:`probcaps.models.routing.dynamic_routing`)."""
-        return capsule_predictions(u, self.digit_weight.permute(1, 0, 3, 2))
 
     def reconstruct(self, digits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """Decode ``(B, C, H, W)`` from the digit capsules ``selected`` (``(B,)`` indices or ``(B, J)`` mask)."""

@@ -1,27 +1,17 @@
 """Dynamic routing between capsules (Sabour, Frosst & Hinton 2017): squash, predictions, routing-by-agreement.
 
-Everything is vectorised over the batch and over child and parent capsules; the only Python loop is over the
-routing iterations.  Two implementations of the same procedure:
+:func:`dynamic_routing` routes given predictions ``u_hat`` ``(B, J, I, D)`` (batch, parent, child, pose dim) and
+is the reference.  :func:`linear_dynamic_routing` is the fast path for CapsNet's linear predictions
+``u_hat_j|i = W_ij u_i``: it never builds ``u_hat``; with ``P``-dimensional children each iteration is two GEMMs,
 
-- :func:`dynamic_routing` routes given predictions ``u_hat`` ``(B, J, I, D)`` (batch, parent, child, pose dim);
-  any layer that produces predictions can use it.  It is the reference.
-- :func:`linear_dynamic_routing` is the fast path for CapsNet's linear predictions ``u_hat_j|i = W_ij u_i``: it
-  never builds ``u_hat``.  With ``P``-dimensional children, each iteration's two contractions become GEMMs with
-  inner dimension ``I * P`` and ``D``:
+    s_j  = sum_i c_ij W_ij u_i = W_j^T (c_j * u)          (J, B, I*P) @ (J, I*P, D)
+    a_ij = (W_ij u_i) . v_j   = u_i . (W_ij^T v_j)       (J, B, D) @ (J, D, I*P), then a sum over P
 
-      s_j  = sum_i c_ij W_ij u_i = W_j^T (c_j * u)          (J, B, I*P) @ (J, I*P, D)
-      a_ij = (W_ij u_i) . v_j   = u_i . (W_ij^T v_j)       (J, B, D) @ (J, D, I*P), then a sum over P
+instead of memory-bound passes over ``(B, J, I, D)`` (several times faster on CPU: ``benchmarks/bench_capsnet.py``).
 
-  so the work is dense matrix products instead of memory-bound passes over a ``(B, J, I, D)`` tensor (on the
-  2-core CPU this made the paper-size training step several times faster; see ``benchmarks/bench_capsnet.py``).
-
-Range: both stay finite for every finite input of float16, bfloat16, float32 and float64.  Squared norms and
-agreements are what overflow (``|s|^2`` beyond ``|s| ~ 1e19`` in float32, near 256 in float16), so :func:`squash`
-takes the norm of ``s`` divided by its largest entry where ``|s|^2`` would overflow, and the routing divides the
-votes of an example whose largest vote lies outside ``[2^-emax/4, 2^emax/4]`` by a power of two (exact: no
-rounding changes) and keeps its agreement logits in those units, shifting them to a maximum of 0 before scaling
-them back for the softmax; half precision is routed in float32 and cast back.  Inputs of ordinary size take the
-plain path (one check per call), so the fast path costs what it did.
+Both stay finite for every finite float16, bfloat16, float32 and float64 input: where squared norms or agreements
+would overflow, :func:`squash` normalises by the largest entry and routing works in units of a power of two
+(exact); half precision is routed in float32.  Inputs of ordinary size take the plain path (one check per call).
 """
 
 from __future__ import annotations
@@ -34,14 +24,10 @@ from probcaps.errors import ConfigError
 
 __all__ = ["squash", "capsule_predictions", "dynamic_routing", "linear_dynamic_routing"]
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
 def _compute_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
-    """Half-precision tensors are routed in float32 (their squared norms and agreements leave float16's range
-    near ``|x| ~ 256``) and the results cast back; float32 and float64 are routed in their own dtype; any other
-    dtype is refused."""
-    if dtype in _HALF:
+    """float32 for half precision (its squared norms overflow near ``|x| ~ 256``), float32 and float64 as they
+    are; any other dtype is refused."""
+    if dtype in (torch.float16, torch.bfloat16):
         return torch.float32
     if dtype not in (torch.float32, torch.float64):
         raise ConfigError(f"{where}: dtype {dtype} is not supported (float16, bfloat16, float32 or float64)")
@@ -49,35 +35,28 @@ def _compute_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
 
 
 def _max_length(dim_size: int, compute: torch.dtype, out: torch.dtype) -> float:
-    """The largest capsule length :func:`squash` returns: ``1`` less a margin that covers the rounding of the
-    direction (a norm, a division and a product in ``compute``, about ``(D + 6)`` units in the last place) and
-    of the cast to ``out``, so that even the stored, rounded output has a norm below 1."""
-    margin = (dim_size + 6) * torch.finfo(compute).eps / 2
-    if out != compute:
-        margin += torch.finfo(out).eps
-    return 1.0 - margin
+    """The largest length :func:`squash` returns: 1 less the rounding of the direction (about ``D + 6`` ulps of
+    ``compute``) and of the cast to ``out``, so that even the stored output has a norm below 1."""
+    return 1.0 - ((dim_size + 6) * torch.finfo(compute).eps / 2 + (torch.finfo(out).eps if out != compute else 0.0))
 
 
 def _peak(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """``max |x|`` over ``dim`` (all of ``x`` for ``None``), detached: one ``aminmax`` pass, several times faster
-    on CPU than ``vector_norm(ord=inf)``."""
+    """``max |x|`` over ``dim`` (all of ``x`` for ``None``), detached (``aminmax``: faster on CPU than
+    ``vector_norm(ord=inf)``)."""
     lo, hi = torch.aminmax(x.detach(), dim=dim, keepdim=keepdim)
     return torch.maximum(-lo, hi)
 
 
 def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None,
             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """:func:`squash` of ``scale * s`` (``scale`` a constant broadcastable to ``s`` reduced over ``dim``, e.g. the
-    power of two that routing divided its votes by), in the compute dtype of ``s``, with lengths short enough
-    for a later cast to ``out_dtype`` (default ``s``'s dtype)."""
+    """:func:`squash` of ``scale * s`` (``scale``: a constant, e.g. the power of two routing divided its votes by)
+    in the compute dtype of ``s``, with lengths short enough for a later cast to ``out_dtype``."""
     out_dtype = out_dtype or s.dtype
     s = s.to(_compute_dtype(s.dtype, "squash"))
-    finfo = torch.finfo(s.dtype)
     max_length = _max_length(s.shape[dim], s.dtype, out_dtype)
     if scale is None:
         n2 = (s * s).sum(dim, keepdim=True)
-        # the plain formula while no |s|^2 overflows (its underflow only reaches outputs below |s|^2, which
-        # underflow as much); checked once for the whole tensor
+        # the plain formula while no |s|^2 overflows (checked once for the whole tensor)
         if bool(torch.isfinite(n2.detach()).all()):
             positive = n2 > 0
             n = torch.where(positive, torch.sqrt(torch.where(positive, n2, torch.ones_like(n2))), torch.zeros_like(n2))
@@ -91,7 +70,7 @@ def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None,
     t = s / peak
     t_norm = torch.linalg.vector_norm(t, dim=dim, keepdim=True)  # gradient 0 (not NaN) at t = 0
     # |s| = peak * |t|, capped where |s|^2 / (1 + |s|^2) rounds to 1 anyway, so that |s|^2 stays finite
-    big = math.sqrt(finfo.max) / 2
+    big = math.sqrt(torch.finfo(s.dtype).max) / 2
     factor = peak if scale is None else (peak * scale.to(s.dtype)).clamp(max=big)
     n = (factor * t_norm).clamp(max=big)
     n2 = n * n
@@ -102,37 +81,24 @@ def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None,
 def squash(s: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``v = |s|^2 / (1 + |s|^2) * s / |s|`` along ``dim`` (paper eq. 1): norms in ``[0, 1)``, direction kept.
 
-    Stable for every finite input of float16, bfloat16, float32 and float64 (half precision is computed in
-    float32 and cast back): where some ``|s|^2`` would overflow, the norm is taken of ``s`` divided by its
-    largest component; ``s = 0`` maps to 0 with gradient 0.  Very long inputs map to unit vectors shortened by a
-    few units in the last place (see :func:`_max_length`), so that every returned norm is below 1.
+    Finite for every finite input (see the module docstring); ``s = 0`` maps to 0 with gradient 0, and very long
+    inputs to unit vectors shortened by a few ulps (:func:`_max_length`).
     """
     return _squash(s, dim).to(s.dtype)
 
 
 def _routing_exponent(peak: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The power of two ``e`` to route in units of, from the largest vote ``peak`` (any shape): the ``e`` with
-    ``2^e <= peak < 2^(e + 1)`` where ``peak`` is outside ``[2^-emax/4, 2^emax/4]`` (about ``[2e-10, 4e9]`` in
-    float32), else 0, since votes inside that window cannot overflow a sum, a squared norm or an agreement.
-    Dividing by ``2^e`` is exact, so routing in those units changes no rounding."""
+    """The power of two ``e`` to route in units of: ``2^e <= peak < 2^(e + 1)`` where the largest vote ``peak`` is
+    outside ``[2^-emax/4, 2^emax/4]`` (about ``[2e-10, 4e9]`` in float32), else 0 (votes inside cannot overflow
+    a sum, a squared norm or an agreement).  Dividing by ``2^e`` is exact."""
     e = torch.frexp(peak)[1] - 1
     window = math.frexp(torch.finfo(dtype).max)[1] // 4
     return torch.where((e.abs() > window) & (peak > 0), e, torch.zeros_like(e))
 
 
-def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``2^e`` in ``dtype`` (exact; 0 below its range)."""
-    return torch.exp2(e.to(dtype))
-
-
 def _coupling(logits: torch.Tensor, scale: torch.Tensor | None, dim: int) -> torch.Tensor:
-    """Softmax over the parents ``dim`` of ``scale * logits`` (``logits`` in units of the votes' scale, which is
-    1 for ``None``).
-
-    The logits are shifted to a maximum of 0 before scaling: the scaled ones are then in ``[-inf, 0]``, never
-    ``+inf``, and the softmax neither overflows nor produces NaN however large the votes are.  (The shift is a
-    constant for autograd: the softmax does not depend on it.)
-    """
+    """Softmax over the parents ``dim`` of ``scale * logits`` (``scale`` None: 1).  The logits are shifted to a
+    maximum of 0 before scaling, so the scaled ones are never ``+inf`` and the softmax never NaN."""
     if scale is None:
         return torch.softmax(logits, dim=dim)
     return torch.softmax(scale * (logits - logits.detach().amax(dim, keepdim=True)), dim=dim)
@@ -160,18 +126,14 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
     Args:
         u_hat: ``(B, J, I, D)`` predictions of ``J`` parents by ``I`` children.
         iterations: routing iterations ``r >= 1`` (1 = uniform coupling, no agreement step).
-        detach: the stop-gradient variant (as in the authors' TensorFlow code): the iterations before the last
-            see ``u_hat`` detached, so gradients reach ``u_hat`` only through the final weighted sum. Default:
-            gradients flow through every iteration.
+        detach: the stop-gradient variant (as in the authors' TensorFlow code): gradients reach ``u_hat`` only
+            through the last iteration's weighted sum. Default: through every iteration.
     Returns:
         ``v`` ``(B, J, D)`` squashed parent capsules, and ``c`` ``(B, J, I)`` the final coupling coefficients
         (softmax over the parents ``J``: ``c.sum(1) == 1`` for every child).
 
-    Finite for every finite ``u_hat`` of float16, bfloat16, float32 or float64 (half precision is routed in
-    float32): where an example's largest vote is far from 1 (see :func:`_routing_exponent`), its votes are
-    divided by the power of two ``2^e <= max |u_hat|`` (exact), so the weighted sums and agreements cannot
-    overflow, and the logits are kept in those units (see :func:`_coupling`).  Votes of ordinary size are routed
-    as given.
+    Finite for every finite ``u_hat``: an example whose largest vote is far from 1 is routed in units of a power
+    of two (:func:`_routing_exponent`, :func:`_coupling`).
     """
     if iterations < 1:
         raise ValueError(f"dynamic_routing: iterations must be >= 1, got {iterations}")
@@ -181,7 +143,7 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
     e = _routing_exponent(_peak(u_hat.reshape(B, -1), dim=1), u_hat.dtype)  # (B,)
     scale = None
     if bool((e != 0).any()):
-        scale = _pow2(e, u_hat.dtype).view(B, 1, 1)  # a constant for autograd
+        scale = torch.exp2(e.to(u_hat.dtype)).view(B, 1, 1)  # a constant for autograd
         u_hat = u_hat / scale.unsqueeze(-1)
     logits = u_hat.new_zeros(B, J, I)  # agreement in units of the scale
     u_inner = u_hat.detach() if detach else u_hat
@@ -208,9 +170,8 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
     Returns:
         ``v`` ``(B, J, D)`` and the coupling coefficients ``c`` ``(B, J, I)`` (sum to 1 over ``J``).
 
-    Scaled like :func:`dynamic_routing`: ``u`` by a power of two per example and ``weight`` by one power of two,
-    the votes' scale being their product.  Where that product exceeds the dtype's range (predictions that could
-    not be stored either) it is capped at the largest power of two, which keeps every output finite.
+    Scaled like :func:`dynamic_routing`: ``u`` by a power of two per example and ``weight`` by one, the votes'
+    scale being their product, capped at the dtype's largest power of two.
     """
     if iterations < 1:
         raise ValueError(f"linear_dynamic_routing: iterations must be >= 1, got {iterations}")
@@ -226,9 +187,9 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
     scale = None
     if bool((e_u != 0).any() or e_w != 0):
         e_max = math.frexp(torch.finfo(dtype).max)[1] - 1
-        scale = _pow2((e_u + e_w).clamp(max=e_max), dtype).view(1, B, 1, 1)  # the votes' scale, per example
-        u = u / _pow2(e_u, dtype).view(B, 1, 1)
-        weight = weight / _pow2(e_w, dtype)
+        scale = torch.exp2((e_u + e_w).clamp(max=e_max).to(dtype)).view(1, B, 1, 1)  # the votes' scale, per example
+        u = u / torch.exp2(e_u.to(dtype)).view(B, 1, 1)
+        weight = weight / torch.exp2(e_w.to(dtype))
     # children-last layouts: every elementwise product below then runs over a contiguous innermost axis of
     # length I (with P innermost, the broadcasts over 8-element rows were several times slower)
     u_t = u.transpose(1, 2).contiguous()  # (B, P, I)
