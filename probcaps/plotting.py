@@ -1,9 +1,8 @@
-"""Figures: templates, reconstructions with coloured parts, curves and generic image grids.
+"""Figures: templates, reconstructions with coloured parts, curves, heat maps and generic image grids.
 
-Uses ``matplotlib.figure.Figure`` with an explicit ``FigureCanvasAgg`` so no global backend is
-selected (callers' ``matplotlib.use(...)`` / pyplot state is untouched) and nothing needs a display.
-Every plotting function writes a PNG atomically (``probcaps.io.atomic_write``) and returns its path.
-Inputs may be numpy arrays or torch tensors.
+Uses ``matplotlib.figure.Figure`` with an explicit ``FigureCanvasAgg``, so no global backend is selected (a caller's
+``matplotlib.use(...)`` stands) and nothing needs a display.  Every function writes a PNG atomically
+(``probcaps.io.atomic_write``) and returns its path; inputs may be numpy arrays or torch tensors.
 """
 
 from __future__ import annotations
@@ -22,38 +21,16 @@ from matplotlib.patches import Rectangle
 
 from .io import atomic_write
 
-__all__ = [
-    "PART_PALETTE",
-    "plot_templates",
-    "colour_parts",
-    "plot_reconstructions",
-    "plot_curves",
-    "plot_curve_panels",
-    "plot_predicted_vs_true",
-    "plot_heatmap",
-    "plot_confusion_matrix",
-    "plot_objects_by_class",
-    "plot_image_grid",
-]
+__all__ = ["PART_PALETTE", "plot_templates", "colour_parts", "plot_reconstructions", "plot_curves",
+           "plot_curve_panels", "plot_predicted_vs_true", "plot_heatmap", "plot_confusion_matrix",
+           "plot_objects_by_class", "plot_image_grid"]
 
-# A fixed qualitative palette (matplotlib's tab10 followed by its light tab20 companions), RGB in [0, 1].
-PART_PALETTE = np.array(
-    [
-        (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E), (0x2C, 0xA0, 0x2C), (0xD6, 0x27, 0x28),
-        (0x94, 0x67, 0xBD), (0x8C, 0x56, 0x4B), (0xE3, 0x77, 0xC2), (0x7F, 0x7F, 0x7F),
-        (0xBC, 0xBD, 0x22), (0x17, 0xBE, 0xCF), (0xAE, 0xC7, 0xE8), (0xFF, 0xBB, 0x78),
-        (0x98, 0xDF, 0x8A), (0xFF, 0x98, 0x96), (0xC5, 0xB0, 0xD5), (0xC4, 0x9C, 0x94),
-        (0xF7, 0xB6, 0xD2), (0xC7, 0xC7, 0xC7), (0xDB, 0xDB, 0x8D), (0x9E, 0xDA, 0xE5),
-    ],
-    dtype=np.float64,
-) / 255.0
+#: a fixed qualitative palette, RGB in [0, 1]: matplotlib's tab10 followed by its light tab20 companions
+PART_PALETTE = np.array(colormaps["tab20"].colors[0::2] + colormaps["tab20"].colors[1::2], dtype=np.float64)
 
 _DPI = 100
 _CELL_IN = 1.1  # inches per image cell
 _MAX_FIG_IN = 40.0  # cap on either figure dimension
-
-
-# --------------------------------------------------------------------------- helpers
 
 
 def _to_numpy(x: Any, name: str) -> np.ndarray:
@@ -76,12 +53,17 @@ def _images(x: Any, name: str, lead_dims: int) -> np.ndarray:
     ok = arr.ndim == lead_dims + 2 or (arr.ndim == lead_dims + 3 and arr.shape[-1] in (3, 4))
     if not ok:
         lead = "N" if lead_dims == 1 else "R, C"
-        raise ValueError(
-            f"{name} must have shape ({lead}, H, W), ({lead}, 1, H, W) or ({lead}, H, W, 3); got {arr.shape}"
-        )
+        raise ValueError(f"{name} must have shape ({lead}, H, W), ({lead}, 1, H, W) or ({lead}, H, W, 3); "
+                         f"got {arr.shape}")
     if any(s == 0 for s in arr.shape):
         raise ValueError(f"{name} is empty (shape {arr.shape})")
     return arr
+
+
+def _check_len(items: Sequence | None, n: int, name: str, other: str) -> None:
+    """``items`` (None: nothing to check) must hold ``n`` entries, as ``other`` says (e.g. "values has 6 rows")."""
+    if items is not None and len(items) != n:
+        raise ValueError(f"{name} has {len(items)} entries but {other}")
 
 
 def _new_figure(width_in: float, height_in: float) -> Figure:
@@ -99,30 +81,22 @@ def _save(fig: Figure, path: str | os.PathLike, title: str | None = None, fontsi
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=_DPI), mode="wb")
 
 
-def _show(ax, img: np.ndarray, vmin: float | None = None, vmax: float | None = None) -> None:
-    if img.ndim == 3:  # colour image
+def _show(ax, img: np.ndarray) -> None:
+    """An image without ticks: RGB clipped to [0, 1]; greyscale on [0, 1] when in range, else its finite range."""
+    if img.ndim == 3:
         ax.imshow(np.clip(img, 0.0, 1.0), interpolation="nearest")
     else:
-        if vmin is None or vmax is None:
-            finite = img[np.isfinite(img)]
-            lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-            if lo >= 0.0 and hi <= 1.0:  # the usual case: intensities / alphas in [0, 1]
-                lo, hi = 0.0, 1.0
-            elif hi <= lo:
-                hi = lo + 1.0
-            vmin, vmax = lo, hi
-        ax.imshow(img, cmap="gray", vmin=vmin, vmax=vmax, interpolation="nearest")
+        finite = img[np.isfinite(img)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        if lo >= 0.0 and hi <= 1.0:  # the usual case: intensities / alphas in [0, 1]
+            lo, hi = 0.0, 1.0
+        elif hi <= lo:
+            hi = lo + 1.0
+        ax.imshow(img, cmap="gray", vmin=lo, vmax=hi, interpolation="nearest")
     ax.set_xticks([])
     ax.set_yticks([])
     for spine in ax.spines.values():
         spine.set_visible(False)
-
-
-def _blank(ax) -> None:
-    ax.set_axis_off()
-
-
-# --------------------------------------------------------------------------- templates
 
 
 def plot_templates(templates: Any, path: str | os.PathLike, alphas: Any = None, ncols: int | None = None,
@@ -130,14 +104,9 @@ def plot_templates(templates: Any, path: str | os.PathLike, alphas: Any = None, 
     """Grid of ``(M, t, t)`` or ``(M, 1, t, t)`` templates; ``alphas`` (same shape) as a second row block."""
     T = _images(templates, "templates", 1)
     M = T.shape[0]
-    A = None
-    if alphas is not None:
-        A = _images(alphas, "alphas", 1)
-        if A.shape[0] != M:
-            raise ValueError(f"alphas has {A.shape[0]} entries but templates has {M}")
-    if ncols is None:
-        ncols = min(M, 10)
-    ncols = int(ncols)
+    A = None if alphas is None else _images(alphas, "alphas", 1)
+    _check_len(A, M, "alphas", f"templates has {M}")
+    ncols = int(min(M, 10) if ncols is None else ncols)
     if ncols < 1:
         raise ValueError(f"ncols must be >= 1, got {ncols}")
     ncols = min(ncols, M)
@@ -155,11 +124,8 @@ def plot_templates(templates: Any, path: str | os.PathLike, alphas: Any = None, 
                 _show(ax, data[k])
                 ax.set_title(f"{label} {k}", fontsize=7)
             else:
-                _blank(ax)
+                ax.set_axis_off()
     return _save(fig, path, title)
-
-
-# --------------------------------------------------------------------------- coloured parts
 
 
 def colour_parts(weights: Any, colours: Any = None) -> np.ndarray:
@@ -174,19 +140,11 @@ def colour_parts(weights: Any, colours: Any = None) -> np.ndarray:
         raise ValueError(f"weights must have shape (N, M, H, W), got {W.shape}")
     if not np.all(np.isfinite(W)):
         raise ValueError("weights contains NaN/Inf")
-    if colours is None:
-        C = PART_PALETTE
-    else:
-        C = _to_numpy(colours, "colours")
-        if C.ndim != 2 or C.shape[1] != 3 or C.shape[0] == 0:
-            raise ValueError(f"colours must have shape (K, 3), got {C.shape}")
-    M = W.shape[1]
-    C = C[np.arange(M) % C.shape[0]]  # (M, 3), cycled
-    rgb = np.einsum("nmhw,mc->nhwc", W, C)
-    return np.clip(rgb, 0.0, 1.0)
-
-
-# --------------------------------------------------------------------------- reconstructions
+    C = PART_PALETTE if colours is None else _to_numpy(colours, "colours")
+    if C.ndim != 2 or C.shape[1] != 3 or C.shape[0] == 0:
+        raise ValueError(f"colours must have shape (K, 3), got {C.shape}")
+    C = C[np.arange(W.shape[1]) % C.shape[0]]  # (M, 3), cycled
+    return np.clip(np.einsum("nmhw,mc->nhwc", W, C), 0.0, 1.0)
 
 
 def plot_reconstructions(inputs: Any, recons: Any, path: str | os.PathLike, part_colours: Any = None,
@@ -199,33 +157,17 @@ def plot_reconstructions(inputs: Any, recons: Any, path: str | os.PathLike, part
     """
     X = _images(inputs, "inputs", 1)
     R = _images(recons, "recons", 1)
-    if X.shape[0] != R.shape[0]:
-        raise ValueError(f"recons has {R.shape[0]} images but inputs has {X.shape[0]}")
+    _check_len(R, len(X), "recons", f"inputs has {len(X)}")
     rows = [X, R]
     if part_colours is not None:
         P = _to_numpy(part_colours, "part_colours")
         if P.ndim != 4 or P.shape[-1] != 3:
             raise ValueError(f"part_colours must have shape (N, H, W, 3), got {P.shape}")
-        if P.shape[0] != X.shape[0]:
-            raise ValueError(f"part_colours has {P.shape[0]} images but inputs has {X.shape[0]}")
+        _check_len(P, len(X), "part_colours", f"inputs has {len(X)}")
         rows.append(P)
-    titles = list(titles) if titles is not None else []
-    N = X.shape[0]
+    # inputs and reconstructions share the fixed [0, 1] grey scale of _show when in range: comparable intensities
+    return _image_rows(rows, path, list(titles or [])[:len(rows)], None, title)
 
-    fig = _new_figure(N * _CELL_IN + 0.6, len(rows) * _CELL_IN + (0.4 if title else 0.0))
-    axes = fig.subplots(len(rows), N, squeeze=False)
-    for r, data in enumerate(rows):
-        for c in range(N):
-            ax = axes[r][c]
-            # Inputs and reconstructions share a fixed [0, 1] grey scale when in range, so
-            # intensities are comparable across the two rows.
-            _show(ax, data[c])
-            if c == 0 and r < len(titles):
-                ax.set_ylabel(titles[r], fontsize=8)
-    return _save(fig, path, title)
-
-
-# --------------------------------------------------------------------------- curves
 
 _PANEL_KEYS = ("curves", "xlabel", "ylabel", "title", "logy", "ylim", "references", "vlines", "colours")
 
@@ -242,12 +184,7 @@ def _points(spec: Any, name: str, allow_err: bool) -> tuple[np.ndarray, np.ndarr
     if len(spec) < 3 or spec[2] is None:
         return x, y, None
     yerr = _to_numpy(spec[2], f"{name} yerr")
-    bad = (
-        (yerr.ndim == 1 and yerr.shape != y.shape)
-        or (yerr.ndim == 2 and yerr.shape != (2, y.size))
-        or yerr.ndim not in (1, 2)
-    )
-    if bad:
+    if yerr.shape not in (y.shape, (2, y.size)):
         raise ValueError(f"{name}: yerr must have shape ({y.size},) or (2, {y.size}), got {yerr.shape}")
     return x, y, yerr
 
@@ -286,18 +223,13 @@ def _draw_curve_panel(ax, panel: Any, where) -> list:
     handles = []
     for i, (name, spec) in enumerate(curves.items()):
         x, y, yerr = _points(spec, f"{where('curves')}[{name!r}]", allow_err=True)
-        marker = "o" if x.size <= 30 else None
-        style = dict(label=str(name), color=colour_of(name, i), marker=marker, markersize=3)
-        if yerr is not None:
-            h = ax.errorbar(x, y, yerr=yerr, capsize=3, **style)
-        else:
-            (h,) = ax.plot(x, y, **style)
-        handles.append(h)
+        style = dict(label=str(name), color=colour_of(name, i), marker="o" if x.size <= 30 else None, markersize=3)
+        handles.append(ax.errorbar(x, y, yerr=yerr, capsize=3, **style) if yerr is not None
+                       else ax.plot(x, y, **style)[0])
     for j, (name, spec) in enumerate(references.items()):
         x, y, _ = _points(spec, f"{where('references')}[{name!r}]", allow_err=False)
-        (h,) = ax.plot(x, y, linestyle="none", marker="*", markersize=11, markeredgecolor="k",
-                       color=colour_of(name, len(curves) + j), label=str(name))
-        handles.append(h)
+        handles += ax.plot(x, y, linestyle="none", marker="*", markersize=11, markeredgecolor="k",
+                           color=colour_of(name, len(curves) + j), label=str(name))
     if panel.get("vlines") is not None:
         for v in _to_numpy(panel["vlines"], where("vlines")).reshape(-1):
             ax.axvline(v, color="grey", linestyle="--", linewidth=0.8)
@@ -355,12 +287,9 @@ def plot_curves(curves: Mapping[str, Sequence[Any]], path: str | os.PathLike, xl
     return _curve_figure([panel], path, lambda i: (lambda key: "curves" if key is None else key))
 
 
-# --------------------------------------------------------------------------- heat map
-
-
 def _cells(cells: Any, name: str, shape: tuple[int, int]) -> np.ndarray:
-    """``(K, 2)`` integer (row, col) cell indices inside ``shape``."""
-    arr = _to_numpy(cells, name)
+    """``(K, 2)`` integer (row, col) cell indices inside ``shape`` (none for ``None``)."""
+    arr = np.zeros(0) if cells is None else _to_numpy(cells, name)
     if arr.size == 0:
         return np.zeros((0, 2), dtype=int)
     if arr.ndim != 2 or arr.shape[1] != 2:
@@ -371,6 +300,21 @@ def _cells(cells: Any, name: str, shape: tuple[int, int]) -> np.ndarray:
     if idx.min() < 0 or np.any(idx[:, 0] >= shape[0]) or np.any(idx[:, 1] >= shape[1]):
         raise ValueError(f"{name} has a cell outside the {shape[0]} x {shape[1]} values")
     return idx
+
+
+def _label_axes(ax, xticks: Sequence | None = None, yticks: Sequence | None = None, xlabel: str | None = None,
+                ylabel: str | None = None, title: str | None = None, title_size: float = 9) -> None:
+    """Label every column / row of a table drawn on ``ax`` with ``xticks`` / ``yticks``; axis labels and title."""
+    if xticks is not None:
+        ax.set_xticks(range(len(xticks)), [str(s) for s in xticks], fontsize=7)
+    if yticks is not None:
+        ax.set_yticks(range(len(yticks)), [str(s) for s in yticks], fontsize=7)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=title_size)
 
 
 def plot_heatmap(values: Any, path: str | os.PathLike, row_labels: Sequence[str] | None = None,
@@ -388,39 +332,25 @@ def plot_heatmap(values: Any, path: str | os.PathLike, row_labels: Sequence[str]
     if V.ndim != 2 or V.size == 0:
         raise ValueError(f"values must be a non-empty 2-D array (rows, cols), got shape {V.shape}")
     R, C = V.shape
-    if row_labels is not None and len(row_labels) != R:
-        raise ValueError(f"row_labels has {len(row_labels)} entries but values has {R} rows")
-    if col_labels is not None and len(col_labels) != C:
-        raise ValueError(f"col_labels has {len(col_labels)} entries but values has {C} columns")
+    _check_len(row_labels, R, "row_labels", f"values has {R} rows")
+    _check_len(col_labels, C, "col_labels", f"values has {C} columns")
     if vmin is not None and vmax is not None and not vmin < vmax:
         raise ValueError(f"vmin must be below vmax, got vmin={vmin}, vmax={vmax}")
     if cmap not in colormaps:
         raise ValueError(f"cmap {cmap!r} is not a matplotlib colour map")
-    boxes = _cells(outlined, "outlined", (R, C)) if outlined is not None else None
-    dots = _cells(marked, "marked", (R, C)) if marked is not None else None
-
-    legend_in = 0.3 if marked_label and dots is not None and len(dots) else 0.0  # strip below for the legend
+    boxes, dots = _cells(outlined, "outlined", (R, C)), _cells(marked, "marked", (R, C))
+    legend_in = 0.3 if marked_label and len(dots) else 0.0  # strip below for the legend
     height_in = max(3.0, 0.25 * R + 1.2) + legend_in
     fig = _new_figure(max(4.5, 0.22 * C + 3.0), height_in)
     ax = fig.add_subplot(1, 1, 1)
     im = ax.imshow(V, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto", interpolation="nearest")
-    if row_labels is not None:
-        ax.set_yticks(range(R), [str(s) for s in row_labels], fontsize=7)
-    if col_labels is not None:
-        ax.set_xticks(range(C), [str(s) for s in col_labels], fontsize=7)
-    if boxes is not None:
-        for r, c in boxes:
-            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
-    if dots is not None and len(dots):
+    _label_axes(ax, col_labels, row_labels, xlabel, ylabel, title, title_size=10)
+    for r, c in boxes:
+        ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=1.5))
+    if len(dots):
         h = ax.scatter(dots[:, 1], dots[:, 0], s=10, c="white", edgecolors="black", linewidths=0.4)
         if legend_in:
             fig.legend([h], [marked_label], loc="lower center", fontsize=7, frameon=False)
-    if xlabel:
-        ax.set_xlabel(xlabel)
-    if ylabel:
-        ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.05, label=colorbar_label)
     return _save(fig, path, rect=(0.0, legend_in / height_in, 1.0, 1.0))
 
@@ -436,8 +366,7 @@ def plot_confusion_matrix(confusion: Any, path: str | os.PathLike, class_labels:
     if (M < 0).any():
         raise ValueError("confusion must hold non-negative counts")
     C = M.shape[0]
-    if class_labels is not None and len(class_labels) != C:
-        raise ValueError(f"class_labels has {len(class_labels)} entries but confusion has {C} classes")
+    _check_len(class_labels, C, "class_labels", f"confusion has {C} classes")
     labels = [str(c) for c in (class_labels if class_labels is not None else range(C))]
     rows = M.sum(1, keepdims=True)
     shares = np.divide(M, rows, out=np.zeros_like(M), where=rows > 0)
@@ -450,12 +379,7 @@ def plot_confusion_matrix(confusion: Any, path: str | os.PathLike, class_labels:
             if M[i, j]:
                 ax.text(j, i, f"{M[i, j]:g}", ha="center", va="center", fontsize=6,
                         color="white" if shares[i, j] > 0.5 else "black")
-    ax.set_xticks(range(C), labels, fontsize=7)
-    ax.set_yticks(range(C), labels, fontsize=7)
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("true class")
-    if title:
-        ax.set_title(title, fontsize=9)
+    _label_axes(ax, labels, labels, "predicted class", "true class", title)
     fig.colorbar(im, ax=ax, fraction=0.05, label="share of the true class")
     return _save(fig, path)
 
@@ -472,24 +396,16 @@ def plot_objects_by_class(panels: Mapping[str, Any], path: str | os.PathLike, cl
     if len(shapes) != 1 or any(t.ndim != 2 or t.size == 0 for t in tables.values()):
         raise ValueError(f"panels must be non-empty 2-D tables of one shape (objects, classes), got {sorted(shapes)}")
     K, C = shapes.pop()
-    if class_labels is not None and len(class_labels) != C:
-        raise ValueError(f"class_labels has {len(class_labels)} entries but the tables have {C} columns")
+    _check_len(class_labels, C, "class_labels", f"the tables have {C} columns")
     labels = [str(c) for c in (class_labels if class_labels is not None else range(C))]
     n = len(tables)
     fig = _new_figure(n * max(3.2, 0.3 * C + 1.8), max(3.0, 0.25 * K + 1.4))
     for i, (name, table) in enumerate(tables.items()):
         ax = fig.add_subplot(1, n, i + 1)
         im = ax.imshow(table, vmin=0.0, cmap="viridis", aspect="auto", interpolation="nearest")
-        ax.set_xticks(range(C), labels, fontsize=7)
-        ax.set_yticks(range(K), [str(k) for k in range(K)], fontsize=7)
-        ax.set_xlabel("class")
-        ax.set_ylabel("object capsule")
-        ax.set_title(name, fontsize=9)
+        _label_axes(ax, labels, range(K), "class", "object capsule", name)
         fig.colorbar(im, ax=ax, fraction=0.06)
     return _save(fig, path, title, fontsize=10)
-
-
-# --------------------------------------------------------------------------- generic grid
 
 
 def plot_predicted_vs_true(pred: Any, true: Any, names: Sequence[str], path: str | os.PathLike,
@@ -503,10 +419,8 @@ def plot_predicted_vs_true(pred: Any, true: Any, names: Sequence[str], path: str
     if P.ndim != 2 or P.shape != T.shape:
         raise ValueError(f"pred and true must both be (N, K); got {P.shape} and {T.shape}")
     K = P.shape[1]
-    if len(names) != K:
-        raise ValueError(f"names has {len(names)} entries but pred has {K} components")
-    if scores is not None and len(scores) != K:
-        raise ValueError(f"scores has {len(scores)} entries but pred has {K} components")
+    _check_len(names, K, "names", f"pred has {K} components")
+    _check_len(scores, K, "scores", f"pred has {K} components")
     cols = min(K, 3)
     rows = -(-K // cols)
     fig = _new_figure(3.2 * cols, 3.0 * rows + (0.4 if title else 0.0))
@@ -529,18 +443,22 @@ def plot_image_grid(images: Any, path: str | os.PathLike, row_labels: Sequence[s
     """Grid of ``(R, C, H, W)`` greyscale (or ``(R, C, H, W, 3)`` RGB) images with optional labels."""
     I = _images(images, "images", 2)
     R, C = I.shape[:2]
-    if row_labels is not None and len(row_labels) != R:
-        raise ValueError(f"row_labels has {len(row_labels)} entries but images has {R} rows")
-    if col_labels is not None and len(col_labels) != C:
-        raise ValueError(f"col_labels has {len(col_labels)} entries but images has {C} columns")
+    _check_len(row_labels, R, "row_labels", f"images has {R} rows")
+    _check_len(col_labels, C, "col_labels", f"images has {C} columns")
+    return _image_rows(I, path, row_labels, col_labels, title)
+
+
+def _image_rows(rows: Sequence[Sequence[np.ndarray]], path: str | os.PathLike, row_labels: Sequence[str] | None,
+                col_labels: Sequence[str] | None, title: str | None) -> Path:
+    """A grid with one row per entry of ``rows`` (each ``C`` images ``(H, W)`` or ``(H, W, 3)``), labelled."""
+    R, C = len(rows), len(rows[0])
     fig = _new_figure(C * _CELL_IN + (0.6 if row_labels else 0.0), R * _CELL_IN + (0.4 if title else 0.0))
     axes = fig.subplots(R, C, squeeze=False)
-    for r in range(R):
-        for c in range(C):
-            ax = axes[r][c]
-            _show(ax, I[r, c])
+    for r, row in enumerate(rows):
+        for c, img in enumerate(row):
+            _show(axes[r][c], img)
             if r == 0 and col_labels is not None:
-                ax.set_title(str(col_labels[c]), fontsize=8)
-            if c == 0 and row_labels is not None:
-                ax.set_ylabel(str(row_labels[r]), fontsize=8)
+                axes[r][c].set_title(str(col_labels[c]), fontsize=8)
+            if c == 0 and row_labels:
+                axes[r][c].set_ylabel(str(row_labels[r]), fontsize=8)
     return _save(fig, path, title)
