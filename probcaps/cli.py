@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import importlib.util
 import math
 import os
-import pkgutil
 import re
 import sys
 from pathlib import Path
@@ -62,21 +60,13 @@ def one_line_errors(name: str):
         def wrapped(argv=None) -> int:
             try:
                 return main(argv) or 0
-            except ProbcapsError as e:
-                print(f"{name}: error: {e}", file=sys.stderr)
+            except (ProbcapsError, OSError) as e:
+                print(f"{name}: error: {e if isinstance(e, ProbcapsError) else os_error_message(e)}", file=sys.stderr)
                 return 2
-            except OSError as e:
-                print(f"{name}: error: {os_error_message(e)}", file=sys.stderr)
-                return 2
-            except KeyboardInterrupt as e:
-                return interrupted_exit_code(e)
+            except KeyboardInterrupt as e:  # 130 for Ctrl-C, 143 for SIGTERM (inference.train.Terminated)
+                return getattr(e, "exit_code", 130)
         return wrapped
     return decorate
-
-
-def interrupted_exit_code(e: KeyboardInterrupt) -> int:
-    """130 for Ctrl-C, 143 for SIGTERM (``inference.train.Terminated``), as a shell reports them."""
-    return getattr(e, "exit_code", 130)
 
 
 def launch(main) -> None:
@@ -244,14 +234,11 @@ def experiments() -> dict[str, str]:
     import probcaps.experiments
 
     found = {}
-    for info in pkgutil.iter_modules(probcaps.experiments.__path__):
-        spec = importlib.util.find_spec(f"probcaps.experiments.{info.name}")
-        if info.ispkg or spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            continue
-        source = Path(spec.origin).read_text(encoding="utf-8")
+    for path in (p for folder in probcaps.experiments.__path__ for p in Path(folder).glob("*.py")):
+        source = path.read_text(encoding="utf-8")
         if re.search(r"^def main\(", source, re.MULTILINE):
             docstring = re.match(r'\s*r?("""|\'\'\')\s*(.*)', source)
-            found[info.name] = docstring.group(2).rstrip('"\'') if docstring else ""
+            found[path.stem] = docstring.group(2).rstrip('"\'') if docstring else ""
     return dict(sorted(found.items()))
 
 
@@ -302,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=None, help="training seed (overrides train.seed)")
     p.add_argument("--steps", type=positive_int, default=None, help="training steps (overrides train.steps)")
     p.add_argument("--jit", action="store_true", help="use JitTraceEnum_ELBO")
-    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN (faster steps)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--validate", action="store_true", help="turn on Pyro's validation checks")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--evaluate", action="store_true", help="evaluate the final checkpoint afterwards")
@@ -360,17 +348,9 @@ def _train(args) -> None:
     from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
     from probcaps.inference.distributed import init_from_env
 
-    overrides = list(args.set)
-    if args.seed is not None:
-        overrides.append(f"train.seed={args.seed}")
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
-    if args.jit:
-        overrides.append("train.jit=true")
-    if args.compile:
-        overrides.append("train.compile=true")
-    if args.validate:
-        overrides.append("train.validate=true")
+    overrides = [*args.set, *(f"train.{key}={getattr(args, key)}" for key in ("seed", "steps")
+                              if getattr(args, key) is not None),
+                 *(f"train.{key}=true" for key in ("jit", "compile", "validate") if getattr(args, key))]
     cfg = load_experiment_config(args.config, overrides)
     args.out = args.out or Path("runs") / cfg["name"]
     # only the options asked for: the training loop's defaults stand otherwise
@@ -392,6 +372,10 @@ def _evaluate_path(checkpoint, args, name=None, overrides=()):
     return evaluate_checkpoint(checkpoint, name=name, results_dir=args.results_dir, data_dir=args.data_dir,
                                device=args.device, overrides=list(overrides), progress=not args.quiet,
                                figures=not getattr(args, "no_figures", False))
+
+
+def _evaluate(args) -> None:
+    _print_metrics(_evaluate_path(args.checkpoint, args, name=args.name, overrides=args.set))
 
 
 def _print_metrics(metrics: dict) -> None:
@@ -422,10 +406,13 @@ def _demo(args) -> None:
 def _ttvi(args) -> None:
     import torch
 
-    from probcaps.inference.capsule_svi import load_images, load_trained
-    from probcaps.inference.ttvi import ttvi_batches
     from probcaps.data import rotate, to_float
+    from probcaps.experiments.ttvi_classification import throughput_table
+    from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
+    from probcaps.inference.evaluate import reconstruction_error
+    from probcaps.inference.ttvi import ttvi_batches
     from probcaps.provenance import provenance, write_results
+    from probcaps.report import write_table
 
     cfg, system = load_trained(args.checkpoint, device=args.device)
     out = Path(args.out or Path("results") / f"ttvi_{cfg['name']}.json")
@@ -437,27 +424,17 @@ def _ttvi(args) -> None:
         x = rotate(x, args.rotate).clamp(0, 1)
     result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                           device=args.device, progress=not args.quiet, seed=args.seed, pose_family=args.pose_family)
-
-    from probcaps.inference.capsule_svi import encode_dataset
-    from probcaps.inference.evaluate import reconstruction_error
-
-    def recon_mse(latents) -> float:
-        return reconstruction_error(system.model, x, latents, args.batch_size, args.device)
-
     before = encode_dataset(system.encoder, x, args.batch_size, args.device)
+    recon_mse = [reconstruction_error(system.model, x, z, args.batch_size, args.device) for z in (before, result.latents)]
     metrics = {
         "n_images": len(x), "rotation_deg": args.rotate, "steps": args.steps, "lr": args.lr,
         "elbo_encoder_mean": float(result.elbo_start.mean()), "elbo_ttvi_mean": float(result.elbo_end.mean()),
-        "recon_mse_encoder": recon_mse(before), "recon_mse_ttvi": recon_mse(result.latents),
+        "recon_mse_encoder": recon_mse[0], "recon_mse_ttvi": recon_mse[1],
         "wall_time_s": result.wall_time_s, "image_steps_per_s": len(x) * args.steps / result.wall_time_s,
-        "cpu_time_s": result.cpu_time_s, "threads": torch.get_num_threads(),
-        "elbo_trace": result.elbo_trace,
+        "cpu_time_s": result.cpu_time_s, "threads": torch.get_num_threads(), "elbo_trace": result.elbo_trace,
     }
     write_results(out, metrics, provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s,
                                            device=args.device, checkpoint=str(args.checkpoint)))
-    from probcaps.experiments.ttvi_classification import throughput_table
-    from probcaps.report import write_table
-
     write_table(out.parent, out.stem, throughput_table(out.parent, out.stem))
     _print_metrics({k: v for k, v in metrics.items() if k != "elbo_trace"})
     print(f"written to {out}")
@@ -487,14 +464,7 @@ def _command(args) -> None:
             import torch
 
             torch.set_num_threads(args.threads)
-        if args.command == "train":
-            _train(args)
-        elif args.command == "evaluate":
-            _print_metrics(_evaluate_path(args.checkpoint, args, name=args.name, overrides=args.set))
-        elif args.command == "demo":
-            _demo(args)
-        elif args.command == "ttvi":
-            _ttvi(args)
+        {"train": _train, "evaluate": _evaluate, "demo": _demo, "ttvi": _ttvi}[args.command](args)
 
 
 if __name__ == "__main__":

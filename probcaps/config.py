@@ -1,15 +1,12 @@
 """Experiment configs: TOML files mapped onto dataclasses, strictly.
 
 An unknown section or key, a value of the wrong type, or a value out of its range is a one-line
-:class:`~probcaps.errors.ConfigError` naming the file and the key (``x.toml: train.batch_size: must be >= 1, got 0``).
-``--set section.key=value`` overrides are checked the same way.
-
-Types come from each field's default (ints are accepted for floats; a list's elements are checked against the type
-of the default's elements).  Ranges come from one table, :data:`RULES`, keyed by key-name patterns, so a key added
-later is checked by the pattern its name fits; a field may carry its own rule as ``field(metadata={"range":
-Range(...)})``.  Counts and limits follow one convention: ``*_limit = 0`` means "all".  What one key's range cannot
-say (a width divisible by a number of heads, a minimum below a maximum) goes in the dataclass's own ``validate()``,
-which raises ``ValueError("<section>.<key> must ...")``; it runs on every section built here, as a one-line error.
+:class:`~probcaps.errors.ConfigError` naming the file and the key (``x.toml: train.batch_size: must be >= 1, got 0``);
+``--set section.key=value`` overrides are checked the same way.  Types come from each field's default (ints are
+accepted for floats; a list's elements are checked against the type of the default's elements).  Ranges come from
+one table, :data:`RULES`, keyed by key-name patterns, or from a field's own ``field(metadata={"range": Range(...)})``;
+``*_limit = 0`` means "all".  What one key's range cannot say (a width divisible by a number of heads, a minimum
+below a maximum) goes in the dataclass's own ``validate()``, raising ``ValueError("<section>.<key> must ...")``.
 
 A config may start from another: a top-level ``base = "other.toml"`` (a path relative to the file) is read first,
 and the file's own keys replace the base's one by one (a section is merged, not replaced whole).  Bases may chain.
@@ -27,10 +24,8 @@ from typing import Any
 
 from probcaps.errors import ConfigError
 
-__all__ = [
-    "DataConfig", "EvalConfig", "Range", "RULES", "check_sections", "load_sections", "parse_override", "range_of",
-    "read_toml", "replace_checked",
-]
+__all__ = ["DataConfig", "EvalConfig", "Range", "RULES", "check_sections", "load_sections", "parse_override",
+           "range_of", "read_toml", "replace_checked"]
 
 
 @dataclass
@@ -77,7 +72,7 @@ class Range:
 
     def describe(self) -> str:
         if self.low > -math.inf and self.high < math.inf:
-            text = f"in [{self.low:g}, {self.high:g}]" if not self.low_open else f"in ({self.low:g}, {self.high:g}]"
+            text = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
         elif self.low > -math.inf:
             text = f"{'>' if self.low_open else '>='} {self.low:g}"
         elif self.high < math.inf:
@@ -123,8 +118,8 @@ RULES: list[tuple[tuple[str, ...], Range]] = [
     (("expected_parents_start",), Range(0, note="0: no annealing")),
     (("steps", "*batch_size", "eval_batch", "*_every", "num_*", "*_size", "iterations", "*_iterations", "*max_iter",
       "*_n_init", "kernel", "*_kernel", "*_stride", "*strides", "*channels", "*hidden", "*_capsules", "*_dim",
-      "set_heads", "set_inducing", "set_blocks", "parent_code", "part_embedding", "keypoints", "refine_glimpse", "elevations",
-      "lightings", "instances_per_split", "pairs", "*_pairs", "A", "B", "C", "D"), COUNT),
+      "set_heads", "set_inducing", "set_blocks", "parent_code", "part_embedding", "keypoints", "refine_glimpse",
+      "elevations", "lightings", "instances_per_split", "pairs", "*_pairs", "A", "B", "C", "D"), COUNT),
     (("lr", "*temperature", "*_std", "*_std_*", "*_std_init", "probe_C", "var_floor", "min_scale", "max_scale",
       "expected_parents", "dummy_affinity", "parent_pose_scale", "keypoint_radius", "grad_clip"), POSITIVE),
     (("dropout", "dummy_presence", "min_iou", "*_threshold", "m_plus", "m_minus", "margin_start", "margin_end",
@@ -151,26 +146,18 @@ def range_of(field: dataclasses.Field) -> Range:
 # ------------------------------------------------------------------------------------------------------ checking
 
 
-def _type_name(target: Any) -> str:
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a table"}.get(type(target) if not isinstance(target, type) else target, type(target).__name__)
-
-
 def _coerce(value: Any, target: Any, where: str) -> Any:
     """Check ``value`` against the type of the default ``target``; ints are accepted for floats."""
     kind = target if isinstance(target, type) else type(target)
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
+    if kind in (int, float):
+        ok = not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float))
     else:
         ok = isinstance(value, kind)
     if not ok:
-        raise ConfigError(f"{where}: expected {_type_name(kind)}, got {value!r}")
-    return value
+        name = {bool: "true/false", int: "an integer", float: "a number", str: "a string", list: "a list",
+                dict: "a table"}.get(kind, kind.__name__)
+        raise ConfigError(f"{where}: expected {name}, got {value!r}")
+    return float(value) if kind is float else value
 
 
 def _check(field: dataclasses.Field, value: Any, default: Any, where: str) -> Any:
@@ -179,10 +166,9 @@ def _check(field: dataclasses.Field, value: Any, default: Any, where: str) -> An
     rule = range_of(field)
     if isinstance(value, list):
         element = rule.element or (type(default[0]) if default else None)
-        if element is not None:  # checked, not converted: integer angles stay integers in results and provenance
-            for i, v in enumerate(value):
-                _coerce(v, element, f"{where}[{i}]")
         items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        for at, v in items if element is not None else ():  # checked, not converted: integer angles stay integers
+            _coerce(v, element, at)
     elif isinstance(value, dict):
         value = {k: _coerce(v, float, f"{where}.{k}") for k, v in value.items()}
         items = [(f"{where}.{k}", v) for k, v in value.items()]
@@ -205,18 +191,15 @@ def _build(cls, values: dict, where: str):
 
 
 def _validated(section, where: str):
-    """``section`` after its own cross-key checks: a config dataclass may define ``validate()``, raising
-    ``ValueError("<section>.<key> must ...")`` for what one key's range cannot say (a width divisible by a number
-    of heads, a minimum below a maximum); that becomes a one-line ConfigError naming the file."""
-    validate = getattr(section, "validate", None)
-    if callable(validate):
-        try:
-            validate()
-        except ValueError as e:
-            label, _, name = where.rpartition(": ")
-            message = str(e)
-            raise ConfigError(f"{label}: {message}" if label and message.startswith(f"{name}.")
-                              else f"{where}: {message}") from None
+    """``section`` after its own ``validate()``, if it has one: its ``ValueError("<section>.<key> must ...")``
+    becomes a one-line ConfigError naming the file."""
+    try:
+        getattr(section, "validate", lambda: None)()
+    except ValueError as e:
+        label, _, name = where.rpartition(": ")
+        message = str(e)
+        raise ConfigError(f"{label}: {message}" if label and message.startswith(f"{name}.")
+                          else f"{where}: {message}") from None
     return section
 
 
@@ -232,12 +215,10 @@ def check_sections(configs: dict, schema: dict[str, type], label: str) -> dict:
     dataclass per section.  Keys the schema no longer has are dropped: a checkpoint may predate a removed key."""
     out = {}
     for name, cls in schema.items():
-        if cls is str:
-            continue
-        known = {f.name for f in dataclasses.fields(cls)}
-        where = f"{label}: {name}"
-        out[name] = _validated(_build(cls, {k: v for k, v in (configs.get(name) or {}).items() if k in known},
-                                      where), where)
+        if cls is not str:
+            known, where = {f.name for f in dataclasses.fields(cls)}, f"{label}: {name}"
+            out[name] = _validated(_build(cls, {k: v for k, v in (configs.get(name) or {}).items() if k in known},
+                                          where), where)
     return out
 
 
@@ -246,31 +227,23 @@ def load_sections(path: str | Path | None, schema: dict[str, type], overrides: l
 
     Top-level scalar keys listed in ``schema`` with type ``str`` (e.g. ``name``) are returned as is.
     """
-    raw: dict = {}
-    label = "<defaults>"
-    if path is not None:
-        label = str(path)
-        raw = read_toml(path)
+    label = "<defaults>" if path is None else str(path)
+    raw = {} if path is None else read_toml(path)
     for item in overrides:
         section, key, value = parse_override(item)
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
+        if not isinstance(raw.setdefault(section, {}), dict):
             raise ConfigError(f"--set {item}: '{section}' is not a section")
         raw[section][key] = value
-    out = {}
     for key in raw:
         if key not in schema:
             raise ConfigError(f"{label}: unknown section or key '{key}' (known: {', '.join(sorted(schema))})")
+    out = {}
     for name, cls in schema.items():
-        value = raw.get(name)
-        if cls is str:
-            if value is not None and not isinstance(value, str):
-                raise ConfigError(f"{label}: '{name}' must be a string")
-            out[name] = value
-            continue
-        if value is not None and not isinstance(value, dict):
-            raise ConfigError(f"{label}: '{name}' must be a [section]")
-        out[name] = _validated(_build(cls, value or {}, f"{label}: {name}"), f"{label}: {name}")
+        value, where = raw.get(name), f"{label}: {name}"
+        if value is not None and not isinstance(value, str if cls is str else dict):
+            raise ConfigError(f"{label}: '{name}' must be a string" if cls is str
+                              else f"{label}: '{name}' must be a [section]")
+        out[name] = value if cls is str else _validated(_build(cls, value or {}, where), where)
     return out
 
 
@@ -309,9 +282,9 @@ def read_toml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
 def parse_override(item: str) -> tuple[str, str, Any]:
     """``"train.steps=10"`` -> ``("train", "steps", 10)``; the value is parsed as a TOML value (bare words as
     strings)."""
-    if "=" not in item or "." not in item.split("=", 1)[0]:
+    lhs, equals, rhs = item.partition("=")
+    if not equals or "." not in lhs:
         raise ConfigError(f"--set {item}: expected section.key=value")
-    lhs, rhs = item.split("=", 1)
     section, key = lhs.strip().split(".", 1)
     try:
         value = tomllib.loads(f"v = {rhs.strip()}")["v"]

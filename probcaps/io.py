@@ -89,10 +89,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: st
             os.replace(tmp, path)
         except BaseException as e:
             if tmp is not None:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
             if isinstance(e, OSError) and not isinstance(e, OutputError):
                 raise _output_error(path, e) from e
             raise
@@ -100,6 +98,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: st
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
+    """:func:`atomic_write` of ``torch.save(obj)``."""
     import torch
 
     return atomic_write(path, lambda f: torch.save(obj, f))
@@ -113,14 +112,13 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     """Append one record as one line (one ``write`` call, signals deferred, so a Ctrl-C never cuts it; a kill -9
     can, and :func:`read_jsonl` drops such a last line)."""
-    path = Path(path)
     line = json.dumps(record) + "\n"
     with deferred_signals():
         try:
             with open(path, "a") as f:
                 f.write(line)
         except OSError as e:
-            raise _output_error(path, e) from e
+            raise _output_error(Path(path), e) from e
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -132,8 +130,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         return []
-    lines = path.read_text(errors="replace").split("\n")
-    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    numbered = [(i + 1, line) for i, line in enumerate(path.read_text(errors="replace").split("\n")) if line.strip()]
     records = []
     for k, (number, line) in enumerate(numbered):
         try:
@@ -152,8 +149,7 @@ def truncate_log(path: str | os.PathLike, step: int) -> None:
     """Drop the records of a JSON-lines log past ``step`` (written after the checkpoint a run resumes from), and a
     damaged last line, so the log is one history.  Used for the training log and for any per-step evaluation log
     kept beside it."""
-    path = Path(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         return
     keep = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
     atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in keep)), mode="w")

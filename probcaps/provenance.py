@@ -15,9 +15,8 @@ from typing import Any
 __all__ = ["git_commit", "device_description", "provenance", "write_results", "repo_relative", "command_line",
            "REPO_ROOT"]
 
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 #: the checkout holding this package: recorded paths under it are written relative to it
-REPO_ROOT = _PACKAGE_ROOT
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def repo_relative(value: Any, root: str | os.PathLike | None = None) -> Any:
@@ -55,29 +54,13 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join([head, *(shlex.quote(repo_relative(a)) for a in argv[1:])])
 
 
-def _find_git_root(start: Path) -> Path | None:
-    for d in (start, *start.parents):
-        if (d / ".git").exists():  # a directory, or a file for worktrees/submodules
-            return d
-    return None
-
-
 def _git(args: list[str], cwd: Path) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", *args],
-            cwd=str(cwd),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            timeout=10,
-            check=False,
-        )
+        out = subprocess.run(["git", *args], cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip()
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def git_commit(repo_dir: str | os.PathLike | None = None) -> str | None:
@@ -86,17 +69,9 @@ def git_commit(repo_dir: str | os.PathLike | None = None) -> str | None:
     Returns None if it is not a git checkout, git is unavailable, or there is no commit yet.
     Appends ``"+dirty"`` when tracked files have uncommitted changes.
     """
-    start = Path(repo_dir).resolve() if repo_dir is not None else _PACKAGE_ROOT
-    if not start.is_dir():
-        return None
-    root = _find_git_root(start)
-    if root is None:
-        return None
-    commit = _git(["rev-parse", "--short", "HEAD"], start)
-    if not commit:
-        return None
-    status = _git(["status", "--porcelain", "--untracked-files=no"], start)
-    if status:  # non-empty -> tracked changes (None means status failed: don't claim dirty)
+    start = Path(repo_dir).resolve() if repo_dir is not None else REPO_ROOT
+    commit = _git(["rev-parse", "--short", "HEAD"], start) if start.is_dir() else None
+    if commit and _git(["status", "--porcelain", "--untracked-files=no"], start):  # None: status failed, not dirty
         commit += "+dirty"
     return commit
 
@@ -106,10 +81,8 @@ def _cpu_model_name() -> str:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip().lower() in ("model name", "hardware", "processor name", "cpu model"):
-                    value = value.strip()
-                    if value:
-                        return " ".join(value.split())
+                if key.strip().lower() in ("model name", "hardware", "processor name", "cpu model") and value.strip():
+                    return " ".join(value.split())
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
@@ -124,36 +97,22 @@ def device_description(device: Any = "cpu") -> str:
         if not torch.cuda.is_available():
             return f"{dev} (CUDA unavailable)"
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        name = torch.cuda.get_device_name(idx)
-        try:
-            mem_gib = torch.cuda.get_device_properties(idx).total_memory / 2**30
-            return f"cuda:{idx}: {name} ({mem_gib:.0f} GiB)"
-        except Exception:  # pragma: no cover
-            return f"cuda:{idx}: {name}"
+        props = torch.cuda.get_device_properties(idx)
+        return f"cuda:{idx}: {props.name} ({props.total_memory / 2**30:.0f} GiB)"
     if dev.type == "cpu":
-        return (
-            f"cpu: {_cpu_model_name()} ({os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} torch threads)"
-        )
+        return f"cpu: {_cpu_model_name()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
     return str(dev)
 
 
 def _version(module_name: str) -> str | None:
     try:
-        mod = __import__(module_name)
+        return getattr(__import__(module_name), "__version__", None)
     except Exception:
         return None
-    return getattr(mod, "__version__", None)
 
 
-def provenance(
-    command: str | None = None,
-    seed: int | None = None,
-    steps: int | None = None,
-    wall_time_s: float | None = None,
-    device: Any = "cpu",
-    **extra: Any,
-) -> dict:
+def provenance(command: str | None = None, seed: int | None = None, steps: int | None = None,
+               wall_time_s: float | None = None, device: Any = "cpu", **extra: Any) -> dict:
     """Provenance record for a result file. ``extra`` keys are added verbatim (and may override).
 
     ``command`` defaults to :func:`command_line`; paths under the repository are recorded relative to it."""
@@ -174,34 +133,25 @@ def provenance(
 
 
 def _jsonable(obj: Any) -> Any:
-    """Convert numpy / torch scalars and arrays, paths and tuples to plain JSON types.
+    """Convert numpy / torch scalars and arrays, paths and tuples to plain JSON types; non-finite floats become
+    None so the output is strict JSON."""
+    import numpy as np
 
-    Non-finite floats become None so the output is strict JSON.
-    """
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return obj
-    if isinstance(obj, int):
-        return obj
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
     if isinstance(obj, os.PathLike):
         return os.fspath(obj)
     if hasattr(obj, "detach") and hasattr(obj, "cpu"):  # torch.Tensor
         obj = obj.detach().cpu().numpy()
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        np = None
-    if np is not None:
-        if isinstance(obj, np.ndarray):
-            return _jsonable(obj.tolist())
-        if isinstance(obj, np.generic):
-            return _jsonable(obj.item())
-    if hasattr(obj, "item"):
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if hasattr(obj, "item"):  # numpy scalars
         try:
             return _jsonable(obj.item())
         except Exception:
@@ -216,8 +166,7 @@ def write_results(path: str | os.PathLike, metrics: dict, provenance: dict) -> P
     table of the result is written beside it by the experiment (:func:`probcaps.report.write_table`)."""
     from .io import write_json
 
-    if not isinstance(metrics, dict):
-        raise ValueError(f"metrics must be a dict, got {type(metrics).__name__}")
-    if not isinstance(provenance, dict):
-        raise ValueError(f"provenance must be a dict, got {type(provenance).__name__}")
+    for what, value in (("metrics", metrics), ("provenance", provenance)):
+        if not isinstance(value, dict):
+            raise ValueError(f"{what} must be a dict, got {type(value).__name__}")
     return write_json(path, repo_relative({"metrics": _jsonable(metrics), "provenance": _jsonable(provenance)}))

@@ -4,10 +4,7 @@ Every experiment writes its table as ``results/<name>.md`` whenever it writes ``
 (:func:`write_table`); ``probcaps report`` only splices: the text between ``<!-- results:NAME -->`` and
 ``<!-- /results:NAME -->`` in ``README.md`` and in every ``docs/*.md`` is replaced by ``results/NAME.md``, everything
 else is left alone (:func:`splice_tables`).  Numbers are never typed into the README by hand, and nothing here
-imports the models, the inference code or the experiments.
-
-The small formatting helpers (:func:`fmt_mean_std`, :func:`load_result`, :func:`provenance_line`,
-:func:`results_in`) are shared by the experiments' table functions.
+imports the models, the inference code or the experiments; the helpers at the end serve the experiments' tables.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ def write_table(results_dir: str | Path, name: str, text: str | None) -> Path | 
 def _table_files(path: Path, text: str, results_dir: Path) -> dict[str, Path]:
     """``{marker name: its table file}`` of the markdown ``text`` of ``path``; a :class:`DataError` naming the file
     and the marker when a marker has no closing marker or no table file."""
-    closed = {m.group("name") for m in MARKER.finditer(text)}
-    files = {}
+    closed, files = {m.group("name") for m in MARKER.finditer(text)}, {}
     for name in _OPENING.findall(text):
         if name not in closed:
             raise DataError(f"{path}: marker 'results:{name}' has no closing '<!-- /results:{name} -->'")
@@ -65,12 +61,11 @@ def splice_file(path: str | Path, results_dir: str | Path = "results") -> list[s
     path = Path(path)
     text = path.read_text()
     files = _table_files(path, text, Path(results_dir))
-    names = [m.group("name") for m in MARKER.finditer(text)]
     spliced = MARKER.sub(lambda m: m.group(1) + files[m.group("name")].read_text().rstrip("\n") + "\n" + m.group(4),
                          text)
     if spliced != text:
         atomic_write(path, lambda f: f.write(spliced), mode="w")
-    return names
+    return [m.group("name") for m in MARKER.finditer(text)]
 
 
 def documents(readme: str | Path = "README.md") -> list[Path]:
@@ -125,6 +120,4 @@ def fmt_mean_std(values: list[float], scale: float = 100.0, digits: int = 1) -> 
     import numpy as np
 
     a = np.asarray(values, dtype=float) * scale
-    if len(a) == 1:
-        return f"{a[0]:.{digits}f}"
-    return f"{a.mean():.{digits}f} ± {a.std(ddof=1):.{digits}f}"
+    return f"{a[0]:.{digits}f}" if len(a) == 1 else f"{a.mean():.{digits}f} ± {a.std(ddof=1):.{digits}f}"

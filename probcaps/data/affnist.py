@@ -1,10 +1,10 @@
 """affNIST: the original ``.mat`` files, and the "affNIST-recipe" stand-in generated from MNIST test digits.
 
 The real affNIST (Tieleman 2013) cannot be fetched on the machines this package is developed on, so the
-experiments use a stand-in built with affNIST's own recipe (Tieleman 2013): each MNIST test digit on a 40×40 canvas under
-a random affine map (rotation within ±20°, shear within ±0.2, x and y scales within [0.8, 1.2]), then a random
-translation that keeps the digit inside the canvas.  Results on it are reported as "affNIST-recipe", never as
-affNIST.  Users with the real files load them with :func:`load_affnist_mat`.
+experiments use a stand-in built with its recipe: each MNIST test digit on a 40×40 canvas under a random affine map
+(rotation within ±20°, shear within ±0.2, x and y scales within [0.8, 1.2]), then a random translation that keeps
+the digit inside the canvas.  Results on it are reported as "affNIST-recipe", never as affNIST.  Users with the
+real files load them with :func:`load_affnist_mat`.
 
 The original files (``test.mat``, ``training_and_validation.mat``, or the batches ``1.mat`` …) are MATLAB v5 files
 holding one struct ``affNISTdata`` whose field ``image`` is ``1600 × N`` uint8 (column ``n`` is image ``n``, its 40×40
@@ -13,6 +13,7 @@ pixels in row-major order) and ``label_int`` is ``N`` labels in 0..9.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -25,7 +26,8 @@ from ..geometry import affine_matrix, degrees, pixels_to_normalised, translation
 from ..io import atomic_write
 from ..render import warp
 from .loaders import seeded_generator
-from .mnist import load_mnist
+from .mnist import load_mnist, user_cache_dir
+from .multimnist import bounding_boxes
 
 __all__ = ["AFFNIST_RECIPE", "load_affnist_mat", "write_affnist_mat", "affnist_recipe_transform",
            "affnist_recipe", "affnist_recipe_test", "user_cache_dir"]
@@ -102,17 +104,9 @@ def affnist_recipe_transform(digits: torch.Tensor, generator: torch.Generator, r
     zero = torch.zeros(n)
     A = affine_matrix(sx, sy, theta, shear, zero, zero)                     # about the canvas centre
     # the ink's bounding box, as pixel edges around the digit's centre, in canvas units (warp: native pixel size)
-    ink = digits > 0
-    rows, cols = ink.any(2), ink.any(1)
-    idx_r, idx_c = torch.arange(h), torch.arange(w)
-    big = 10**6
-    r0 = torch.where(rows, idx_r, big).min(1).values
-    r1 = torch.where(rows, idx_r, -1).max(1).values + 1
-    c0 = torch.where(cols, idx_c, big).min(1).values
-    c1 = torch.where(cols, idx_c, -1).max(1).values + 1
-    empty = ~rows.any(1)
-    r0, r1 = torch.where(empty, h // 2, r0), torch.where(empty, h // 2, r1)
-    c0, c1 = torch.where(empty, w // 2, c0), torch.where(empty, w // 2, c1)
+    box = bounding_boxes(digits)
+    box = torch.where(box[:, 1:2] == 0, torch.tensor([h // 2, h // 2, w // 2, w // 2]), box)  # empty: the centre
+    r0, r1, c0, c1 = box.unbind(1)
     xs = pixels_to_normalised(torch.stack([c0, c1, c0, c1], 1).float() - w / 2, C)  # (N, 4) corners
     ys = pixels_to_normalised(torch.stack([r0, r0, r1, r1], 1).float() - h / 2, C)
     cx = A[:, 0, :1] * xs + A[:, 0, 1:2] * ys
@@ -144,12 +138,6 @@ def affnist_recipe(digits: torch.Tensor, seed: int = 0, recipe: dict = AFFNIST_R
     return out, params
 
 
-def user_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/probcaps`` (``~/.cache/probcaps`` when unset): where generated data sets are cached."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base).expanduser() if base else Path.home() / ".cache") / "probcaps"
-
-
 def _recipe_key(seed: int, recipe: dict) -> str:
     text = repr((seed, sorted(recipe.items()), "v1"))
     return hashlib.sha1(text.encode()).hexdigest()[:10]
@@ -167,22 +155,16 @@ def affnist_recipe_test(data_dir: str | os.PathLike | None = None, seed: int = 0
     cache = Path(cache_dir) if cache_dir is not None else user_cache_dir() / "affnist_recipe"
     path = cache / f"affnist_recipe_test_{_recipe_key(seed, AFFNIST_RECIPE)}.npz"
     images = None
-    if path.is_file():
-        try:
-            with np.load(path) as f:
-                arr, digest = f["images"], str(f["sha1"])
-            if hashlib.sha1(arr.tobytes()).hexdigest() == digest and arr.shape == (len(digits), 40, 40):
-                images = torch.from_numpy(arr)
-        except Exception:
-            images = None  # unreadable cache: regenerate below
+    with contextlib.suppress(Exception):  # no cache yet, or an unreadable one: generate below
+        with np.load(path) as f:
+            arr, digest = f["images"], str(f["sha1"])
+        if hashlib.sha1(arr.tobytes()).hexdigest() == digest and arr.shape == (len(digits), 40, 40):
+            images = torch.from_numpy(arr)
     if images is None:
         images, _ = affnist_recipe(digits, seed)
-        arr = images.numpy()
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, lambda f: np.savez_compressed(f, images=arr, sha1=hashlib.sha1(arr.tobytes()).hexdigest()))
-        except OSError:
-            pass  # a read-only data root: use the images without caching them
+        arr, digest = images.numpy(), hashlib.sha1(images.numpy().tobytes()).hexdigest()
+        with contextlib.suppress(OSError):  # a read-only cache folder: use the images without caching them
+            atomic_write(path, lambda f: np.savez_compressed(f, images=arr, sha1=digest))
     if limit:
         images, labels = images[:limit], labels[:limit]
     return images, labels

@@ -19,18 +19,8 @@ from .idx import write_idx
 from .mnist import MNIST_SPLITS, load_mnist, mnist_dir
 from .transforms import place_on_canvas, random_offsets, rotate, to_float
 
-__all__ = [
-    "derive_seed",
-    "seeded_generator",
-    "TensorRecord",
-    "PlacedMNIST",
-    "placed_mnist",
-    "num_batches",
-    "iterate_batches",
-    "synthetic_digits",
-    "load_digits",
-    "write_fake_mnist",
-]
+__all__ = ["derive_seed", "seeded_generator", "TensorRecord", "PlacedMNIST", "placed_mnist", "num_batches",
+           "iterate_batches", "synthetic_digits", "load_digits", "write_fake_mnist"]
 
 
 def derive_seed(*parts) -> int:
@@ -61,7 +51,7 @@ class TensorRecord:
 
 
 @dataclass
-class PlacedMNIST:
+class PlacedMNIST(TensorRecord):
     """MNIST digits placed on a larger canvas at random integer offsets.
 
     Attributes:
@@ -78,9 +68,6 @@ class PlacedMNIST:
     max_shift: int
     seed: int
 
-    def __len__(self) -> int:
-        return self.images.shape[0]
-
 
 def placed_mnist(split: str, data_dir: str | os.PathLike | None = None, canvas: int = 40, max_shift: int = 6,
                  seed: int = 0, limit: int | None = None, verify: bool = True) -> PlacedMNIST:
@@ -91,12 +78,8 @@ def placed_mnist(split: str, data_dir: str | os.PathLike | None = None, canvas: 
     """
     images, labels = load_mnist(split, data_dir=data_dir, verify=verify)
     offsets = random_offsets(images.shape[0], max_shift, generator=seeded_generator("placed_mnist", seed, split))
-    if limit is not None:
-        if limit < 0:
-            raise ValueError(f"placed_mnist: limit must be >= 0, got {limit}")
-        images, labels, offsets = images[:limit], labels[:limit], offsets[:limit]
-    placed = place_on_canvas(images, offsets, canvas=canvas)
-    return PlacedMNIST(placed, labels, offsets, split, canvas, max_shift, seed)
+    images, labels, offsets = images[:limit], labels[:limit], offsets[:limit]
+    return PlacedMNIST(place_on_canvas(images, offsets, canvas=canvas), labels, offsets, split, canvas, max_shift, seed)
 
 
 def num_batches(n: int, batch_size: int, drop_last: bool = False) -> int:
@@ -104,13 +87,6 @@ def num_batches(n: int, batch_size: int, drop_last: bool = False) -> int:
     if batch_size <= 0:
         raise ValueError(f"num_batches: batch_size must be positive, got {batch_size}")
     return n // batch_size if drop_last else math.ceil(n / batch_size)
-
-
-def epoch_order(n: int, *, shuffle: bool, seed: int = 0, epoch: int = 0) -> torch.Tensor:
-    """The ``(n,)`` int64 order of an epoch: a permutation that depends only on ``(seed, epoch)``, or ``arange``."""
-    if not shuffle:
-        return torch.arange(n)
-    return torch.randperm(n, generator=seeded_generator("epoch_order", seed, epoch))
 
 
 def iterate_batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, *, shuffle: bool, seed: int = 0,
@@ -138,18 +114,17 @@ def iterate_batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int,
     if start_batch < 0:
         raise ValueError(f"iterate_batches: start_batch must be >= 0, got {start_batch}")
     total = num_batches(n, batch_size, drop_last)
-    order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)
+    order = torch.randperm(n, generator=seeded_generator("epoch_order", seed, epoch)) if shuffle else torch.arange(n)
     angles = None
     if rotation is not None:
         # one angle per example (indexed by example, not by position), so resuming cannot shift them
-        g = seeded_generator("rotation", seed, epoch)
-        angles = (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1) * float(rotation)
+        u = torch.rand(n, generator=seeded_generator("rotation", seed, epoch), dtype=torch.float64)
+        angles = (u * 2 - 1) * float(rotation)
     for b in range(start_batch, total):
         idx = order[b * batch_size:(b + 1) * batch_size]
         x = images[idx.to(images.device)].to(device)
         x = to_float(x) if x.dtype == torch.uint8 else x.to(torch.float32)
-        if x.dim() == 3:
-            x = x.unsqueeze(1)
+        x = x.unsqueeze(1) if x.dim() == 3 else x
         if angles is not None:
             x = rotate(x, angles[idx].to(device=device, dtype=torch.float32)).clamp_(0.0, 1.0)
         y = labels[idx.to(labels.device)].to(device=device, dtype=torch.int64)

@@ -20,19 +20,8 @@ from ..errors import DataError
 from ..io import atomic_write
 from .idx import read_idx
 
-__all__ = [
-    "MNIST_FILES",
-    "MNIST_SPLITS",
-    "MNIST_MIRRORS",
-    "DATA_ENV_VAR",
-    "resolve_data_root",
-    "mnist_dir",
-    "md5_file",
-    "load_mnist",
-    "download_mnist",
-    "download_checked",
-    "clear_mnist_cache",
-]
+__all__ = ["MNIST_FILES", "MNIST_SPLITS", "MNIST_MIRRORS", "DATA_ENV_VAR", "resolve_data_root", "user_cache_dir",
+           "mnist_dir", "md5_file", "load_mnist", "download_mnist", "download_checked", "clear_mnist_cache"]
 
 DATA_ENV_VAR = "PROBCAPS_DATA"
 
@@ -50,30 +39,27 @@ MNIST_SPLITS: dict[str, tuple[str, str, int]] = {
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz", 10000),
 }
 
-MNIST_MIRRORS = (
-    "https://ossci-datasets.s3.amazonaws.com/mnist/",
-    "http://yann.lecun.com/exdb/mnist/",
-)
+MNIST_MIRRORS = ("https://ossci-datasets.s3.amazonaws.com/mnist/", "http://yann.lecun.com/exdb/mnist/")
 
 _HOW_TO_FIX = (f"pass --data-dir DIR (the folder holding mnist/), set {DATA_ENV_VAR}=DIR, "
                f"or run `probcaps download` to fetch the files")
 
-# In-process caches, keyed by (resolved path, size, mtime_ns) so a rewritten file is re-read.
+# In-process caches of decoded arrays and md5s, keyed by (resolved path, size, mtime_ns) so a rewritten file is re-read.
 _ARRAY_CACHE: dict[tuple, np.ndarray] = {}
 _MD5_CACHE: dict[tuple, str] = {}
 
 
-def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
-    """The data root: ``data_dir`` if given, else ``$PROBCAPS_DATA``, else ``$XDG_CACHE_HOME/probcaps``
-    (``~/.cache/probcaps`` when ``XDG_CACHE_HOME`` is unset or empty)."""
-    if data_dir is not None and str(data_dir) != "":
-        return Path(data_dir).expanduser()
-    env = os.environ.get(DATA_ENV_VAR)
-    if env:
-        return Path(env).expanduser()
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/probcaps`` (``~/.cache/probcaps`` when unset or empty): the default data root, and where
+    generated data sets are cached."""
     cache = os.environ.get("XDG_CACHE_HOME")
-    base = Path(cache).expanduser() if cache else Path.home() / ".cache"
-    return base / "probcaps"
+    return (Path(cache).expanduser() if cache else Path.home() / ".cache") / "probcaps"
+
+
+def resolve_data_root(data_dir: str | os.PathLike | None = None) -> Path:
+    """The data root: ``data_dir`` if given, else ``$PROBCAPS_DATA``, else :func:`user_cache_dir`."""
+    root = str(data_dir or "") or os.environ.get(DATA_ENV_VAR)
+    return Path(root).expanduser() if root else user_cache_dir()
 
 
 def mnist_dir(root: str | os.PathLike) -> Path:
@@ -81,36 +67,24 @@ def mnist_dir(root: str | os.PathLike) -> Path:
     return Path(root) / "mnist"
 
 
-def _file_key(path: Path) -> tuple:
-    st = path.stat()
-    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
-def md5_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
+def md5_file(path: str | os.PathLike) -> str:
     """Hex md5 of a file, read in chunks."""
-    h = hashlib.md5()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(chunk_size), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _check_md5(path: Path, key: tuple) -> None:
-    if key not in _MD5_CACHE:
-        _MD5_CACHE[key] = md5_file(path)
-    expected = MNIST_FILES[path.name][1]
-    found = _MD5_CACHE[key]
-    if found != expected:
-        raise DataError(f"{path}: md5 mismatch: expected {expected}, found {found} (corrupt or not the official "
-                        f"file; delete it and run `probcaps download`, or load with verify=False for test files)")
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def _load_file(path: Path, ndim: int, verify: bool) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"{path}: MNIST file not found; {_HOW_TO_FIX}")
-    key = _file_key(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if verify:
-        _check_md5(path, key)
+        if key not in _MD5_CACHE:
+            _MD5_CACHE[key] = md5_file(path)
+        expected, found = MNIST_FILES[path.name][1], _MD5_CACHE[key]
+        if found != expected:
+            raise DataError(f"{path}: md5 mismatch: expected {expected}, found {found} (corrupt or not the official "
+                            f"file; delete it and run `probcaps download`, or load with verify=False for test files)")
     if key not in _ARRAY_CACHE:
         _ARRAY_CACHE[key] = read_idx(path, ndim=ndim)
     return _ARRAY_CACHE[key]
@@ -155,12 +129,6 @@ def load_mnist(split: str, data_dir: str | os.PathLike | None = None,
     return torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
 
 
-def _fetch(url: str, timeout: float) -> bytes:
-    req = urllib.request.Request(url, headers={"User-Agent": "probcaps"})
-    with urllib.request.urlopen(req, timeout=timeout) as response:
-        return response.read()
-
-
 def download_checked(folder: Path, files: dict[str, tuple[int, str]], mirrors, hash_name: str, timeout: float,
                      force: bool = False, log=print) -> Path:
     """Download each of ``files`` (``{name: (size in bytes, hex digest)}``) into ``folder``, trying every mirror (a
@@ -177,7 +145,9 @@ def download_checked(folder: Path, files: dict[str, tuple[int, str]], mirrors, h
         for mirror in mirrors:
             url = mirror + name
             try:
-                payload = _fetch(url, timeout)
+                with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "probcaps"}),
+                                            timeout=timeout) as response:
+                    payload = response.read()
             except (urllib.error.URLError, OSError, ValueError) as e:
                 failures.append(f"{url}: {e}")
                 continue

@@ -22,15 +22,8 @@ import torch
 from .loaders import TensorRecord, seeded_generator
 from .transforms import place_on_canvas, to_float
 
-__all__ = [
-    "MultiMNISTPairs",
-    "bounding_boxes",
-    "box_iou",
-    "sample_pairs",
-    "compose_pairs",
-    "multimnist_pairs",
-    "multimnist_batches",
-]
+__all__ = ["MultiMNISTPairs", "bounding_boxes", "box_iou", "sample_pairs", "compose_pairs", "multimnist_pairs",
+           "multimnist_batches"]
 
 
 @dataclass

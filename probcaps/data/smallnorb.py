@@ -30,16 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import DataError
+from ..io import atomic_write
 from .idx import read_maybe_gzipped
 from .loaders import TensorRecord
-from ..io import atomic_write
 from .mnist import download_checked, resolve_data_root
 
-__all__ = [
-    "NORB_MAGIC", "NORB_CLASSES", "SMALLNORB_FILES", "SMALLNORB_SPLITS", "TRAIN_AZIMUTHS", "ELEVATIONS",
-    "NorbSet", "read_norb_matrix", "write_norb_matrix", "load_smallnorb", "download_smallnorb", "downsample",
-    "crop32", "viewpoint_split", "smallnorb_dir",
-]
+__all__ = ["NORB_MAGIC", "NORB_CLASSES", "SMALLNORB_FILES", "SMALLNORB_SPLITS", "TRAIN_AZIMUTHS", "ELEVATIONS",
+           "NorbSet", "read_norb_matrix", "write_norb_matrix", "load_smallnorb", "download_smallnorb", "downsample",
+           "crop32", "viewpoint_split", "smallnorb_dir"]
 
 #: magic number -> numpy element type (little-endian)
 NORB_MAGIC: dict[int, np.dtype] = {
@@ -92,9 +90,6 @@ class NorbSet(TensorRecord):
     lighting: torch.Tensor
 
 
-# --------------------------------------------------------------------------- the binary matrix format
-
-
 def read_norb_matrix(path: str | os.PathLike) -> np.ndarray:
     """Read a smallNORB binary matrix file (gzip or raw, detected from the content) into a numpy array.
 
@@ -103,7 +98,7 @@ def read_norb_matrix(path: str | os.PathLike) -> np.ndarray:
             or a payload shorter or longer than the header's dimensions say.
     """
     path = Path(path)
-    data = read_maybe_gzipped(Path(path))
+    data = read_maybe_gzipped(path)
     if len(data) < 8:
         raise DataError(f"{path}: truncated: {len(data)} bytes, too short for a smallNORB header")
     magic, ndim = struct.unpack("<ii", data[:8])
@@ -143,10 +138,8 @@ def write_norb_matrix(path: str | os.PathLike, array, gzip_file: bool = False) -
     return atomic_write(path, lambda f: f.write(payload))
 
 
-# --------------------------------------------------------------------------- loading and preprocessing
-
-
 def smallnorb_dir(root: str | os.PathLike | None = None) -> Path:
+    """``<data root>/smallnorb`` (the root resolved as in :func:`~probcaps.data.mnist.resolve_data_root`)."""
     return resolve_data_root(root) / "smallnorb"
 
 
@@ -185,14 +178,8 @@ def load_smallnorb(split: str, data_dir: str | os.PathLike | None = None, size: 
     if cat.size and not (0 <= cat.min() and cat.max() <= 4):
         raise DataError(f"{cat_path}: labels outside 0..4")
     info = torch.from_numpy(info.astype(np.int64))
-    return NorbSet(
-        images=downsample(torch.from_numpy(dat[:, 0]), size),
-        labels=torch.from_numpy(cat.astype(np.int64)),
-        instance=info[:, 0],
-        elevation=30 + 5 * info[:, 1],
-        azimuth=10 * info[:, 2],
-        lighting=info[:, 3],
-    )
+    return NorbSet(images=downsample(torch.from_numpy(dat[:, 0]), size), labels=torch.from_numpy(cat.astype(np.int64)),
+                   instance=info[:, 0], elevation=30 + 5 * info[:, 1], azimuth=10 * info[:, 2], lighting=info[:, 3])
 
 
 def crop32(images: torch.Tensor, train: bool, generator: torch.Generator | None = None,
@@ -212,9 +199,6 @@ def crop32(images: torch.Tensor, train: bool, generator: torch.Generator | None 
     return out.gather(3, cols)
 
 
-# --------------------------------------------------------------------------- the paper's viewpoint splits
-
-
 def viewpoint_split(data: NorbSet, kind: str = "azimuth") -> tuple[torch.Tensor, torch.Tensor]:
     """Boolean masks ``(familiar, novel)`` of the paper's novel-viewpoint experiments.
 
@@ -228,9 +212,6 @@ def viewpoint_split(data: NorbSet, kind: str = "azimuth") -> tuple[torch.Tensor,
     else:
         raise ValueError(f"viewpoint_split: kind must be 'azimuth' or 'elevation', got {kind!r}")
     return familiar, ~familiar
-
-
-# --------------------------------------------------------------------------- download
 
 
 def download_smallnorb(root: str | os.PathLike | None = None, base_url: str = _BASE_URL, timeout: float = 120.0,

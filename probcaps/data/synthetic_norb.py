@@ -3,29 +3,26 @@
 The real smallNORB cannot be fetched on these machines, so this renders a set with the same structure
 (:class:`~probcaps.data.smallnorb.NorbSet`, the same metadata and splits):
 
-- classes (as smallNORB): animal (body, head, four legs, tail), human (torso, head, two arms, two legs),
-  airplane (fuselage, wings, fin, tailplane), truck (cab, cargo box, four wheels), car (body, cabin, four wheels);
-  each object is a union of 4 to 7 axis-aligned ellipsoids in an object frame with x forward, y left, z up
-  (variant ``"toys"``); variant ``"asymmetric"`` has 6 to 8 parts and a distinct front, back and sides per class
-  (:data:`VARIANTS`);
-- 10 instances per class (instances 0-4 form the training split, 5-9 the test split, as smallNORB's disjoint
-  toys): every part's radii scaled by a factor in [0.75, 1.25] per axis, its centre moved by N(0, 0.04^2) per axis,
-  the whole object scaled by a factor in [0.85, 1.1], an albedo in [0.6, 1.0];
-- viewpoints: azimuth 0..340 in steps of 20 (the camera circles the object; azimuth 0 looks at its front),
-  elevation 30..70 in steps of 5 (9 values);
-- 3 lighting conditions: a directional light fixed relative to the camera (upper left, upper right, frontal
-  top), Lambertian shading plus ambient 0.15 / 0.25 / 0.2, on a black background;
+- classes (as smallNORB): animal, human, airplane, truck, car, each a union of 4 to 7 axis-aligned ellipsoids in
+  an object frame with x forward, y left, z up (variant ``"toys"``); variant ``"asymmetric"`` has 6 to 8 parts
+  and a distinct front, back and sides per class (:data:`VARIANTS`);
+- 10 instances per class (0-4 the training split, 5-9 the test split, as smallNORB's disjoint toys): each part's
+  radii scaled by a factor in [0.75, 1.25] per axis, its centre moved by N(0, 0.04^2) per axis, the whole object
+  scaled by a factor in [0.85, 1.1], an albedo in [0.6, 1.0];
+- viewpoints: azimuth 0..340 in steps of 20 (azimuth 0 looks at the front), elevation 30..70 in steps of 5;
+- 3 lightings (:data:`LIGHTS`): a directional light fixed relative to the camera, Lambertian shading plus
+  ambient, on a black background;
 - orthographic projection onto 48 x 48 pixels spanning [-1.15, 1.15] object units (the paper's 48 x 48 after
   downsampling), 2 x 2 supersampled; uint8.
 
-5 x 10 x 18 x 9 x 3 = 24,300 images, as many as one smallNORB split.  Rendering is vectorised over images,
-parts and pixels (analytic ray-ellipsoid intersection), chunks of images at a time; the result is cached under
-``~/.cache/probcaps/synthetic_norb/`` (or ``<data dir>/synthetic_norb/`` when a data dir is given explicitly), keyed by
-the generator's parameters and seed (never in the repository).
+5 x 10 x 18 x 9 x 3 = 24,300 images, as many as one smallNORB split, cached under ``~/.cache/probcaps/
+synthetic_norb/`` (or ``<data dir>/synthetic_norb/`` for an explicit data dir), keyed by the generator's parameters
+and seed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,7 +34,7 @@ from ..errors import DataError
 from ..geometry import degrees
 from ..io import atomic_torch_save
 from .loaders import seeded_generator
-from .mnist import resolve_data_root
+from .mnist import user_cache_dir
 from .smallnorb import NORB_CLASSES, NorbSet
 
 __all__ = ["SYNTHETIC_NORB_VERSION", "VARIANTS", "class_parts", "render_views", "synthetic_norb", "AZIMUTHS",
@@ -254,8 +251,10 @@ def _load_or_render(split, data_dir, seed, size, cache, chunk, instances_per_spl
                            albedo[cls[s], inst[s]], az[s], el[s], light[s], size=size)
         images[s] = (img * 255).round().to(torch.uint8)
     data = NorbSet(images, cls, inst, az, el, light)
-    if cache:
-        _write_cache(data, name, data_dir)
+    for folder in _cache_dirs(data_dir) if cache else ():
+        with contextlib.suppress(OSError):  # a read-only data root: try the user cache
+            atomic_torch_save(vars(data), folder / name)
+            break
     return data
 
 
@@ -264,18 +263,5 @@ def _cache_dirs(data_dir) -> list[Path]:
 
     Not ``$PROBCAPS_DATA``: that data root may be shared between users (or read-only) and holds downloaded sets only.
     """
-    from .affnist import user_cache_dir
-
-    if data_dir is not None and str(data_dir) != "":
-        return list(dict.fromkeys([resolve_data_root(data_dir) / "synthetic_norb", user_cache_dir() / "synthetic_norb"]))
-    return [user_cache_dir() / "synthetic_norb"]
-
-
-def _write_cache(data: NorbSet, name: str, data_dir) -> None:
-    state = {k: getattr(data, k) for k in ("images", "labels", "instance", "azimuth", "elevation", "lighting")}
-    for folder in _cache_dirs(data_dir):
-        try:
-            atomic_torch_save(state, folder / name)
-            return
-        except OSError:  # read-only data root: try the user cache
-            continue
+    folders = [Path(data_dir).expanduser()] if str(data_dir or "") else []
+    return list(dict.fromkeys(folder / "synthetic_norb" for folder in folders + [user_cache_dir()]))
