@@ -11,22 +11,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "LinearProbe",
-    "probe_accuracy",
-    "hungarian_accuracy",
-    "kmeans_accuracy",
-    "classification_summary",
-    "mean_by_class",
-    "object_class_shares",
-    "class_purity",
-    "r2_scores",
-    "r2_score",
-    "reconstruction_mse",
-]
-
-
-# --------------------------------------------------------------------------- helpers
+__all__ = ["LinearProbe", "probe_accuracy", "hungarian_accuracy", "kmeans_accuracy", "classification_summary",
+           "mean_by_class", "object_class_shares", "class_purity", "r2_scores", "r2_score", "reconstruction_mse"]
 
 
 def _to_numpy(x: Any, name: str) -> np.ndarray:
@@ -35,10 +21,7 @@ def _to_numpy(x: Any, name: str) -> np.ndarray:
         raise ValueError(f"{name} must not be None")
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor without importing torch
         x = x.detach().cpu().numpy()
-    try:
-        arr = np.asarray(x)
-    except Exception as e:  # pragma: no cover - exotic inputs
-        raise ValueError(f"{name} could not be converted to an array: {e}") from e
+    arr = np.asarray(x)
     if arr.dtype == object:
         raise ValueError(f"{name} could not be converted to a numeric array (got dtype=object)")
     return arr
@@ -58,8 +41,7 @@ def _features(x: Any, name: str) -> np.ndarray:
     if arr.shape[0] == 0:
         raise ValueError(f"{name} is empty (0 rows)")
     if not np.all(np.isfinite(arr)):
-        n_bad = int((~np.isfinite(arr)).sum())
-        raise ValueError(f"{name} contains {n_bad} NaN/Inf value(s)")
+        raise ValueError(f"{name} contains {int((~np.isfinite(arr)).sum())} NaN/Inf value(s)")
     return arr
 
 
@@ -80,14 +62,12 @@ def _labels(y: Any, name: str) -> np.ndarray:
     return arr
 
 
-def _check_same_length(a: np.ndarray, a_name: str, b: np.ndarray, b_name: str) -> None:
+def _rows(x: Any, x_name: str, y: Any, y_name: str, x_as=_features) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` through ``x_as`` (features; or :func:`_labels`) and ``y`` as labels, with as many rows as each other."""
+    a, b = x_as(x, x_name), _labels(y, y_name)
     if a.shape[0] != b.shape[0]:
-        raise ValueError(
-            f"{a_name} has {a.shape[0]} rows but {b_name} has {b.shape[0]}; they must match"
-        )
-
-
-# --------------------------------------------------------------------------- linear probe
+        raise ValueError(f"{x_name} has {a.shape[0]} rows but {y_name} has {b.shape[0]}; they must match")
+    return a, b
 
 
 class LinearProbe:
@@ -108,38 +88,20 @@ class LinearProbe:
         self.seed = seed
         self.pipeline_ = None
 
-    def _make_pipeline(self):
-        from sklearn.linear_model import LogisticRegression
-        from sklearn.pipeline import Pipeline
-        from sklearn.preprocessing import StandardScaler
-
-        return Pipeline(
-            [
-                ("scaler", StandardScaler()),
-                (
-                    "logreg",
-                    LogisticRegression(
-                        C=self.C,
-                        solver="lbfgs",
-                        max_iter=self.max_iter,
-                        tol=self.tol,
-                        random_state=self.seed,
-                    ),
-                ),
-            ]
-        )
-
     def fit(self, features: Any, labels: Any) -> "LinearProbe":
         import warnings
 
         from sklearn.exceptions import ConvergenceWarning
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.pipeline import Pipeline
+        from sklearn.preprocessing import StandardScaler
 
-        X = _features(features, "features")
-        y = _labels(labels, "labels")
-        _check_same_length(X, "features", y, "labels")
+        X, y = _rows(features, "features", labels, "labels")
         if np.unique(y).size < 2:
             raise ValueError("labels must contain at least 2 distinct classes to fit a probe")
-        self.pipeline_ = self._make_pipeline()
+        logreg = LogisticRegression(C=self.C, solver="lbfgs", max_iter=self.max_iter, tol=self.tol,
+                                    random_state=self.seed)
+        self.pipeline_ = Pipeline([("scaler", StandardScaler()), ("logreg", logreg)])
         with warnings.catch_warnings():
             # Non-convergence at max_iter is an accepted budget choice for a probe.
             warnings.simplefilter("ignore", ConvergenceWarning)
@@ -168,34 +130,17 @@ class LinearProbe:
         return self.pipeline_.predict_proba(_features(features, "features"))
 
     def accuracy(self, features: Any, labels: Any) -> float:
-        X = _features(features, "features")
-        y = _labels(labels, "labels")
-        _check_same_length(X, "features", y, "labels")
+        X, y = _rows(features, "features", labels, "labels")
         return float(np.mean(self.predict(X) == y))
 
 
-def probe_accuracy(
-    train_features: Any,
-    train_labels: Any,
-    test_features: Any,
-    test_labels: Any,
-    **kw: Any,
-) -> float:
+def probe_accuracy(train_features: Any, train_labels: Any, test_features: Any, test_labels: Any, **kw: Any) -> float:
     """Fit a :class:`LinearProbe` (``**kw`` go to its constructor) on train, return test accuracy."""
-    Xtr = _features(train_features, "train_features")
-    ytr = _labels(train_labels, "train_labels")
-    _check_same_length(Xtr, "train_features", ytr, "train_labels")
-    Xte = _features(test_features, "test_features")
-    yte = _labels(test_labels, "test_labels")
-    _check_same_length(Xte, "test_features", yte, "test_labels")
+    Xtr, ytr = _rows(train_features, "train_features", train_labels, "train_labels")
+    Xte, yte = _rows(test_features, "test_features", test_labels, "test_labels")
     if Xtr.shape[1] != Xte.shape[1]:
-        raise ValueError(
-            f"test_features has {Xte.shape[1]} columns but train_features has {Xtr.shape[1]}"
-        )
+        raise ValueError(f"test_features has {Xte.shape[1]} columns but train_features has {Xtr.shape[1]}")
     return LinearProbe(**kw).fit(Xtr, ytr).accuracy(Xte, yte)
-
-
-# --------------------------------------------------------------------------- clustering
 
 
 def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
@@ -207,9 +152,7 @@ def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
     """
     from scipy.optimize import linear_sum_assignment
 
-    c = _labels(cluster_ids, "cluster_ids")
-    y = _labels(labels, "labels")
-    _check_same_length(c, "cluster_ids", y, "labels")
+    c, y = _rows(cluster_ids, "cluster_ids", labels, "labels", x_as=_labels)
     c_vals, c_idx = np.unique(c, return_inverse=True)
     y_vals, y_idx = np.unique(y, return_inverse=True)
     counts = np.zeros((c_vals.size, y_vals.size), dtype=np.int64)
@@ -218,29 +161,17 @@ def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
     return float(counts[rows, cols].sum() / c.shape[0])
 
 
-def kmeans_accuracy(
-    features: Any,
-    labels: Any,
-    n_clusters: int = 10,
-    seed: int = 0,
-    n_init: int = 10,
-) -> float:
+def kmeans_accuracy(features: Any, labels: Any, n_clusters: int = 10, seed: int = 0, n_init: int = 10) -> float:
     """K-means on ``features`` then :func:`hungarian_accuracy` against ``labels`` (SCAE's score)."""
     from sklearn.cluster import KMeans
 
-    X = _features(features, "features")
-    y = _labels(labels, "labels")
-    _check_same_length(X, "features", y, "labels")
+    X, y = _rows(features, "features", labels, "labels")
     if int(n_clusters) < 1:
         raise ValueError(f"n_clusters must be >= 1, got {n_clusters}")
     if int(n_clusters) > X.shape[0]:
         raise ValueError(f"n_clusters={n_clusters} exceeds the number of samples in features ({X.shape[0]})")
-    km = KMeans(n_clusters=int(n_clusters), random_state=seed, n_init=int(n_init))
-    ids = km.fit_predict(X)
+    ids = KMeans(n_clusters=int(n_clusters), random_state=seed, n_init=int(n_init)).fit_predict(X)
     return hungarian_accuracy(ids, y)
-
-
-# --------------------------------------------------------------------------- per-class reports and purity
 
 
 def classification_summary(true_labels: Any, predicted: Any, classes: Any = None) -> dict:
@@ -255,9 +186,7 @@ def classification_summary(true_labels: Any, predicted: Any, classes: Any = None
     """
     from sklearn.metrics import classification_report, confusion_matrix
 
-    y = _labels(true_labels, "true_labels")
-    p = _labels(predicted, "predicted")
-    _check_same_length(y, "true_labels", p, "predicted")
+    y, p = _rows(true_labels, "true_labels", predicted, "predicted", x_as=_labels)
     values = np.union1d(y, p) if classes is None else _labels(classes, "classes")
     if classes is not None and not np.isin(np.union1d(y, p), values).all():
         raise ValueError("classes must hold every value of true_labels and predicted")
@@ -273,32 +202,29 @@ def classification_summary(true_labels: Any, predicted: Any, classes: Any = None
     }
 
 
-def _weights_and_labels(weights: Any, labels: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    W = _features(weights, "weights")
-    y = _labels(labels, "labels")
-    _check_same_length(W, "weights", y, "labels")
+def _class_sums(weights: Any, labels: Any):
+    """``(weights (N, D), sums (D, C), counts (C,), classes (C,))``: each column summed over each class's images."""
+    W, y = _rows(weights, "weights", labels, "labels")
     classes, idx = np.unique(y, return_inverse=True)
-    return W, idx.ravel(), classes
+    sums = np.zeros((W.shape[1], classes.size))
+    np.add.at(sums.T, idx.ravel(), W)
+    return W, sums, np.bincount(idx.ravel(), minlength=classes.size), classes
 
 
 def mean_by_class(values: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(means (D, C), classes (C,))``: the mean of each column of ``values (N, D)`` over the images of each class,
     columns in the order of ``classes`` (the sorted label values): an object-by-class table."""
-    V, idx, classes = _weights_and_labels(values, labels)
-    sums = np.zeros((V.shape[1], classes.size))
-    np.add.at(sums.T, idx, V)
-    return sums / np.bincount(idx, minlength=classes.size), classes
+    _, sums, counts, classes = _class_sums(values, labels)
+    return sums / counts, classes
 
 
 def object_class_shares(weights: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(shares (K, C), classes (C,))``: for each object (a column of the non-negative ``weights (N, K)``, e.g.
     its expected part count per image), the share of its total weight that falls on the images of each class.
     An object with no weight at all gets a row of NaNs."""
-    W, idx, classes = _weights_and_labels(weights, labels)
+    W, totals, _, classes = _class_sums(weights, labels)
     if (W < 0).any():
         raise ValueError("weights must be non-negative")
-    totals = np.zeros((W.shape[1], classes.size))
-    np.add.at(totals.T, idx, W)
     mass = totals.sum(1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(mass > 0, totals / mass, np.nan), classes
@@ -313,9 +239,6 @@ def class_purity(weights: Any, labels: Any) -> float:
     shares, _ = object_class_shares(weights, labels)
     used = ~np.isnan(shares[:, 0])
     return float(shares[used].max(1).mean()) if used.any() else float("nan")
-
-
-# --------------------------------------------------------------------------- regression / reconstruction
 
 
 def _pair(pred: Any, true: Any, pred_name: str = "pred", true_name: str = "true"):
@@ -340,27 +263,19 @@ def r2_scores(pred: Any, true: Any) -> np.ndarray:
     otherwise (scikit-learn's convention), never NaN.
     """
     p, t = _pair(pred, true)
-    if p.ndim == 1:
-        p, t = p[:, None], t[:, None]
-    elif p.ndim != 2:
-        p, t = p.reshape(p.shape[0], -1), t.reshape(t.shape[0], -1)
+    p, t = p.reshape(p.shape[0], -1), t.reshape(t.shape[0], -1)
     ss_res = ((t - p) ** 2).sum(axis=0)
     ss_tot = ((t - t.mean(axis=0)) ** 2).sum(axis=0)
-    out = np.empty(p.shape[1], dtype=np.float64)
     const = ss_tot == 0
-    out[~const] = 1.0 - ss_res[~const] / ss_tot[~const]
-    out[const] = np.where(ss_res[const] == 0, 1.0, 0.0)
-    return out
+    return np.where(const, (ss_res == 0).astype(np.float64), 1.0 - ss_res / np.where(const, 1.0, ss_tot))
 
 
 def r2_score(pred: Any, true: Any) -> float:
     """R^2 of a 1-D prediction (a single column)."""
-    p = _to_numpy(pred, "pred")
-    t = _to_numpy(true, "true")
-    if p.ndim != 1 and not (p.ndim == 2 and p.shape[1] == 1):
-        raise ValueError(f"pred must be 1-D for r2_score (use r2_scores for (N, K)), got shape {p.shape}")
-    if t.ndim != 1 and not (t.ndim == 2 and t.shape[1] == 1):
-        raise ValueError(f"true must be 1-D for r2_score (use r2_scores for (N, K)), got shape {t.shape}")
+    p, t = _to_numpy(pred, "pred"), _to_numpy(true, "true")
+    for a, name in ((p, "pred"), (t, "true")):
+        if a.ndim != 1 and not (a.ndim == 2 and a.shape[1] == 1):
+            raise ValueError(f"{name} must be 1-D for r2_score (use r2_scores for (N, K)), got shape {a.shape}")
     return float(r2_scores(p.reshape(-1), t.reshape(-1))[0])
 
 
