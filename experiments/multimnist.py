@@ -22,27 +22,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from probcaps.inference.train import (  # noqa: E402
+from probcaps import plotting
+from probcaps.cli import add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run
+from probcaps.config import load_sections
+from probcaps.data import load_digits
+from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
+from probcaps.errors import ConfigError
+from probcaps.inference.train import (
     TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
 )
-from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes  # noqa: E402
-from probcaps import plotting  # noqa: E402
-from probcaps.config import load_sections  # noqa: E402
-from probcaps.data import load_digits as data_digits  # noqa: E402
-from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors,
-)
-from probcaps.errors import ConfigError  # noqa: E402
-from probcaps.io import atomic_write  # noqa: E402
-from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, write_table  # noqa: E402
+from probcaps.io import atomic_write
+from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
+from probcaps.provenance import provenance, write_results
+from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
 
+ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
 # anchors: a reduced numpy CapsNet reproduction and the paper (about 5% error at full scale)
 WRITEUP_SET_ACC = 0.486
@@ -91,23 +88,18 @@ def load_config(path, overrides=()) -> dict:
     if data.canvas_size < 28 + 2 * data.max_shift:
         raise ConfigError(f"{path}: data.canvas_size ({data.canvas_size}) too small for 28-px digits shifted by "
                           f"{data.max_shift}")
-    if model.primary_grid < 1:
-        raise ConfigError(f"{path}: model kernels too large for a {model.image_size}-px image")
     return cfg
 
 
-def load_digits(data: MultiMNISTData, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 ``(N, 28, 28)`` digits and labels of a split (first ``*_limit`` of them)."""
-    return data_digits(data.dataset, split, limit=data.train_limit if split == "train" else data.test_limit,
-                       data_dir=data_dir, synthetic_sizes=(512, 256))
-
-
 class PairSource:
-    """Digits of one split, their ink boxes, and the pairs of an epoch (or of the test set)."""
+    """The digits of one split (the first ``*_limit``), their ink boxes, and the pairs of an epoch (or of the
+    test set)."""
 
-    def __init__(self, digits: torch.Tensor, labels: torch.Tensor, data: MultiMNISTData):
-        self.digits, self.labels, self.data = digits, labels, data
-        self.boxes = bounding_boxes(digits)
+    def __init__(self, data: MultiMNISTData, split: str, data_dir=None):
+        self.data = data
+        self.digits, self.labels = load_digits(data.dataset, split, data_dir=data_dir, synthetic_sizes=(512, 256),
+                                               limit=data.train_limit if split == "train" else data.test_limit)
+        self.boxes = bounding_boxes(self.digits)
 
     def pairs(self, seed: int, epoch, n: int | None = None):
         return multimnist_pairs(self.labels, self.boxes, seed, epoch, n=n, max_shift=self.data.max_shift,
@@ -117,6 +109,11 @@ class PairSource:
         for x, a, b, y in multimnist_batches(self.digits, pairs, batch_size, start_batch=start_batch,
                                              canvas=self.data.canvas_size, device=device, drop_last=drop_last):
             yield x, torch.stack([a, b], 1), y
+
+    def first(self, pairs, n: int):
+        """``(composites, sources, labels)`` of the first ``n`` of ``pairs``, one batch."""
+        sub = pairs.subset(torch.arange(min(n, len(pairs))))
+        return next(self.batches(sub, len(sub)))
 
 
 @torch.no_grad()
@@ -142,12 +139,19 @@ def _read_elapsed(out: Path) -> float:
 
 
 def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, data_dir, progress: bool):
-    """Train one seed (resumable); returns ``(model, train_state)``; ``out/eval.jsonl`` gets the test-set curve."""
+    """Train one seed, or with ``resume`` continue it or load it when finished; returns ``(model, train state dict,
+    test PairSource)``.  ``out/eval.jsonl`` gets the test-set curve, ``out/elapsed.json`` the elapsed time."""
     tcfg = dataclasses.replace(cfg["train"], seed=seed)
     torch.manual_seed(seed)
     model = CapsNet(cfg["model"]).to(device)
-    train = PairSource(*load_digits(cfg["data"], "train", data_dir), cfg["data"])
-    test = PairSource(*load_digits(cfg["data"], "test", data_dir), cfg["data"])
+    test = PairSource(cfg["data"], "test", data_dir)
+    if resume and run_finished(out, tcfg.steps):
+        ckpt = load_checkpoint(out / "final.pt", map_location=device)
+        load_module_state(model, ckpt["module"], out / "final.pt")
+        return model, ckpt["state"], test
+    t_start = time.perf_counter()
+    resume = resume and (out / "checkpoint.pt").is_file()
+    train = PairSource(cfg["data"], "train", data_dir)
     curve_pairs = test.pairs(cfg["data"].seed, "test", n=min(cfg["eval"].curve_pairs, cfg["data"].test_pairs))
     eval_log = out / "eval.jsonl"
     if resume:  # keep the curve consistent with the checkpoint we resume from
@@ -177,36 +181,34 @@ def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, da
         with open(eval_log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    metadata = {"name": cfg["name"], "kind": "capsnet",
-                "configs": config_dicts(cfg)}
+    metadata = {"name": cfg["name"], "kind": "capsnet", "configs": config_dicts(cfg)}
     state = train_loop(model, loss_fn, batches, tcfg, out, resume=resume, metadata=metadata, progress=progress,
                        on_checkpoint=on_checkpoint)
-    return model, state, test
+    # elapsed time including pair generation and the curve evaluations, summed over resumed parts
+    elapsed = (_read_elapsed(out) if resume else 0.0) + time.perf_counter() - t_start
+    atomic_write(out / "elapsed.json", lambda f: f.write(json.dumps({"elapsed_s": elapsed})), mode="w")
+    return model, dataclasses.asdict(state), test
 
 
 def plot_reconstructions(model: CapsNet, test: PairSource, pairs, path: Path, n: int = 8) -> None:
     """Rows: composite, digit A, digit B, reconstruction from capsule A alone, from capsule B alone (the true
     classes), and from the two *predicted* capsules."""
-    sub = pairs.subset(torch.arange(min(n, len(pairs))))
-    x, sources, labels = next(test.batches(sub, len(sub)))
+    x, sources, labels = test.first(pairs, n)
     with torch.no_grad():
         out = model(x)
         rec_true = model.reconstruct_each(out.digits, labels)
         pred = top_k_classes(out.lengths, 2)
         rec_pred = model.reconstruct_each(out.digits, pred)
-    rows = [x[:, 0], sources[:, 0, 0], sources[:, 1, 0], rec_true[:, 0, 0], rec_true[:, 1, 0], rec_pred[:, 0, 0],
-            rec_pred[:, 1, 0]]
-    grid = torch.stack(rows, 0)
+    rows = {"input": x[:, 0], "digit A": sources[:, 0, 0], "digit B": sources[:, 1, 0], "caps A only": rec_true[:, 0, 0],
+            "caps B only": rec_true[:, 1, 0], "pred 1 only": rec_pred[:, 0, 0], "pred 2 only": rec_pred[:, 1, 0]}
     cols = [f"{a}+{b} → {p}{q}" for (a, b), (p, q) in zip(labels.tolist(), pred.tolist())]
-    plotting.plot_image_grid(grid, path, row_labels=["input", "digit A", "digit B", "caps A only", "caps B only",
-                                                     "pred 1 only", "pred 2 only"], col_labels=cols,
+    plotting.plot_image_grid(torch.stack(list(rows.values())), path, row_labels=list(rows), col_labels=cols,
                              title="each digit reconstructed from one masked digit capsule")
 
 
 def plot_capsule_lengths(model: CapsNet, test: PairSource, pairs, path: Path, n: int = 24) -> None:
     """Heat map of the 10 capsule lengths for ``n`` test composites, true classes outlined."""
-    sub = pairs.subset(torch.arange(min(n, len(pairs))))
-    x, _, labels = next(test.batches(sub, len(sub)))
+    x, _, labels = test.first(pairs, n)
     with torch.no_grad():
         lengths = model(x).lengths
     pred = top_k_classes(lengths, 2).tolist()
@@ -221,12 +223,13 @@ def plot_capsule_lengths(model: CapsNet, test: PairSource, pairs, path: Path, n:
 
 def plot_training(runs: dict[str, Path], path: Path) -> None:
     """Two panels: training loss (from ``log.jsonl``) and test-subset set accuracy (``eval.jsonl``) vs step."""
-    loss, acc = {}, {}
-    for label, out in runs.items():
-        log = {r["step"]: r["loss"] for r in read_jsonl(out / "log.jsonl")}
-        ev = {r["step"]: r["test_set_acc"] for r in read_jsonl(out / "eval.jsonl")}
-        loss[label] = (sorted(log), [log[s] for s in sorted(log)])
-        acc[label] = (sorted(ev), [100 * ev[s] for s in sorted(ev)])
+
+    def curve(path: Path, key: str, scale: float = 1.0):
+        by_step = {r["step"]: r[key] for r in read_jsonl(path)}
+        return sorted(by_step), [scale * by_step[s] for s in sorted(by_step)]
+
+    loss = {label: curve(out / "log.jsonl", "loss") for label, out in runs.items()}
+    acc = {label: curve(out / "eval.jsonl", "test_set_acc", 100) for label, out in runs.items()}
     plotting.plot_curve_panels([
         {"curves": loss, "xlabel": "step", "ylabel": "margin + 0.0005 x reconstruction loss",
          "title": "training loss", "logy": True},
@@ -244,7 +247,11 @@ def main(argv=None) -> int:
                  resume="continue each seed from its last checkpoint", tables="table (RESULTS_DIR/multimnist.md)",
                  threads=1)
     args = p.parse_args(argv)
-    if setup_run(args, lambda results: write_table(results, TABLE, readme_table(results))):
+
+    def tables(results):
+        return write_table(results, TABLE, readme_table(results))
+
+    if setup_run(args, tables):
         return 0
     cfg = load_config(args.config, args.set)
     name = cfg["name"]
@@ -252,25 +259,9 @@ def main(argv=None) -> int:
     results = Path(args.results_dir)
     runs, outs = [], {}
     for seed in args.seeds:
-        out = out_root / f"seed{seed}"
-        outs[f"seed {seed}"] = out
-        if args.resume and run_finished(out, cfg["train"].steps):
-            torch.manual_seed(seed)
-            model = CapsNet(cfg["model"]).to(args.device)
-            ckpt = load_checkpoint(out / "final.pt", map_location=args.device)
-            load_module_state(model, ckpt["module"], out / "final.pt")
-            state = ckpt["state"]
-            test = PairSource(*load_digits(cfg["data"], "test", args.data_dir), cfg["data"])
-        else:
-            resume = args.resume and (out / "checkpoint.pt").is_file()
-            t_start = time.perf_counter()
-            model, st, test = train_seed(cfg, seed, out, resume=resume, device=args.device,
-                                         data_dir=args.data_dir, progress=not args.quiet)
-            state = dataclasses.asdict(st)
-            # elapsed time including pair generation and the curve evaluations, summed over resumed parts
-            elapsed = _read_elapsed(out) if resume else 0.0
-            atomic_write(out / "elapsed.json", lambda f: f.write(json.dumps(
-                {"elapsed_s": elapsed + time.perf_counter() - t_start})), mode="w")
+        out = outs[f"seed {seed}"] = out_root / f"seed{seed}"
+        model, state, test = train_seed(cfg, seed, out, resume=args.resume, device=args.device,
+                                        data_dir=args.data_dir, progress=not args.quiet)
         if args.train_only:
             continue
         t0 = time.perf_counter()
@@ -278,9 +269,8 @@ def main(argv=None) -> int:
         metrics = evaluate(model, test, test_pairs, cfg["eval"].batch_size, args.device)
         steps_per_s = state["step"] / max(state["wall_time_s"], 1e-9)
         runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"],
-                     "train_elapsed_s": _read_elapsed(out) or None,
-                     "steps_per_s": steps_per_s, "eval_time_s": time.perf_counter() - t0,
-                     "mean_test_iou": float(test_pairs.iou.mean())})
+                     "train_elapsed_s": _read_elapsed(out) or None, "steps_per_s": steps_per_s,
+                     "eval_time_s": time.perf_counter() - t0, "mean_test_iou": float(test_pairs.iou.mean())})
         print(f"seed {seed}: set accuracy {metrics['set_acc']:.4f}, at least one {metrics['at_least_one_acc']:.4f}"
               f", recon MSE {metrics['recon_mse']:.4f}; {state['step']} steps in {state['wall_time_s'] / 60:.1f} "
               f"min ({steps_per_s:.2f} steps/s)")
@@ -295,11 +285,10 @@ def main(argv=None) -> int:
     summary = {"per_seed": runs, "writeup_set_acc": WRITEUP_SET_ACC, "paper_set_acc": PAPER_SET_ACC,
                **seed_summary(runs, ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"))}
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
-                      wall_time_s=sum(r["train_wall_time_s"] for r in runs),
-                      batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
-                      configs=config_dicts(cfg))
+                      wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
+                      threads=torch.get_num_threads(), configs=config_dicts(cfg))
     write_results(results / f"{name}.json", summary, prov)
-    write_table(results, TABLE, readme_table(results))
+    tables(results)
     if cfg["eval"].figures:
         plot_training(outs, results / f"{name}_training.png")
     print(f"wrote {results / (name + '.json')}")
@@ -313,50 +302,44 @@ TABLE = "multimnist"
 def readme_table(results_dir: Path) -> str | None:
     """Markdown table of the reduced (and, if present, paper-size) runs, from ``results/multimnist*.json``."""
     results_dir = Path(results_dir)
-    rows = [(label, load_result(results_dir, name))
-            for label, name in (("reduced", "multimnist"), ("paper-size", "multimnist_paper"))]
-    rows = [(label, r) for label, r in rows if r is not None]
+    rows = [(label, r) for label, name in (("reduced", "multimnist"), ("paper-size", "multimnist_paper"))
+            if (r := load_result(results_dir, name)) is not None]
     bench = results_dir / "multimnist_bench.json"
     if not rows and not bench.is_file():
         return None
-    lines = [] if not rows else ["| config | two-digit set accuracy (%) | at least one digit (%) | recon MSE per pixel | training "
-             "steps (min) | steps/s | numpy reproduction (reduced) | paper (full scale) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    table, notes = [], []
     for label, (m, prov) in rows:
         runs = m["per_seed"]
         model = prov.get("configs", {}).get("model", {})
-        size = (f"{label}: conv1 {model.get('conv1_channels')}, {model.get('primary_capsules')}×"
-                f"{model.get('primary_dim')}-D primary caps")
-        lines.append(f"| {size} | {fmt_mean_std([r['set_acc'] for r in runs])} | "
-                     f"{fmt_mean_std([r['at_least_one_acc'] for r in runs])} | "
-                     f"{fmt_mean_std([r['recon_mse'] for r in runs], scale=1.0, digits=4)} | "
-                     f"{fmt_mean_std([r['train_wall_time_s'] for r in runs], scale=1 / 60, digits=0)} | "
-                     f"{fmt_mean_std([r['steps_per_s'] for r in runs], scale=1.0, digits=2)} | "
-                     f"{100 * m['writeup_set_acc']:.1f} | about {100 * m['paper_set_acc']:.0f} |")
-    if rows:
-        lines.append("")
-    for label, (m, prov) in rows:
-        runs = m["per_seed"]
+
+        def ms(key, **kw):
+            return fmt_mean_std([r[key] for r in runs], **kw)
+
+        table.append(f"| {label}: conv1 {model.get('conv1_channels')}, {model.get('primary_capsules')}×"
+                     f"{model.get('primary_dim')}-D primary caps | {ms('set_acc')} | {ms('at_least_one_acc')} | "
+                     f"{ms('recon_mse', scale=1.0, digits=4)} | {ms('train_wall_time_s', scale=1 / 60, digits=0)} | "
+                     f"{ms('steps_per_s', scale=1.0, digits=2)} | {100 * m['writeup_set_acc']:.1f} | "
+                     f"about {100 * m['paper_set_acc']:.0f} |")
         elapsed = [r.get("train_elapsed_s") for r in runs]
         elapsed = (f" (elapsed, with pair generation and the curve evaluations: "
                    f"{', '.join(f'{e / 60:.0f}' for e in elapsed)} min)" if all(elapsed) else "")
-        lines.append(f"{label}: seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps of batch "
+        notes.append(f"{label}: seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps of batch "
                      f"{prov.get('batch_size')}{elapsed}; {runs[0]['n_pairs']} test pairs (mean IoU "
-                     f"{runs[0]['mean_test_iou']:.2f}); device: {prov.get('device')}; command: "
-                     f"`{prov.get('command')}`; commit {prov.get('git_commit')}.")
+                     f"{runs[0]['mean_test_iou']:.2f}); {provenance_line(prov)}")
+    lines = [] if not rows else [
+        "| config | two-digit set accuracy (%) | at least one digit (%) | recon MSE per pixel | training steps (min) "
+        "| steps/s | numpy reproduction (reduced) | paper (full scale) |", "|" + " --- |" * 8, *table, "", *notes]
     if bench.is_file():
         brows = json.loads(bench.read_text())
-        lines += ["" if rows else None, "| benchmark: one training step, batch 128 | children | bf16 convs | step (ms) | "
-                  "images/s | peak memory (MB) | threads | load average |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines = [line for line in lines if line is not None]
-        for r in brows:
-            lines.append(f"| {r['config']} | {r['num_primary_capsules']} | {r['model']['bf16']} | "
-                         f"{1000 * r['step_s']:.0f} | {r['images_per_s']:.1f} | {r['peak_memory_mb']:.0f} | "
-                         f"{r['threads']} | {r['load_average']:.1f} |")
-        lines.append("")
-        lines.append(f"Benchmark device: {brows[0]['device_description'].split(' (')[0]}, shared with other jobs (load "
-                     f"average in the table; 2.0 would be a fully used 2-core machine); command: "
-                     f"`{brows[0]['command']}` and variants.")
+        lines += [""] * bool(rows) + [
+            "| benchmark: one training step, batch 128 | children | bf16 convs | step (ms) | images/s | peak memory "
+            "(MB) | threads | load average |", "|" + " --- |" * 8]
+        lines += [f"| {r['config']} | {r['num_primary_capsules']} | {r['model']['bf16']} | {1000 * r['step_s']:.0f} | "
+                  f"{r['images_per_s']:.1f} | {r['peak_memory_mb']:.0f} | {r['threads']} | {r['load_average']:.1f} |"
+                  for r in brows]
+        lines += ["", f"Benchmark device: {brows[0]['device_description'].split(' (')[0]}, shared with other jobs "
+                  f"(load average in the table; 2.0 would be a fully used 2-core machine); command: "
+                  f"`{brows[0]['command']}` and variants."]
     return "\n".join(lines)
 
 

@@ -17,40 +17,29 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained  # noqa: E402
-from probcaps.inference.guides import Latents  # noqa: E402
-from probcaps.inference.ttvi import ttvi_batches  # noqa: E402
-from probcaps import plotting  # noqa: E402
-from probcaps.data import rotate, to_float  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_run_args, setup_run, table_writer, finite_float, finite_positive_float, non_negative_int, positive_int,
-    launch, one_line_errors,
+from probcaps import plotting
+from probcaps.cli import (
+    add_run_args, finite_float, finite_positive_float, launch, non_negative_int, one_line_errors, positive_int,
+    setup_run, table_writer,
 )
-from probcaps.errors import ProbcapsError  # noqa: E402
-from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import load_result, provenance_line  # noqa: E402
+from probcaps.data import rotate, to_float
+from probcaps.errors import ProbcapsError
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
+from probcaps.inference.evaluate import reconstruction_error
+from probcaps.inference.guides import Latents
+from probcaps.inference.ttvi import ttvi_batches
+from probcaps.provenance import provenance, write_results
+from probcaps.report import load_result, provenance_line
 
-DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
-
-
-@torch.no_grad()
-def per_image_mse(model, x: torch.Tensor, latents: Latents, batch_size: int = 250) -> torch.Tensor:
-    """``(N,)`` mean squared error per pixel of float images ``x (N, 1, H, W)`` rendered back from ``latents``."""
-    out = []
-    for i in range(0, len(x), batch_size):
-        sl = slice(i, i + batch_size)
-        recon, _ = model.render(torch.sigmoid(latents.part_logits[sl].to(x.device)), latents.part_poses[sl].to(x.device))
-        out.append(((recon - x[sl]) ** 2).mean((1, 2, 3)).cpu())
-    return torch.cat(out)
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "mnist_probe.pt"
 
 
 @torch.no_grad()
 def reconstruct(model, latents: Latents) -> torch.Tensor:
+    """``(N, 1, H, W)`` images rendered from ``latents``."""
     return model.render(torch.sigmoid(latents.part_logits), latents.part_poses)[0]
 
 
@@ -86,9 +75,9 @@ def readme_table(results_dir: Path, name: str = "rotated_digits") -> str | None:
                      f"{100 * r['mse_ttvi']:.3f} | {100 * (1 - r['mse_ttvi'] / r['mse_encoder']):.0f}% |")
     c = m["checks"]
     lines += ["", f"ELBO per image (nats, ± standard error over {m['n_images_per_angle']} test digits per angle); "
-              f"test-time VI improves the ELBO at every angle ≥ 45°: **{c['ttvi_improves_elbo_at_every_angle_ge_45']}**; "
-              f"reconstruction error at 90° reduced by **{100 * c.get('mse_reduction_at_90', float('nan')):.0f}%** "
-              f"(needed ≥ 30%); ELBO not worse at 0°: **{c.get('elbo_not_worse_at_0')}**.",
+              f"test-time VI improves the ELBO at every angle ≥ 45°: "
+              f"**{c['ttvi_improves_elbo_at_every_angle_ge_45']}**; reconstruction error at 90° reduced by "
+              f"**{100 * c.get('mse_reduction_at_90', float('nan')):.0f}%** (needed ≥ 30%); ELBO not worse at 0°: **{c.get('elbo_not_worse_at_0')}**.",
               f"{m['steps']} Adam steps (lr {m['lr']}, {m['pose_family']} poses) on all "
               f"{m['n_images_total']} images, {m['batch_size']} at a time: {m['ttvi_wall_time_s'] / 60:.1f} min, "
               f"{m['image_steps_per_s']:.0f} image-steps/s, i.e. {m['seconds_per_1000x200'] / 60:.1f} min for 1,000 "
@@ -101,7 +90,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     p.add_argument("--angles", type=finite_float, nargs="+", default=[float(a) for a in range(0, 181, 15)])
-    p.add_argument("--n-images", type=positive_int, default=100, help="test digits per angle (the first N of the test set)")
+    p.add_argument("--n-images", type=positive_int, default=100,
+                   help="test digits per angle (the first N of the test set)")
     p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--lr", type=finite_positive_float, default=0.03)
     p.add_argument("--batch-size", type=positive_int, default=250, help="images optimised together")
@@ -123,18 +113,19 @@ def main(argv=None) -> int:
     x = torch.cat([rotate(upright, a).clamp(0, 1) if a else upright for a in angles]).unsqueeze(1)
     encoded = encode_dataset(system.encoder, x, args.batch_size, args.device)
     result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                          device=args.device, progress=not args.quiet, seed=args.seed,
-                          pose_family=args.pose_family)
-    xd = x.to(args.device)
-    mse_enc, mse_ttvi = per_image_mse(system.model, xd, encoded), per_image_mse(system.model, xd, result.latents)
+                          device=args.device, progress=not args.quiet, seed=args.seed, pose_family=args.pose_family)
+
+    def mse(latents: Latents, sl: slice) -> float:
+        return reconstruction_error(system.model, x[sl], Latents(*(t[sl] for t in latents)), args.batch_size,
+                                    args.device)
+
     n = args.n_images
     rows = []
     for i, angle in enumerate(angles):
         sl = slice(i * n, (i + 1) * n)
         (e0, e0s), (e1, e1s) = _mean_sem(result.elbo_start[sl]), _mean_sem(result.elbo_end[sl])
         rows.append({"angle": angle, "elbo_encoder": e0, "elbo_encoder_sem": e0s, "elbo_ttvi": e1,
-                     "elbo_ttvi_sem": e1s, "mse_encoder": float(mse_enc[sl].mean()),
-                     "mse_ttvi": float(mse_ttvi[sl].mean()),
+                     "elbo_ttvi_sem": e1s, "mse_encoder": mse(encoded, sl), "mse_ttvi": mse(result.latents, sl),
                      "frac_images_elbo_improved": float((result.elbo_end[sl] > result.elbo_start[sl]).float().mean())})
     rate = len(x) * args.steps / result.wall_time_s
     metrics = {"per_angle": rows, "checks": checks(rows), "n_images_per_angle": n, "n_images_total": len(x),
@@ -154,16 +145,13 @@ def main(argv=None) -> int:
                          results / f"{args.name}_mse.png", xlabel="rotation of the test digits (degrees)",
                          ylabel="reconstruction MSE per pixel", title="rotated MNIST test digits: reconstruction")
     idx = torch.arange(len(angles)) * n + args.example
-    enc_one = Latents(*(t[idx] for t in encoded))
-    ttvi_one = Latents(*(t[idx] for t in result.latents))
-    grid = torch.stack([x[idx, 0], reconstruct(system.model, enc_one)[:, 0].cpu(),
-                        reconstruct(system.model, ttvi_one)[:, 0].cpu()])
+    grid = torch.stack([x[idx, 0], *(reconstruct(system.model, Latents(*(t[idx] for t in lat)))[:, 0].cpu()
+                                     for lat in (encoded, result.latents))])
     plotting.plot_image_grid(grid, results / f"{args.name}_example.png",
                              row_labels=["input", "encoder", "+ test-time VI"],
                              col_labels=[f"{a:g}°" for a in angles], title="one test digit, rotated")
-    state = cfg.get("train_state", {})
     prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
-                      checkpoint=str(args.checkpoint), checkpoint_train_steps=state.get("step"))
+                      checkpoint=str(args.checkpoint), checkpoint_train_steps=cfg.get("train_state", {}).get("step"))
     write_results(results / f"{args.name}.json", metrics, prov)
     tables(results)
     c = metrics["checks"]

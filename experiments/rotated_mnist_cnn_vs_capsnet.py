@@ -22,28 +22,26 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from probcaps.inference.supervised import predict  # noqa: E402
-from probcaps.inference.train import TrainConfig, load_checkpoint, load_module_state, run_finished, train_loop  # noqa: E402
-from probcaps.models.capsnet import CapsNet, CapsNetConfig  # noqa: E402
-from probcaps.models.lenet import LeNet5  # noqa: E402
-from probcaps import plotting  # noqa: E402
-from probcaps.config import load_sections  # noqa: E402
-from probcaps.data import iterate_batches, place_on_canvas, random_offsets, rotate, to_float  # noqa: E402
-from probcaps.data import load_digits as data_digits  # noqa: E402
-from probcaps.data.loaders import seeded_generator  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, table_writer, launch, one_line_errors,
+from probcaps import plotting
+from probcaps.cli import (
+    add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run, table_writer,
 )
-from probcaps.errors import ConfigError  # noqa: E402
-from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result  # noqa: E402
+from probcaps.config import load_sections
+from probcaps.data import iterate_batches, load_digits, place_on_canvas, random_offsets, rotate, to_float
+from probcaps.data.loaders import seeded_generator
+from probcaps.errors import ConfigError
+from probcaps.inference.supervised import predict
+from probcaps.inference.train import TrainConfig, load_checkpoint, load_module_state, run_finished, train_loop
+from probcaps.models.capsnet import CapsNet, CapsNetConfig
+from probcaps.models.lenet import LeNet5
+from probcaps.provenance import provenance, write_results
+from probcaps.report import fmt_mean_std, load_result, provenance_line
 
+ROOT = Path(__file__).resolve().parent.parent
 NAME = "rotated_mnist_cnn_vs_capsnet"
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
 # the numpy reproduction's numbers: accuracy on the 10,000 test digits, unrotated and rotated by 35 degrees
@@ -88,11 +86,6 @@ def load_config(path, overrides=()) -> dict:
     return cfg
 
 
-def load_digits(data: RotatedData, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
-    return data_digits(data.dataset, split, limit=data.train_limit if split == "train" else data.test_limit,
-                       data_dir=data_dir, synthetic_sizes=(256, 64))
-
-
 def shift_digits(digits: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Shift ``(N, 28, 28)`` digits by integer ``(dx, dy)`` offsets, keeping 28x28 (ink leaving the frame is
     cut): placed on a larger canvas, then the centre cropped."""
@@ -102,26 +95,14 @@ def shift_digits(digits: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return placed[:, pad:pad + size, pad:pad + size]
 
 
-def shifted_batches(images, labels, data: RotatedData, tcfg: TrainConfig, device):
-    """``(epoch, start) -> batches`` of training digits with fresh ±``train_shift`` px shifts every epoch."""
-
-    def batches(epoch: int, start: int):
-        offsets = random_offsets(len(images), data.train_shift, generator=seeded_generator("shift", tcfg.seed, epoch))
-        shifted = shift_digits(images, offsets)
-        yield from iterate_batches(shifted, labels, tcfg.batch_size, shuffle=True, seed=tcfg.seed, epoch=epoch,
-                                   start_batch=start, drop_last=len(images) >= tcfg.batch_size, device=device)
-
-    return batches
-
-
 def rotated(digits: torch.Tensor, angle: float) -> torch.Tensor:
     """Float ``(N, 28, 28)`` digits rotated by ``angle`` degrees (counter-clockwise on screen), clamped to [0, 1]."""
     return rotate(to_float(digits), float(angle)).clamp_(0.0, 1.0)
 
 
 def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, resume: bool, device, progress):
-    """Train LeNet-5 (cross-entropy) or CapsNet (margin + reconstruction) on shifted digits; returns the model
-    and its wall time.  A finished run (``final.pt``) is loaded instead of retrained when resuming."""
+    """Train LeNet-5 (cross-entropy) or CapsNet (margin + reconstruction) on digits shifted afresh every epoch;
+    returns the model, its wall time and steps.  A finished run (``final.pt``) is loaded when resuming."""
     torch.manual_seed(seed)
     model = (LeNet5() if kind == "lenet" else CapsNet(cfg["capsnet"])).to(device)
     tcfg = dataclasses.replace(cfg[f"{kind}_train"], seed=seed)
@@ -129,17 +110,20 @@ def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, r
         ckpt = load_checkpoint(out / "final.pt", map_location=device)
         load_module_state(model, ckpt["module"], out / "final.pt")
         return model, ckpt["state"]["wall_time_s"], ckpt["state"]["step"]
-    if kind == "lenet":
-        def loss_fn(batch):
-            x, y = batch
-            return F.cross_entropy(model(x), y)
-    else:
-        def loss_fn(batch):
-            x, y = batch
-            return model.loss(x, y[:, None], x[:, None])[0]
-    state = train_loop(model, loss_fn, shifted_batches(images, labels, cfg["data"], tcfg, device), tcfg, out,
-                       resume=resume and (out / "checkpoint.pt").is_file(), progress=progress,
-                       metadata={"kind": kind, "configs": config_dicts(cfg)})
+
+    def batches(epoch: int, start: int):
+        shift = cfg["data"].train_shift
+        offsets = random_offsets(len(images), shift, generator=seeded_generator("shift", tcfg.seed, epoch))
+        yield from iterate_batches(shift_digits(images, offsets), labels, tcfg.batch_size, shuffle=True, seed=tcfg.seed,
+                                   epoch=epoch, start_batch=start, drop_last=len(images) >= tcfg.batch_size,
+                                   device=device)
+
+    def loss_fn(batch):
+        x, y = batch
+        return F.cross_entropy(model(x), y) if kind == "lenet" else model.loss(x, y[:, None], x[:, None])[0]
+
+    state = train_loop(model, loss_fn, batches, tcfg, out, resume=resume and (out / "checkpoint.pt").is_file(),
+                       progress=progress, metadata={"kind": kind, "configs": config_dicts(cfg)})
     return model, state.wall_time_s, state.step
 
 
@@ -176,22 +160,20 @@ def probe_curve(checkpoint: Path, test_digits: torch.Tensor, test_labels: torch.
 
 
 def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
-    """Accuracy (%) against rotation angle, one line per model (mean ± std over seeds), the numpy reproduction's numbers as
-    separate markers, and the 35° point marked."""
+    """Accuracy (%) against rotation angle, one line per model (mean ± std over seeds), the numpy reproduction's
+    numbers as separate markers, and the 35° point marked."""
     model_colours = {"LeNet-5": plotting.PART_PALETTE[0], "CapsNet": plotting.PART_PALETTE[1]}
-    lines, colours = {}, {}
+    lines, colours, references = {}, {}, {}
     for label, acc in curves.items():
         acc = 100 * np.asarray(acc)
-        std = acc.std(0, ddof=1) if len(acc) > 1 else None
         name = label + (f" ({len(acc)} seeds)" if len(acc) > 1 else "")
-        lines[name] = (angles, acc.mean(0), std)
+        lines[name] = (angles, acc.mean(0), acc.std(0, ddof=1) if len(acc) > 1 else None)
         if label in model_colours:
             colours[name] = model_colours[label]
-    references = {}
     for key, label in (("lenet", "LeNet-5"), ("capsnet", "CapsNet")):
-        pts = sorted(WRITEUP[key].items())
-        references[f"numpy reproduction, {label}"] = ([a for a, _ in pts], [100 * v for _, v in pts])
-        colours[f"numpy reproduction, {label}"] = model_colours[label]
+        name = f"numpy reproduction, {label}"
+        references[name] = (sorted(WRITEUP[key]), [100 * WRITEUP[key][a] for a in sorted(WRITEUP[key])])
+        colours[name] = model_colours[label]
     plotting.plot_curve_panels([{
         "curves": lines, "references": references, "colours": colours, "vlines": [35], "ylim": (0, 101),
         "xlabel": "rotation of the test digits (degrees)", "ylabel": "test accuracy (%)",
@@ -215,9 +197,11 @@ def main(argv=None) -> int:
     args.out = args.out or str(ROOT / "runs" / name)
     if args.probcaps_checkpoint and not Path(args.probcaps_checkpoint).is_file():
         raise ConfigError(f"--probcaps-checkpoint {args.probcaps_checkpoint}: no such file")
-    angles = [float(a) for a in cfg["data"].angles]
-    train_images, train_labels = load_digits(cfg["data"], "train", args.data_dir)
-    test_images, test_labels = load_digits(cfg["data"], "test", args.data_dir)
+    data = cfg["data"]
+    angles = [float(a) for a in data.angles]
+    (train_images, train_labels), (test_images, test_labels) = (
+        load_digits(data.dataset, split, limit=getattr(data, f"{split}_limit"), data_dir=args.data_dir,
+                    synthetic_sizes=(256, 64)) for split in ("train", "test"))
     rotated_tests = {a: rotated(test_images, a) for a in angles}
     runs = []
     for seed in args.seeds:
@@ -269,8 +253,7 @@ def readme_table(results_dir: Path, name: str = NAME) -> str | None:
     if loaded is None:
         return None
     m, prov = loaded
-    runs = m["per_seed"]
-    probe = m.get("probcaps")
+    runs, probe, steps = m["per_seed"], m.get("probcaps"), prov.get("steps", {})
     head = "| rotation | LeNet-5 (%) | CapsNet (%) |" + (" probabilistic capsules, probe (%) |" if probe else "") + \
         " numpy reproduction, LeNet-5 | numpy reproduction, CapsNet |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
@@ -278,20 +261,15 @@ def readme_table(results_dir: Path, name: str = NAME) -> str | None:
         key = str(int(a)) if float(a).is_integer() else str(a)
         wl, wc = m["writeup"]["lenet"].get(key), m["writeup"]["capsnet"].get(key)
         label = f"**{a:.0f}°** (reference point)" if a == 35 else f"{a:.0f}°"
-        row = (f"| {label} | {fmt_mean_std([r['lenet_acc'][i] for r in runs])} | "
-               f"{fmt_mean_std([r['capsnet_acc'][i] for r in runs])} |")
-        if probe:
-            row += f" {100 * probe['probe_presence_pose_acc'][i]:.1f} |"
-        row += f" {f'{100 * wl:.2f}' if wl else '—'} | {f'{100 * wc:.2f}' if wc else '—'} |"
-        lines.append(row)
-    steps = prov.get("steps", {})
+        probe_cell = f" {100 * probe['probe_presence_pose_acc'][i]:.1f} |" if probe else ""
+        lines.append(f"| {label} | {fmt_mean_std([r['lenet_acc'][i] for r in runs])} | "
+                     f"{fmt_mean_std([r['capsnet_acc'][i] for r in runs])} |{probe_cell} "
+                     f"{f'{100 * wl:.2f}' if wl else '—'} | {f'{100 * wc:.2f}' if wc else '—'} |")
     walls = ", ".join(f"LeNet-5 {r['lenet_train_wall_time_s'] / 60:.1f} min, CapsNet "
                       f"{r['capsnet_train_wall_time_s'] / 60:.1f} min" for r in runs)
-    lines.append("")
-    lines.append(f"Seeds {', '.join(str(r['seed']) for r in runs)}; {m['n_test']} rotated test digits per angle; "
-                 f"training steps LeNet-5 {steps.get('lenet')}, CapsNet {steps.get('capsnet')} (training wall time: "
-                 f"{walls}); device: {prov.get('device')}; command: `{prov.get('command')}`; commit "
-                 f"{prov.get('git_commit')}.")
+    lines += ["", f"Seeds {', '.join(str(r['seed']) for r in runs)}; {m['n_test']} rotated test digits per angle; "
+              f"training steps LeNet-5 {steps.get('lenet')}, CapsNet {steps.get('capsnet')} (training wall time: "
+              f"{walls}); {provenance_line(prov)}"]
     if probe:
         lines.append(f"Probe: linear classifier on object presences + poses of `{probe['probe_checkpoint']}`, fit on "
                      f"{probe['probe_train_digits']} unrotated training digits, scored on the first "

@@ -21,25 +21,25 @@ import json
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from probcaps.inference.capsule_svi import (  # noqa: E402
+from probcaps import plotting
+from probcaps.cli import (
+    add_config_args, add_run_args, config_dicts, finite_non_negative_float, launch, one_line_errors, seed_summary,
+    setup_run, table_writer,
+)
+from probcaps.inference.capsule_svi import (
     encode_dataset, load_experiment_config, load_images, load_trained, probe_features, train_capsules,
 )
-from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
-from probcaps import plotting  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, table_writer, finite_non_negative_float, launch, one_line_errors,
-)
-from probcaps.io import write_json  # noqa: E402
-from probcaps.inference.evaluate import posterior_part_counts  # noqa: E402
-from probcaps.metrics import LinearProbe, class_purity  # noqa: E402
-from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
+from probcaps.inference.evaluate import posterior_part_counts
+from probcaps.inference.train import load_checkpoint, run_finished
+from probcaps.io import write_json
+from probcaps.metrics import LinearProbe, class_purity
+from probcaps.provenance import provenance, write_results
+from probcaps.report import fmt_mean_std, load_result, provenance_line
 
+ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "rotated_training.toml"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 
