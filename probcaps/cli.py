@@ -133,11 +133,9 @@ def folder_arg(text: str) -> str:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise argparse.ArgumentTypeError(f"{text}: {parent} is not a folder")
-            break
+    parent = next((folder for folder in path.parents if folder.exists()), None)  # the nearest existing one
+    if parent is not None and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {parent} is not a folder")
     return text
 
 

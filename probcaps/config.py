@@ -193,8 +193,10 @@ def _build(cls, values: dict, where: str):
 def _validated(section, where: str):
     """``section`` after its own ``validate()``, if it has one: its ``ValueError("<section>.<key> must ...")``
     becomes a one-line ConfigError naming the file."""
+    validate = getattr(section, "validate", None)
     try:
-        getattr(section, "validate", lambda: None)()
+        if callable(validate):  # a method, not a flag such as train.validate
+            validate()
     except ValueError as e:
         label, _, name = where.rpartition(": ")
         message = str(e)

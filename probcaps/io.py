@@ -36,9 +36,7 @@ class RunFolderBusy(ProbcapsError):
 
 
 def _output_error(path: Path, e: OSError) -> OutputError:
-    reason = e.strerror or str(e)
-    if e.errno == errno.ENOSPC:
-        reason = "no space left on the device"
+    reason = "no space left on the device" if e.errno == errno.ENOSPC else e.strerror or str(e)
     return OutputError(f"{path}: cannot write ({reason}); nothing was half-written")
 
 
@@ -51,11 +49,7 @@ def deferred_signals() -> Iterator[None]:
         yield
         return
     received: list[int] = []
-
-    def hold(signum, frame):
-        received.append(signum)
-
-    previous = {s: signal.signal(s, hold) for s in INTERRUPT_SIGNALS}
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in INTERRUPT_SIGNALS}
     try:
         yield
     finally:

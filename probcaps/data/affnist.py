@@ -59,8 +59,8 @@ def load_affnist_mat(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tenso
     for field in ("image", "label_int"):
         if field not in fields:
             raise DataError(f"{path}: affNISTdata has no field '{field}' (fields: {list(fields)})")
-    image = np.asarray(data["image"].item() if data.shape == () else data["image"])
-    labels = np.asarray(data["label_int"].item() if data.shape == () else data["label_int"]).reshape(-1)
+    image, labels = (np.asarray(data[k].item() if data.shape == () else data[k]) for k in ("image", "label_int"))
+    labels = labels.reshape(-1)
     if image.ndim == 1:  # squeeze_me turns a single image into a vector
         image = image[:, None]
     if image.ndim != 2 or image.shape[0] != AFFNIST_SIDE**2:
@@ -109,13 +109,10 @@ def affnist_recipe_transform(digits: torch.Tensor, generator: torch.Generator, r
     r0, r1, c0, c1 = box.unbind(1)
     xs = pixels_to_normalised(torch.stack([c0, c1, c0, c1], 1).float() - w / 2, C)  # (N, 4) corners
     ys = pixels_to_normalised(torch.stack([r0, r0, r1, r1], 1).float() - h / 2, C)
-    cx = A[:, 0, :1] * xs + A[:, 0, 1:2] * ys
-    cy = A[:, 1, :1] * xs + A[:, 1, 1:2] * ys
+    corners = torch.stack([A[:, i, :1] * xs + A[:, i, 1:2] * ys for i in (0, 1)], -1)  # (N, 4, (x, y))
     # translations keeping [min, max] of the corners inside [-1, 1]
-    tx_lo, tx_hi = -1 - cx.min(1).values, 1 - cx.max(1).values
-    ty_lo, ty_hi = -1 - cy.min(1).values, 1 - cy.max(1).values
-    tx = torch.where(tx_hi > tx_lo, tx_lo + (tx_hi - tx_lo) * u[:, 4], zero)
-    ty = torch.where(ty_hi > ty_lo, ty_lo + (ty_hi - ty_lo) * u[:, 5], zero)
+    lo, hi = -1 - corners.amin(1), 1 - corners.amax(1)  # (N, 2)
+    tx, ty = torch.where(hi > lo, lo + (hi - lo) * u[:, 4:], 0.0).unbind(1)
     P = translation_matrix(tx, ty) @ A
     return P, torch.stack([sx, sy, theta, shear, tx, ty], 1)
 

@@ -19,7 +19,8 @@ import numpy as np
 from ..errors import DataError
 from ..io import atomic_write
 
-__all__ = ["read_idx", "write_idx", "read_maybe_gzipped", "GZIP_MAGIC", "IDX_UBYTE", "LABELS_MAGIC", "IMAGES_MAGIC"]
+__all__ = ["read_idx", "write_idx", "read_maybe_gzipped", "array_after_header", "GZIP_MAGIC", "IDX_UBYTE",
+           "LABELS_MAGIC", "IMAGES_MAGIC"]
 
 GZIP_MAGIC = b"\x1f\x8b"
 IDX_UBYTE = 0x08
@@ -46,22 +47,16 @@ def read_maybe_gzipped(path: Path) -> bytes:
 
 
 def read_idx(path: str | os.PathLike, ndim: int | None = None) -> np.ndarray:
-    """Read an unsigned-byte IDX file (gzip or raw) into a ``uint8`` array of the header's shape.
-
-    Args:
-        path: the file; compression is detected from the magic bytes ``1f 8b``, not from the name.
-        ndim: if given, the number of dimensions the file must have (1 for labels, 3 for images).
-    Raises:
-        DataError: one line naming the file, for a missing/unreadable file, a bad gzip stream, a wrong magic,
-            type or dimension count, or a payload that is shorter or longer than the header says.
-    """
+    """Read an unsigned-byte IDX file (gzip or raw, told by the magic bytes ``1f 8b``, not the name) into a
+    ``uint8`` array of the header's shape; ``ndim``, if given, is the number of dimensions the file must have (1 for
+    labels, 3 for images).  A DataError, one line naming the file, for a missing/unreadable file, a bad gzip
+    stream, a wrong magic, type or dimension count, or a payload shorter or longer than the header says."""
     path = Path(path)
     data = read_maybe_gzipped(path)
     if len(data) < 4:
         raise DataError(f"{path}: truncated: {len(data)} bytes, too short for the 4-byte IDX magic")
-    magic = struct.unpack(">I", data[:4])[0]
-    zeros, dtype_code, file_ndim = data[0:2], data[2], data[3]
-    if zeros != b"\x00\x00" or file_ndim not in _SUPPORTED_NDIM:
+    magic, dtype_code, file_ndim = struct.unpack(">I", data[:4])[0], data[2], data[3]
+    if data[:2] != b"\x00\x00" or file_ndim not in _SUPPORTED_NDIM:
         raise DataError(f"{path}: bad magic 0x{magic:08x} (expected 0x{LABELS_MAGIC:08x} for labels or "
                         f"0x{IMAGES_MAGIC:08x} for images); not an IDX file of the MNIST kind")
     if dtype_code != IDX_UBYTE:
@@ -72,17 +67,19 @@ def read_idx(path: str | os.PathLike, ndim: int | None = None) -> np.ndarray:
     header_len = 4 + 4 * file_ndim
     if len(data) < header_len:
         raise DataError(f"{path}: truncated: header needs {header_len} bytes, found {len(data)}")
-    shape = struct.unpack(f">{file_ndim}I", data[4:header_len])
-    expected = int(np.prod(shape, dtype=np.int64))
-    found = len(data) - header_len
-    what = "pixel" if file_ndim == 3 else "label"
-    if found < expected:
-        raise DataError(f"{path}: truncated: header says {expected} {what} bytes {tuple(shape)}, found {found}")
-    if found > expected:
-        raise DataError(f"{path}: {found - expected} trailing bytes after the {expected} {what} bytes the header "
-                        f"{tuple(shape)} announces")
-    # copy: np.frombuffer over bytes is read-only, and torch.from_numpy on it would warn
-    return np.frombuffer(data, dtype=np.uint8, count=expected, offset=header_len).reshape(shape).copy()
+    return array_after_header(path, data, header_len, struct.unpack(f">{file_ndim}I", data[4:header_len]))
+
+
+def array_after_header(path: Path, data: bytes, offset: int, shape: tuple, dtype=np.dtype(np.uint8)) -> np.ndarray:
+    """The ``shape`` array of ``dtype`` filling ``data`` (the bytes of ``path``) from byte ``offset`` on; a one-line
+    DataError naming the file when the payload is shorter or longer than ``shape`` says."""
+    expected, found = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, len(data) - offset
+    if found != expected:
+        what = "truncated" if found < expected else f"{found - expected} trailing bytes"
+        raise DataError(f"{path}: {what}: the header's shape {tuple(shape)} of {dtype} needs {expected} bytes of "
+                        f"data, found {found}")
+    # a copy: np.frombuffer over bytes is read-only, and torch.from_numpy on it would warn
+    return np.frombuffer(data, dtype=dtype, offset=offset).reshape(shape).copy()
 
 
 def write_idx(path: str | os.PathLike, array, gzip: bool = True) -> Path:

@@ -24,19 +24,15 @@ __all__ = ["derive_seed", "seeded_generator", "TensorRecord", "PlacedMNIST", "pl
 
 
 def derive_seed(*parts) -> int:
-    """A 63-bit seed that is a pure function of ``parts`` (e.g. ``(seed, "train")``), stable across runs.
-
-    Python's ``hash`` is salted per process for strings, so this hashes the ``repr`` with SHA-256 instead.
-    """
+    """A 63-bit seed that is a pure function of ``parts`` (e.g. ``(seed, "train")``), stable across runs (SHA-256
+    of the ``repr``: Python's ``hash`` is salted per process for strings)."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
 
 
 def seeded_generator(*parts) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded with :func:`derive_seed` of ``parts``."""
-    g = torch.Generator()
-    g.manual_seed(derive_seed(*parts))
-    return g
+    return torch.Generator().manual_seed(derive_seed(*parts))
 
 
 class TensorRecord:
@@ -52,13 +48,9 @@ class TensorRecord:
 
 @dataclass
 class PlacedMNIST(TensorRecord):
-    """MNIST digits placed on a larger canvas at random integer offsets.
-
-    Attributes:
-        images: uint8 ``(N, canvas, canvas)``.
-        labels: int64 ``(N,)``.
-        offsets: int64 ``(N, 2)`` ``(dx, dy)`` in pixels from the centred position (dx right, dy down).
-    """
+    """MNIST digits placed on a larger canvas at random integer offsets: ``images`` uint8 ``(N, canvas, canvas)``,
+    ``labels`` int64 ``(N,)``, ``offsets`` int64 ``(N, 2)`` ``(dx, dy)`` in pixels from the centred position (dx
+    right, dy down)."""
 
     images: torch.Tensor
     labels: torch.Tensor

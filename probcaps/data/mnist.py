@@ -98,18 +98,11 @@ def clear_mnist_cache() -> None:
 
 def load_mnist(split: str, data_dir: str | os.PathLike | None = None,
                verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Load an MNIST split.
-
-    Args:
-        split: ``"train"`` (60000 examples) or ``"test"`` (10000).
-        data_dir: the data root (see :func:`resolve_data_root`); the files are read from ``data_dir/mnist``.
-        verify: check each file's md5 against :data:`MNIST_FILES`.  Files written by
-            :func:`probcaps.data.write_fake_mnist` need ``verify=False``.
-    Returns:
-        ``images`` uint8 ``(N, 28, 28)`` and ``labels`` int64 ``(N,)`` (fresh tensors: safe to modify).
-    Raises:
-        DataError: missing folder or file, md5 mismatch, malformed IDX file, or label/image count mismatch.
-    """
+    """Load the ``"train"`` (60000 examples) or ``"test"`` (10000) split from ``<data root>/mnist`` (the root
+    resolved from ``data_dir`` by :func:`resolve_data_root`): ``images`` uint8 ``(N, 28, 28)`` and ``labels`` int64
+    ``(N,)``, fresh tensors (safe to modify).  ``verify`` checks each file's md5 against :data:`MNIST_FILES` (files
+    written by :func:`probcaps.data.write_fake_mnist` need ``verify=False``).  A DataError for a missing folder or
+    file, an md5 mismatch, a malformed IDX file, or a label/image count mismatch."""
     if split not in MNIST_SPLITS:
         raise ValueError(f"load_mnist: split must be one of {sorted(MNIST_SPLITS)}, got {split!r}")
     folder = mnist_dir(resolve_data_root(data_dir))

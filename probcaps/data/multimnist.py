@@ -28,14 +28,10 @@ __all__ = ["MultiMNISTPairs", "bounding_boxes", "box_iou", "sample_pairs", "comp
 
 @dataclass
 class MultiMNISTPairs(TensorRecord):
-    """Pair indices and shifts (compact; images are composed per batch with :func:`compose_pairs`).
-
-    Attributes:
-        first, second: int64 ``(N,)`` indices into the source digits.
-        shifts: int64 ``(N, 2, 2)`` ``[pair, digit, (dx, dy)]``.
-        labels: int64 ``(N, 2)`` the two classes (always different).
-        iou: float ``(N,)`` IoU of the shifted bounding boxes (all ``>= min_iou``).
-    """
+    """Pair indices and shifts (compact; images are composed per batch with :func:`compose_pairs`): ``first``,
+    ``second`` int64 ``(N,)`` indices into the source digits, ``shifts`` int64 ``(N, 2, 2)`` ``[pair, digit, (dx,
+    dy)]``, ``labels`` int64 ``(N, 2)`` the two (different) classes, ``iou`` float ``(N,)`` IoU of the shifted
+    bounding boxes (all ``>= min_iou``)."""
 
     first: torch.Tensor
     second: torch.Tensor
@@ -48,35 +44,26 @@ def bounding_boxes(images: torch.Tensor) -> torch.Tensor:
     """Ink bounding boxes of ``(N, H, W)`` images: int64 ``(N, 4)`` ``(top, bottom, left, right)``, half-open
     (``bottom``/``right`` one past the last inked row/column).  An empty image gets the empty box ``(0, 0, 0, 0)``."""
     ink = images > 0
-    rows, cols = ink.any(2), ink.any(1)  # (N, H), (N, W)
-    r = torch.arange(images.shape[1], device=images.device)
-    c = torch.arange(images.shape[2], device=images.device)
     big = max(images.shape[1], images.shape[2]) + 1
-    top = torch.where(rows, r, big).amin(1)
-    bottom = torch.where(rows, r + 1, 0).amax(1)
-    left = torch.where(cols, c, big).amin(1)
-    right = torch.where(cols, c + 1, 0).amax(1)
-    empty = ~rows.any(1)
-    box = torch.stack([top, bottom, left, right], 1)
-    return torch.where(empty[:, None], torch.zeros_like(box), box)
+    edges = []
+    for inked in (ink.any(2), ink.any(1)):  # (N, H) rows, then (N, W) columns
+        i = torch.arange(inked.shape[1], device=images.device)
+        edges += [torch.where(inked, i, big).amin(1), torch.where(inked, i + 1, 0).amax(1)]
+    box = torch.stack(edges, 1)
+    return torch.where(ink.flatten(1).any(1)[:, None], box, torch.zeros_like(box))
 
 
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """IoU of half-open boxes ``(..., 4)`` = ``(top, bottom, left, right)``; 0 when both are empty."""
     a, b = a.float(), b.float()
-    ih = (torch.minimum(a[..., 1], b[..., 1]) - torch.maximum(a[..., 0], b[..., 0])).clamp(min=0)
-    iw = (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 2], b[..., 2])).clamp(min=0)
-    inter = ih * iw
-    area_a = (a[..., 1] - a[..., 0]) * (a[..., 3] - a[..., 2])
-    area_b = (b[..., 1] - b[..., 0]) * (b[..., 3] - b[..., 2])
-    union = area_a + area_b - inter
+    inter = (torch.minimum(a[..., 1::2], b[..., 1::2]) - torch.maximum(a[..., ::2], b[..., ::2])).clamp(min=0).prod(-1)
+    union = (a[..., 1::2] - a[..., ::2]).prod(-1) + (b[..., 1::2] - b[..., ::2]).prod(-1) - inter
     return torch.where(union > 0, inter / union.clamp(min=1e-12), torch.zeros_like(union))
 
 
 def _shift_boxes(boxes: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     """Move ``(N, 4)`` boxes by ``(N, 2)`` shifts ``(dx, dy)``."""
-    dx, dy = shifts[:, 0], shifts[:, 1]
-    return boxes + torch.stack([dy, dy, dx, dx], 1)
+    return boxes + shifts[:, [1, 1, 0, 0]]
 
 
 def sample_pairs(first: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor, generator: torch.Generator,
@@ -97,11 +84,8 @@ def sample_pairs(first: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor,
             which is why 1s make up only about 6% of the digits in the pairs instead of 11%).
     """
     n, m = first.shape[0], labels.shape[0]
-    labels = labels.long()
-    first = first.clone().long()
-    second = torch.zeros(n, dtype=torch.long)
-    shifts = torch.zeros(n, 2, 2, dtype=torch.long)
-    iou = torch.zeros(n)
+    labels, first = labels.long(), first.clone().long()
+    second, shifts, iou = torch.zeros(n, dtype=torch.long), torch.zeros(n, 2, 2, dtype=torch.long), torch.zeros(n)
     todo = torch.arange(n)
     tried = torch.zeros(n, dtype=torch.long)  # draws spent on each pair's current first digit
     for _ in range(max_rounds):  # rejection rounds over the still-failing pairs (vectorised within a round)
@@ -121,11 +105,8 @@ def sample_pairs(first: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor,
         ok = (labels[cand] != labels[f]) & (value >= min_iou)  # (t, k)
         found = ok.any(1)
         pick = ok.float().argmax(1)  # first passing draw
-        rows = torch.arange(t)
-        done = todo[found]
-        second[done] = cand[rows, pick][found]
-        shifts[done] = sh[rows, pick][found]
-        iou[done] = value[rows, pick][found]
+        hit, done = (torch.arange(t)[found], pick[found]), todo[found]
+        second[done], shifts[done], iou[done] = cand[hit], sh[hit], value[hit]
         todo = todo[~found]
     if todo.numel():
         raise RuntimeError(f"sample_pairs: {todo.numel()} pairs found no partner with IoU >= {min_iou} in "

@@ -12,9 +12,8 @@ elements in C order.  The six files (gzip as distributed, or raw) live in ``<dat
 The paper's preprocessing: each image downsampled to 48x48 (here: 2x2 area average of the 96x96 left-camera
 image), then random 32x32 crops during training and the centre 32x32 crop at test time (:func:`crop32`).
 
-Both this loader and the synthetic stand-in (:mod:`probcaps.data.synthetic_norb`) return a :class:`NorbSet`, and
-:func:`viewpoint_split` gives the paper's novel-viewpoint splits on either.  :func:`download_smallnorb` fetches
-the official files where a network is available (checked by size and sha256); it is never called by the tests.
+This loader and the synthetic stand-in (:mod:`probcaps.data.synthetic_norb`) both return a :class:`NorbSet`, which
+:func:`viewpoint_split` splits by viewpoint.  :func:`download_smallnorb` fetches the official files.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 from ..errors import DataError
 from ..io import atomic_write
-from .idx import read_maybe_gzipped
+from .idx import array_after_header, read_maybe_gzipped
 from .loaders import TensorRecord
 from .mnist import download_checked, resolve_data_root
 
@@ -74,12 +73,9 @@ ELEVATIONS = tuple(range(30, 75, 5))
 
 @dataclass
 class NorbSet(TensorRecord):
-    """Images with viewpoint metadata (the real smallNORB or the synthetic stand-in).
-
-    Attributes:
-        images: uint8 ``(N, 48, 48)`` (already downsampled as the paper does).
-        labels: int64 ``(N,)`` classes 0..4; instance, lighting: int64 ``(N,)``.
-        azimuth, elevation: int64 ``(N,)`` in degrees (0..340 step 20; 30..70 step 5).
+    """Images with viewpoint metadata (the real smallNORB or the synthetic stand-in): ``images`` uint8
+    ``(N, 48, 48)`` (downsampled as the paper does), ``labels`` int64 ``(N,)`` classes 0..4, ``instance``,
+    ``lighting`` int64 ``(N,)``, ``azimuth``, ``elevation`` int64 ``(N,)`` in degrees (0..340 step 20; 30..70 step 5).
     """
 
     images: torch.Tensor
@@ -91,12 +87,9 @@ class NorbSet(TensorRecord):
 
 
 def read_norb_matrix(path: str | os.PathLike) -> np.ndarray:
-    """Read a smallNORB binary matrix file (gzip or raw, detected from the content) into a numpy array.
-
-    Raises:
-        DataError: one line naming the file, for a missing file, bad gzip, unknown magic number, truncated header
-            or a payload shorter or longer than the header's dimensions say.
-    """
+    """Read a smallNORB binary matrix file (gzip or raw, detected from the content) into a numpy array.  A
+    DataError, one line naming the file, for a missing file, bad gzip, unknown magic number, truncated header or a
+    payload shorter or longer than the header's dimensions say."""
     path = Path(path)
     data = read_maybe_gzipped(path)
     if len(data) < 8:
@@ -115,13 +108,7 @@ def read_norb_matrix(path: str | os.PathLike) -> np.ndarray:
     shape = struct.unpack(f"<{ndim}i", data[8:8 + 4 * ndim])
     if any(d < 0 for d in shape):
         raise DataError(f"{path}: negative dimension in the header {shape}")
-    dtype = NORB_MAGIC[magic]
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    found = len(data) - header
-    if found != expected:
-        what = "truncated" if found < expected else "trailing bytes"
-        raise DataError(f"{path}: {what}: header {shape} of {dtype} needs {expected} bytes of data, found {found}")
-    return np.frombuffer(data, dtype=dtype, offset=header).reshape(shape).copy()
+    return array_after_header(path, data, header, shape, NORB_MAGIC[magic])
 
 
 def write_norb_matrix(path: str | os.PathLike, array, gzip_file: bool = False) -> Path:
@@ -158,11 +145,8 @@ def downsample(images: torch.Tensor, size: int = 48) -> torch.Tensor:
 
 
 def load_smallnorb(split: str, data_dir: str | os.PathLike | None = None, size: int = 48) -> NorbSet:
-    """Load a smallNORB split (``"train"`` or ``"test"``): the left-camera images downsampled to ``size``.
-
-    Raises:
-        DataError: missing or malformed files, or files whose example counts or shapes disagree.
-    """
+    """Load a smallNORB split (``"train"`` or ``"test"``): the left-camera images downsampled to ``size``.  A
+    DataError for missing or malformed files, or files whose example counts or shapes disagree."""
     if split not in SMALLNORB_SPLITS:
         raise ValueError(f"load_smallnorb: split must be one of {sorted(SMALLNORB_SPLITS)}, got {split!r}")
     folder = smallnorb_dir(data_dir)

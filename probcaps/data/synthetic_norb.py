@@ -107,9 +107,7 @@ def class_parts(variant: str = "toys") -> tuple[torch.Tensor, torch.Tensor, torc
     parts of any class, 7 for ``"toys"``)."""
     table = _parts(variant)
     P = max(len(parts) for parts in table.values())
-    centres = torch.zeros(5, P, 3)
-    radii = torch.ones(5, P, 3)
-    mask = torch.zeros(5, P, dtype=torch.bool)
+    centres, radii, mask = torch.zeros(5, P, 3), torch.ones(5, P, 3), torch.zeros(5, P, dtype=torch.bool)
     for c, name in enumerate(NORB_CLASSES):  # a 5-row table built once
         parts = table[name]
         centres[c, :len(parts)] = torch.tensor([p[0] for p in parts])

@@ -22,19 +22,16 @@ def random_offsets(n: int, max_shift: int = 6, generator: torch.Generator | None
 
 
 def place_on_canvas(digits: torch.Tensor, offsets: torch.Tensor, canvas: int = 40) -> torch.Tensor:
-    """Paste each digit onto an empty ``canvas x canvas`` image, centred, then shifted by its offset.
-
-    The SCAE placement: no interpolation, pixels are copied with one advanced-indexing assignment.
+    """Paste each digit onto an empty ``canvas x canvas`` image, centred, then shifted by its offset (the SCAE
+    placement: no interpolation, pixels copied with one advanced-indexing assignment).
 
     Args:
         digits: ``(N, h, w)``, any dtype (uint8 or float).
         offsets: ``(N, 2)`` integer ``(dx, dy)``; digit pixel ``(r, c)`` lands at canvas
             ``(top + dy + r, left + dx + c)`` with ``top = (canvas - h) // 2``, ``left = (canvas - w) // 2``.
-        canvas: output side length.
     Returns:
-        ``(N, canvas, canvas)``, same dtype and device as ``digits``; zeros outside the digit.
-    Raises:
-        ValueError: if a shifted digit would leave the canvas.
+        ``(N, canvas, canvas)``, same dtype and device as ``digits``; zeros outside the digit.  A ValueError if a
+        shifted digit would leave the canvas.
     """
     if digits.dim() != 3:
         raise ValueError(f"place_on_canvas: digits must be (N, h, w), got shape {tuple(digits.shape)}")
@@ -45,8 +42,7 @@ def place_on_canvas(digits: torch.Tensor, offsets: torch.Tensor, canvas: int = 4
                          f"{offsets.dtype} {tuple(offsets.shape)}")
     offsets = offsets.long()
     top, left = (canvas - h) // 2, (canvas - w) // 2
-    row0 = top + offsets[:, 1]  # (N,) first canvas row of each digit
-    col0 = left + offsets[:, 0]
+    row0, col0 = top + offsets[:, 1], left + offsets[:, 0]  # (N,) first canvas row and column of each digit
     outside = (row0 < 0) | (row0 + h > canvas) | (col0 < 0) | (col0 + w > canvas)
     if bool(outside.any()):
         i = int(outside.nonzero()[0, 0])
@@ -54,10 +50,9 @@ def place_on_canvas(digits: torch.Tensor, offsets: torch.Tensor, canvas: int = 4
                          f"{h}x{w} digit off the {canvas}x{canvas} canvas (allowed dx in [{-left}, "
                          f"{canvas - w - left}], dy in [{-top}, {canvas - h - top}])")
     out = digits.new_zeros((n, canvas, canvas))
-    rows = row0[:, None] + torch.arange(h, device=digits.device)  # (N, h)
-    cols = col0[:, None] + torch.arange(w, device=digits.device)  # (N, w)
-    batch = torch.arange(n, device=digits.device)
-    out[batch[:, None, None], rows[:, :, None], cols[:, None, :]] = digits
+    rows = row0[:, None, None] + torch.arange(h, device=digits.device)[:, None]  # (N, h, 1)
+    cols = col0[:, None, None] + torch.arange(w, device=digits.device)  # (N, 1, w)
+    out[torch.arange(n, device=digits.device)[:, None, None], rows, cols] = digits
     return out
 
 
@@ -69,12 +64,9 @@ def rotate(images: torch.Tensor, angles_deg, canvas: int | None = None) -> torch
     ``rotation_matrix(-angle)`` in image coordinates.  Bilinear sampling (via :func:`probcaps.render.warp`,
     the package's one affine warp); what comes from outside the source is 0.
 
-    Args:
-        images: float ``(N, H, W)`` or ``(N, C, H, W)`` with ``H == W``.
-        angles_deg: a scalar or ``(N,)`` angles in degrees.
-        canvas: output side length (default ``H``); the image stays centred on a larger/smaller canvas.
-    Returns:
-        the rotated images, ``(N, canvas, canvas)`` or ``(N, C, canvas, canvas)`` (same rank as the input).
+    ``images``: float ``(N, H, W)`` or ``(N, C, H, W)`` with ``H == W``; ``angles_deg``: a scalar or ``(N,)``;
+    ``canvas``: output side length (default ``H``), the image staying centred.  Returns ``(N, canvas, canvas)`` or
+    ``(N, C, canvas, canvas)`` (the input's rank).
     """
     if not images.is_floating_point():
         raise TypeError(f"rotate: images must be floating point (use to_float first), got {images.dtype}")
@@ -84,13 +76,11 @@ def rotate(images: torch.Tensor, angles_deg, canvas: int | None = None) -> torch
         raise ValueError(f"rotate: images must be square (N, H, W) or (N, C, H, W), got {tuple(images.shape)}")
     n = x.shape[0]
     angles = degrees(angles_deg).to(device=x.device, dtype=x.dtype)
-    if angles.dim() == 0:
-        angles = angles.expand(n)
+    angles = angles.expand(n) if angles.dim() == 0 else angles
     if angles.shape != (n,):
         raise ValueError(f"rotate: angles must be a scalar or ({n},), got shape {tuple(angles.shape)}")
     # warp's normalised frame has y pointing down, so a screen-counter-clockwise turn is a negative angle there
-    P = rotation_matrix(-angles).to(dtype=x.dtype)
-    out = warp(x, P, canvas if canvas is not None else x.shape[-1])
+    out = warp(x, rotation_matrix(-angles).to(dtype=x.dtype), canvas if canvas is not None else x.shape[-1])
     return out.squeeze(1) if squeeze else out
 
 
