@@ -11,29 +11,22 @@ from typing import Callable
 import pyro
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 from probcaps.distributions import ClampedRelaxedBernoulli
-from probcaps.config import DataConfig, EvalConfig, load_sections
+from probcaps.config import DataConfig, EvalConfig, load_sections, parse_override, replace_checked
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import CheckpointError, ConfigError
 
-__all__ = [
-    "SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "load_images", "prior_schedule", "CapsuleSystem",
-    "train_capsules", "load_trained", "encode_dataset", "probe_features",
-]
+__all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "load_images", "prior_schedule", "CapsuleSystem",
+           "train_capsules", "load_trained", "encode_dataset", "probe_features"]
 
-SCHEMA = {
-    "name": str,
-    "data": DataConfig,
-    "model": CapsuleModelConfig,
-    "encoder": EncoderConfig,
-    "train": TrainConfig,
-    "eval": EvalConfig,
-}
+SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder": EncoderConfig, "train": TrainConfig,
+          "eval": EvalConfig}
 
 # Options that no shipped recipe uses any more, with the value that meant "off" and the last commit that had them
 # (README and docs/ say what each did and which results used it).  A checkpoint that holds one at that value loads
@@ -53,16 +46,12 @@ def load_experiment_config(path: str | Path | None, overrides: list[str] = ()) -
     cfg = load_sections(path, SCHEMA, overrides)
     if cfg["name"] is None:
         cfg["name"] = Path(path).stem if path else "capsules"
-    if cfg["data"].dataset not in ("mnist", "synthetic"):
-        raise ConfigError(f"{path}: data.dataset must be 'mnist' or 'synthetic', got {cfg['data'].dataset!r}")
-    if cfg["model"].canvas_size != cfg["data"].canvas_size:
-        raise ConfigError(f"{path}: model.canvas_size ({cfg['model'].canvas_size}) differs from data.canvas_size "
-                          f"({cfg['data'].canvas_size})")
-    enc = cfg["encoder"]
-    if len(enc.channels) != len(enc.strides):
-        raise ConfigError(f"{path}: encoder.channels has {len(enc.channels)} layers but encoder.strides "
-                          f"{len(enc.strides)}")
     data = cfg["data"]
+    if data.dataset not in ("mnist", "synthetic"):
+        raise ConfigError(f"{path}: data.dataset must be 'mnist' or 'synthetic', got {data.dataset!r}")
+    if cfg["model"].canvas_size != data.canvas_size:
+        raise ConfigError(f"{path}: model.canvas_size ({cfg['model'].canvas_size}) differs from data.canvas_size "
+                          f"({data.canvas_size})")
     if data.canvas_size < 28 + 2 * data.max_shift:
         raise ConfigError(f"{path}: data.canvas_size ({data.canvas_size}) is too small for a 28-px digit shifted by "
                           f"up to {data.max_shift} px (needs >= {28 + 2 * data.max_shift})")
@@ -151,14 +140,14 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
     """
     pyro.settings.set(module_local_params=True)
     pyro.clear_param_store()
-    pyro.enable_validation(cfg["train"].validate)
-    torch.manual_seed(cfg["train"].seed)
+    tcfg: TrainConfig = cfg["train"]
+    pyro.enable_validation(tcfg.validate)
+    torch.manual_seed(tcfg.seed)
     if system is None:
-        system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=cfg["train"].compile)
+        system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=tcfg.compile)
     system = system.to(device).train()
     images, labels = load_images(cfg["data"], "train", data_dir)
-    elbo = make_elbo(cfg["train"].jit)
-    tcfg: TrainConfig = cfg["train"]
+    elbo = make_elbo(tcfg.jit)
     rotation = cfg["data"].train_rotation or None
 
     def batches(epoch: int, start: int):
@@ -182,28 +171,23 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
     meta = ckpt.get("metadata", {})
     if meta.get("kind") != "capsule_model":
         raise CheckpointError(f"{checkpoint}: not a capsule-model checkpoint (kind {meta.get('kind')!r})")
-    raw = dict(meta["configs"])
     cfg = {"name": meta.get("name", Path(checkpoint).parent.name)}
     for key, cls in SCHEMA.items():
         if cls is not str:
-            section = raw.get(key, {})
+            section = meta["configs"].get(key, {})
             for option, off in REMOVED_OPTIONS.get(key, {}).items():
                 if option in section and section[option] != off:
-                    raise CheckpointError(f"{checkpoint}: trained with {key}.{option} = {section[option]!r}, an option "
-                                          f"removed after commit {REMOVED_AFTER} (git checkout {REMOVED_AFTER} to use it)")
-            known = {k: v for k, v in section.items() if k in cls.__dataclass_fields__}
-            cfg[key] = cls(**known)
-    if overrides:
-        from probcaps.config import parse_override, replace_checked
-
-        for item in overrides:
-            section, key, value = parse_override(item)
-            if section not in cfg or not hasattr(cfg[section], key):
-                raise ConfigError(f"--set {item}: unknown key '{section}.{key}'")
-            cfg[section] = replace_checked(cfg[section], {key: value}, f"--set {item}: {section}")
+                    raise CheckpointError(f"{checkpoint}: trained with {key}.{option} = {section[option]!r}, an "
+                                          f"option removed after commit {REMOVED_AFTER} (git checkout "
+                                          f"{REMOVED_AFTER} to use it)")
+            cfg[key] = cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
+    for item in overrides:
+        section, key, value = parse_override(item)
+        if section not in cfg or not hasattr(cfg[section], key):
+            raise ConfigError(f"--set {item}: unknown key '{section}.{key}'")
+        cfg[section] = replace_checked(cfg[section], {key: value}, f"--set {item}: {section}")
     system = CapsuleSystem(cfg["model"], cfg["encoder"], guide=meta.get("guide")).to(device)
-    state = {k: v for k, v in ckpt["module"].items() if k not in _LEGACY_STATE}
-    load_module_state(system, state, checkpoint)
+    load_module_state(system, {k: v for k, v in ckpt["module"].items() if k not in _LEGACY_STATE}, checkpoint)
     system.eval()
     cfg["train_state"] = ckpt.get("state", {})
     return cfg, system
@@ -217,20 +201,14 @@ def encode_dataset(encoder: CapsuleEncoder, images: torch.Tensor, batch_size: in
     ``rotation``: rotate image ``i`` by an angle uniform in ``[-rotation, rotation]`` degrees first, the angles a
     pure function of ``seed`` (as :func:`probcaps.data.iterate_batches` draws them).
     """
-    from tqdm.auto import tqdm
-
     labels = torch.zeros(len(images), dtype=torch.long)
-    chunks = []
     batches = iterate_batches(images, labels, batch_size, shuffle=False, device=device, rotation=rotation, seed=seed)
-    for x, _ in tqdm(batches, total=-(-len(images) // batch_size), disable=not progress, desc="encode"):
-        chunks.append([t.cpu() for t in encoder.encode(x)])
+    chunks = [[t.cpu() for t in encoder.encode(x)]
+              for x, _ in tqdm(batches, total=-(-len(images) // batch_size), disable=not progress, desc="encode")]
     return Latents(*(torch.cat(parts) for parts in zip(*chunks)))
 
 
 def probe_features(latents: Latents) -> dict[str, torch.Tensor]:
     """The feature sets of the paper's probes: object presence logits alone, and presences with object poses."""
     presence = latents.parent_logits
-    return {
-        "presence": presence,
-        "presence_pose": torch.cat([presence, latents.parent_poses.flatten(1)], 1),
-    }
+    return {"presence": presence, "presence_pose": torch.cat([presence, latents.parent_poses.flatten(1)], 1)}

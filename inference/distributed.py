@@ -2,18 +2,11 @@
 
     torchrun --nproc_per_node=2 -m probcaps train --config experiments/configs/mnist.toml --out runs/mnist2
 
-:func:`init_from_env` joins the process group that ``torchrun``'s environment describes (``gloo`` on CPU, ``nccl``
-on CUDA, each process on the GPU ``LOCAL_RANK``); :class:`World` is what :func:`probcaps.inference.train.train_loop`
-needs from it.  The loop gives every process the same global batch (the data order stays a pure function of seed
-and epoch), each process computes the loss of its contiguous share inside ``DistributedDataParallel``, and the
-shares are weighed so that the gradient is the single-process gradient of the global batch's mean loss (the
-same update as one process with the whole batch).  Rank 0 alone writes the log and
-the checkpoints; a checkpoint holds every process's RNG state and the number of processes, and resumes only under
-the same number.
-
-Exactness against one process holds for a loss that is a mean of per-item terms (no batch-level term such as a
-usage penalty over the batch) and, when the loss draws random numbers, up to those draws: each process has its own
-random stream (seeded from ``(seed, rank)``), as one process's stream cannot be split by rows.
+Every process gets the same global batch and computes the loss of its contiguous share inside
+``DistributedDataParallel``, weighed so that the update is one process's on the whole batch.  Rank 0 alone writes
+the log and the checkpoints; a checkpoint holds every process's RNG state and resumes only under the same number of
+processes.  Exactness against one process holds for a mean of per-item terms and, when the loss draws random
+numbers, up to those draws: each process has its own stream (seeded from ``(seed, rank)``).
 """
 
 from __future__ import annotations
@@ -89,11 +82,7 @@ def _one_hot(signum: int | None) -> list[float]:
 
 def _signal_of(flags: torch.Tensor) -> int | None:
     flags = flags.cpu()
-    if flags[1] > 0:
-        return signal.SIGTERM
-    if flags[0] > 0:
-        return signal.SIGINT
-    return None
+    return signal.SIGTERM if flags[1] > 0 else signal.SIGINT if flags[0] > 0 else None
 
 
 def init_from_env() -> World:
@@ -107,9 +96,7 @@ def init_from_env() -> World:
         return World()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-    else:
-        dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     atexit.register(_destroy)
     return World(dist.get_world_size(), dist.get_rank())
 

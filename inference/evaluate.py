@@ -28,13 +28,10 @@ __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_e
            "posterior_part_counts", "readout_features", "readout_table", "READOUTS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
-READOUTS = {
-    "presence": "prior presences (the guide's)",
-    "posterior_counts": "posterior presences: expected part counts",
-    "weighted_counts": "presence × expected part counts",
-    "presence_counts": "prior ⊕ posterior presences",
-    "presence_pose": "presences + poses",
-}
+READOUTS = {"presence": "prior presences (the guide's)",
+            "posterior_counts": "posterior presences: expected part counts",
+            "weighted_counts": "presence × expected part counts", "presence_counts": "prior ⊕ posterior presences",
+            "presence_pose": "presences + poses"}
 #: The feature sets whose probes get a per-class report and a confusion-matrix figure.
 REPORTED_PROBES = ("presence", "presence_pose")
 #: SCAE's MNIST scores (Kosiorek et al. 2019, Table 1): linear classifier on the object capsules (LIN-PRED) and
@@ -100,13 +97,12 @@ def parent_log_posterior(model, latents: Latents) -> torch.Tensor:
     taken at the guide's point values: presences at ``sigmoid`` of their logits (as :meth:`CapsuleEncoder.encode`
     passes the parts to the object encoder), clamped into the relaxed Bernoulli's support, poses as given.
     """
-    cfg = model.config
     ref = model.offsets
     z1 = torch.sigmoid(latents.parent_logits.to(ref)).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)
     z0 = torch.sigmoid(latents.part_logits.to(ref)).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)
     y1, y0 = latents.parent_poses.to(ref), latents.part_poses.to(ref)
     selection_logits, gamma, pose_mean, pose_var_on = model.child_tables(z1, y1)       # (B, M, K+1), ...
-    log_z0 = ClampedRelaxedBernoulli(ref.new_tensor(cfg.temperature), probs=gamma).log_prob(z0.unsqueeze(-1))
+    log_z0 = ClampedRelaxedBernoulli(ref.new_tensor(model.config.temperature), probs=gamma).log_prob(z0.unsqueeze(-1))
     std = model.child_pose_std(z0.unsqueeze(-1), pose_var_on)                           # (B, M, K+1, 6)
     log_y0 = torch.distributions.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
     return (selection_logits + log_z0 + log_y0).log_softmax(-1)
@@ -118,9 +114,8 @@ def posterior_part_counts(model, latents: Latents, batch_size: int = 1000) -> to
     posterior over the parts' parents (:func:`parent_log_posterior`); the dummy parent is left out, so a row sums
     to the expected number of parts the objects explain (at most ``M``).  Computed ``batch_size`` images at a time;
     returned on the CPU."""
-    n = latents.part_logits.shape[0]
     chunks = [parent_log_posterior(model, Latents(*(t[i:i + batch_size] for t in latents)))[..., 1:].exp().sum(-2)
-              for i in range(0, n, batch_size)]
+              for i in range(0, len(latents.part_logits), batch_size)]
     return torch.cat(chunks).cpu() if chunks else torch.zeros(0, model.config.num_parents)
 
 
@@ -135,13 +130,9 @@ def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[
     presence = torch.sigmoid(logits)
     both = torch.cat([logits, counts], 1)
     with_poses = probe_features(latents)["presence_pose"]
-    return {
-        "presence": (logits, presence),
-        "posterior_counts": (counts, counts),
-        "weighted_counts": (presence * counts, presence * counts),
-        "presence_counts": (both, both),
-        "presence_pose": (with_poses, with_poses),
-    }
+    return {"presence": (logits, presence), "posterior_counts": (counts, counts),
+            "weighted_counts": (presence * counts, presence * counts), "presence_counts": (both, both),
+            "presence_pose": (with_poses, with_poses)}
 
 
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
@@ -168,14 +159,12 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     # the probe is fit on the first probe_train_limit training images (0: the training set the model saw)
     train_images, train_labels = load_images(cfg["data"], "train", data_dir, limit=ecfg.probe_train_limit or None)
     test_images, test_labels = load_images(cfg["data"], "test", data_dir)
-    train_lat = encode_dataset(system.encoder, train_images, ecfg.batch_size, device, progress=progress)
-    test_lat = encode_dataset(system.encoder, test_images, ecfg.batch_size, device, progress=progress)
-    train_counts = posterior_part_counts(system.model, train_lat, ecfg.batch_size)
-    test_counts = posterior_part_counts(system.model, test_lat, ecfg.batch_size)
-    train_feats = readout_features(train_lat, train_counts)
-    test_feats = readout_features(test_lat, test_counts)
-    metrics: dict = {}
-    reports = {}
+    train_lat, test_lat = (encode_dataset(system.encoder, images, ecfg.batch_size, device, progress=progress)
+                           for images in (train_images, test_images))
+    train_counts, test_counts = (posterior_part_counts(system.model, lat, ecfg.batch_size)
+                                 for lat in (train_lat, test_lat))
+    train_feats, test_feats = readout_features(train_lat, train_counts), readout_features(test_lat, test_counts)
+    metrics, reports = {}, {}
     for key in READOUTS:
         probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key][0], train_labels)
         metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_feats[key][0], test_labels)
@@ -201,9 +190,9 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["mean_active_parts"] = float((torch.sigmoid(test_lat.part_logits) > 0.5).float().sum(1).mean())
     metrics["n_train"], metrics["n_test"] = len(train_images), len(test_images)
     results_dir = Path(results_dir)
-    do_figures = ecfg.figures if figures is None else figures
-    figure_paths = save_figures(system, test_images, results_dir / name, device=device) if do_figures else []
-    if do_figures:
+    figure_paths = []
+    if ecfg.figures if figures is None else figures:
+        figure_paths = save_figures(system, test_images, results_dir / name, device=device)
         figure_paths.append(str(plot_presence_by_class(test_presence, test_labels,
                                                        results_dir / f"{name}_presence_by_class.png")))
         counts_by_class, classes = mean_by_class(test_counts, test_labels)
@@ -213,10 +202,10 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
             results_dir / f"{name}_objects_by_class.png", class_labels=[str(c) for c in classes],
             title=f"objects by class (test set): class purity {metrics['object_class_purity']:.2f} by part counts, "
                   f"{metrics['object_class_purity_presence']:.2f} by presences")))
-        for key, report in reports.items():
-            figure_paths.append(str(plotting.plot_confusion_matrix(
-                report["confusion"], results_dir / f"{name}_confusion_{key}.png", class_labels=report["classes"],
-                title=f"linear probe on {READOUTS[key]}: test accuracy {100 * report['accuracy']:.1f}%")))
+        figure_paths += [str(plotting.plot_confusion_matrix(
+            report["confusion"], results_dir / f"{name}_confusion_{key}.png", class_labels=report["classes"],
+            title=f"linear probe on {READOUTS[key]}: test accuracy {100 * report['accuracy']:.1f}%"))
+            for key, report in reports.items()]
     state = cfg.get("train_state", {})
     prov = provenance(seed=cfg["train"].seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,

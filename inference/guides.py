@@ -10,6 +10,7 @@ distributions on the presences; it is how the model is trained from scratch.  :c
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
@@ -55,6 +56,9 @@ class EncoderConfig:
                              f"({self.set_heads}): each attention head takes an equal share")
         if not self.min_scale < self.max_scale:
             raise ValueError(f"encoder.min_scale ({self.min_scale}) must be below encoder.max_scale ({self.max_scale})")
+        if len(self.channels) != len(self.strides):
+            raise ValueError(f"encoder.channels has {len(self.channels)} layers but encoder.strides "
+                             f"{len(self.strides)}")
 
 
 class Latents(NamedTuple):
@@ -149,20 +153,13 @@ class DeltaGuide(PyroModule):
 class NormalPoseGuide(DeltaGuide):
     """Amortised guide with Normal posteriors on the poses ("full variational poses", Smith et al. 2020, §2.3).
 
-    The encoder, the presences (concrete) and the sampling order are those of :class:`DeltaGuide`; only the pose
-    family differs: ``y0 ~ Normal(loc, σ_parts).to_event(1)`` and ``y1 ~ Normal(loc, σ_parents).to_event(1)``, with
-    the locations from the encoder.
-
-    **Scales.**  The scales are *not* amortised: they are the guide's own parameters, one per capsule and pose
-    dimension, shared by every image: ``σ_parts (M, 6)`` and ``σ_parents (K, 6)``, each
-    ``min_scale + softplus(raw)``.  A per-image scale head would have to live in :class:`CapsuleEncoder` and would
-    change its ``state_dict``, which checkpoints trained with the delta guide must keep loading into.  The floor
-    ``min_scale`` keeps the entropy term bounded (a collapsing scale would send the ELBO to +inf); it defaults to
-    ``1e-3``, below the model's ``part_pose_std_min``, so it does not bind in practice.  Per-image scales are what
-    test-time VI (``inference.ttvi``, ``pose_family="normal"``) adds.
-
-    The raw parameters are ``pose_scale_raw_parts`` and ``pose_scale_raw_parents``; :meth:`pose_scales` returns
-    the scales themselves.  Build one from a delta-trained guide with :func:`from_delta`.
+    As :class:`DeltaGuide` but for the pose family: ``y0 ~ Normal(loc, σ_parts).to_event(1)`` and
+    ``y1 ~ Normal(loc, σ_parents).to_event(1)``, the locations from the encoder.  The scales ``σ_parts (M, 6)`` and
+    ``σ_parents (K, 6)``, each ``min_scale + softplus(raw)`` (raw: ``pose_scale_raw_parts`` / ``_parents``), are
+    the guide's own parameters, shared by every image: a per-image scale head would change the encoder's
+    ``state_dict``, which delta-trained checkpoints must keep loading into (test-time VI adds per-image scales).
+    The floor keeps the entropy term bounded (a collapsing scale would send the ELBO to +inf); its default, ``1e-3``,
+    is below the model's ``part_pose_std_min``, so it does not bind in practice.
     """
 
     def __init__(self, encoder: CapsuleEncoder, temperature: float, init_scale: float = 0.02,
@@ -174,19 +171,16 @@ class NormalPoseGuide(DeltaGuide):
         self.min_scale = float(min_scale)
         ref = next(encoder.parameters())
         raw = inverse_softplus(init_scale - min_scale)
-        M, K = encoder.num_parts, encoder.num_parents
-        self.pose_scale_raw_parts = nn.Parameter(torch.full((M, 6), raw, dtype=ref.dtype, device=ref.device))
-        self.pose_scale_raw_parents = nn.Parameter(torch.full((K, 6), raw, dtype=ref.dtype, device=ref.device))
+        self.pose_scale_raw_parts = nn.Parameter(torch.full((encoder.num_parts, 6), raw, dtype=ref.dtype,
+                                                            device=ref.device))
+        self.pose_scale_raw_parents = nn.Parameter(torch.full((encoder.num_parents, 6), raw, dtype=ref.dtype,
+                                                              device=ref.device))
 
     def pose_scales(self, name: str) -> torch.Tensor:
         """``σ`` of the poses ``name`` (``"y0"``: ``(M, 6)``; ``"y1"``: ``(K, 6)``)."""
-        if name == "y0":
-            raw = self.pose_scale_raw_parts
-        elif name == "y1":
-            raw = self.pose_scale_raw_parents
-        else:
+        if name not in ("y0", "y1"):
             raise KeyError(f"NormalPoseGuide: no pose site {name!r} (y0, y1)")
-        return self.min_scale + F.softplus(raw)
+        return self.min_scale + F.softplus(self.pose_scale_raw_parts if name == "y0" else self.pose_scale_raw_parents)
 
     def pose_distribution(self, loc: torch.Tensor, name: str):
         return dist.Normal(loc, self.pose_scales(name).expand_as(loc)).to_event(1)
@@ -194,14 +188,8 @@ class NormalPoseGuide(DeltaGuide):
 
 def from_delta(guide: DeltaGuide, init_scale: float = 0.02, min_scale: float = 1e-3, *,
                copy_encoder: bool = False) -> NormalPoseGuide:
-    """A :class:`NormalPoseGuide` that starts from a (delta-trained) guide's encoder (paper §2.3).
-
-    The pose locations, the presences and the parent encoder are exactly the delta guide's; only the pose scales are
-    new (``init_scale`` everywhere).  By default the encoder module is *shared* (so a ``CapsuleSystem`` whose
-    ``encoder`` is the same object stays consistent); ``copy_encoder=True`` gives the new guide a deep copy instead,
-    leaving ``guide`` untouched by further training.
-    """
-    import copy
-
+    """A :class:`NormalPoseGuide` on a (delta-trained) guide's encoder (paper §2.3): only the pose scales are new
+    (``init_scale`` everywhere).  The encoder module is *shared* (a ``CapsuleSystem`` whose ``encoder`` is the same
+    object stays consistent), or with ``copy_encoder=True`` deep-copied, leaving ``guide`` untouched by training."""
     encoder = copy.deepcopy(guide.encoder) if copy_encoder else guide.encoder
     return NormalPoseGuide(encoder, guide.temperature, init_scale=init_scale, min_scale=min_scale)

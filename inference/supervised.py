@@ -33,8 +33,7 @@ def train_classifier(net: nn.Module, images: torch.Tensor, labels: torch.Tensor,
                                    rotation=rotation)
 
     def loss_fn(batch):
-        x, y = batch
-        return F.cross_entropy(net(x), y)
+        return F.cross_entropy(net(batch[0]), batch[1])
 
     state = train_loop(net, loss_fn, batches, cfg, out_dir, resume=resume, progress=progress,
                        metadata={"kind": "classifier", **(metadata or {})})
@@ -49,16 +48,13 @@ def predict(net, images: torch.Tensor, batch_size: int = 1000, device: str = "cp
     ``net``: a module or any callable mapping ``(B, 1, H, W)`` to class scores ``(B, C)`` (e.g. CapsNet's capsule
     lengths); a module is put in eval mode and restored.  ``transform``: applied to each batch first (e.g. a crop).
     """
-    module = net if isinstance(net, nn.Module) else None
-    was_training = module.training if module is not None else False
-    if module is not None:
-        module.eval()
+    module = net if isinstance(net, nn.Module) else nn.Module()  # a plain callable: no mode to switch
+    was_training = module.training
+    module.eval()
     labels = torch.zeros(len(images), dtype=torch.long)
-    out = []
-    for x, _ in iterate_batches(images, labels, batch_size, shuffle=False, device=device):
-        out.append(net(transform(x) if transform is not None else x).argmax(-1).cpu())
-    if module is not None:
-        module.train(was_training)
+    out = [net(transform(x) if transform is not None else x).argmax(-1).cpu()
+           for x, _ in iterate_batches(images, labels, batch_size, shuffle=False, device=device)]
+    module.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 

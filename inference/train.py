@@ -2,26 +2,9 @@
 
 ``train_loop`` drives any ``loss_fn(batch) -> scalar`` over the parameters of one ``nn.Module`` with a
 ``torch.optim`` optimiser (for Pyro models: ``pyro.settings.set(module_local_params=True)`` and
-``loss_fn = lambda x: elbo.differentiable_loss(model, guide, x)``).  It gives every model the same guarantees:
-
-- a progress bar and a JSON-lines log (``log.jsonl``), optionally mirrored to TensorBoard;
-- periodic and final checkpoints written atomically (a crash never leaves a half-written file);
-- exact resume after any stop (kill -9, SIGTERM, Ctrl-C, at any moment): the data order is a pure function of
-  (seed, epoch), a checkpoint always holds one step boundary's parameters, optimiser, scheduler, RNG states and
-  data position, and the log is cut back to the checkpoint's step;
-- Ctrl-C or SIGTERM only sets a flag; the loop honours it at the next step boundary with a checkpoint of that
-  step, however early the signal came (during start-up: a checkpoint of step 0 or of the resumed step) and
-  never inside a file write;
-- a NaN guard: a non-finite loss or gradient stops training before the update, parameters made non-finite by
-  an update stop it after, and no checkpoint is ever written holding a non-finite tensor;
-- a run folder is used by one run at a time (``OUT/.lock``), and a finished or started run is never replaced
-  unless asked to (``force``);
-- ``on_checkpoint(state)`` (evaluations, curves) runs exactly once at each scheduled checkpoint, however the run
-  is cut and resumed: it runs before the checkpoint is written, so a checkpoint of step N means N's callback
-  finished, and a Ctrl-C during the callback marks the checkpoint so that the resumed run finishes it first;
-- ``schedules`` (e.g. an annealing factor, as in Pyro's ``examples/dmm.py``) evaluated at every step and passed to
-  the loss as keyword arguments;
-- data parallelism with ``torch.distributed`` under ``torchrun`` (see :mod:`probcaps.inference.distributed`).
+``loss_fn = lambda x: elbo.differentiable_loss(model, guide, x)``), giving every model the same JSON-lines log,
+atomic checkpoints, exact resume after any stop (a signal is honoured at the next step boundary), NaN guard, one run
+per folder, scheduled callbacks and data parallelism under ``torchrun`` (:mod:`probcaps.inference.distributed`).
 """
 
 from __future__ import annotations
@@ -45,6 +28,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+from probcaps.config import range_of
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.io import (INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, atomic_torch_save, read_jsonl,
                          truncate_log)
@@ -80,28 +64,19 @@ class TrainConfig:
         self.check()
 
     def check(self) -> "TrainConfig":
-        """Refuse values the loop cannot honour, in one line naming the key (``train.steps: must be >= 1, got 0``)."""
-        def bad(key, rule, value):
-            raise ConfigError(f"train.{key}: must be {rule}, got {value!r}")
-
-        for key in ("steps", "batch_size", "log_every", "checkpoint_every"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                bad(key, ">= 1", value)
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            bad("warmup_steps", ">= 0", self.warmup_steps)
-        for key in ("lr", "grad_clip"):
-            value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                bad(key, "finite and > 0", value)
-        if not (isinstance(self.final_lr_fraction, (int, float)) and 0 <= self.final_lr_fraction <= 1):
-            bad("final_lr_fraction", "in [0, 1]", self.final_lr_fraction)
-        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
-                and self.weight_decay >= 0):
-            bad("weight_decay", "finite and >= 0", self.weight_decay)
-        for prefix, mult in self.lr_multipliers.items():
-            if not (isinstance(mult, (int, float)) and math.isfinite(mult) and mult > 0):
-                bad(f"lr_multipliers.{prefix}", "finite and > 0", mult)
+        """Refuse values the loop cannot honour by the config range rules (:data:`probcaps.config.RULES`), in one
+        line naming the key (``train.steps: must be >= 1, got 0``)."""
+        for f in fields(self):
+            if f.type == "bool":
+                continue
+            value = getattr(self, f.name)
+            named = {f"{f.name}.{k}": v for k, v in value.items()} if f.type == "dict" else {f.name: value}
+            for key, v in named.items():
+                if not isinstance(v, int if f.type == "int" else (int, float)) or isinstance(v, bool):
+                    raise ConfigError(f"train.{key}: expected {'an integer' if f.type == 'int' else 'a number'}, "
+                                      f"got {v!r}")
+                if problem := range_of(f).problem(v):
+                    raise ConfigError(f"train.{key}: {problem}")
         return self
 
     def to_dict(self) -> dict:
@@ -132,17 +107,14 @@ def _interrupt(signum: int) -> KeyboardInterrupt:
 
 
 class _StopSignals:
-    """SIGINT / SIGTERM handlers that only record the signal: the loop stops at the next step boundary, where the
-    parameters, optimiser, scheduler, RNG and data position are one consistent state.  While ``interruptible``
-    (the ``on_checkpoint`` callback, which may be a long evaluation, in a single-process run) a signal raises at
-    once instead; so does a second signal while ``abortable`` (a single-process step before its update: the loop
-    then checkpoints the boundary before the step).  Installed first thing, so no signal during start-up is lost;
-    main thread only (Python runs signal handlers nowhere else)."""
+    """SIGINT / SIGTERM handlers that only record the signal, for the loop to stop at the next step boundary.  A
+    signal raises at once while ``interruptible`` (a single-process ``on_checkpoint`` callback), and so does a
+    second one while ``abortable`` (a single-process step before its update).  Main thread only (Python runs signal
+    handlers nowhere else)."""
 
     def __init__(self):
         self.signum: int | None = None
-        self.interruptible = False
-        self.abortable = False
+        self.interruptible = self.abortable = False
         self._previous: dict = {}
 
     def __enter__(self) -> "_StopSignals":
@@ -169,11 +141,9 @@ class _StopSignals:
 
 def make_elbo(jit: bool = False, max_plate_nesting: int = 2):
     """``TraceEnum_ELBO`` (or its JIT version) with an explicit plate nesting, as the enumerated models need."""
-    cls = pyro.infer.JitTraceEnum_ELBO if jit else pyro.infer.TraceEnum_ELBO
-    kwargs = dict(max_plate_nesting=max_plate_nesting)
     if jit:
-        kwargs["ignore_jit_warnings"] = True
-    return cls(**kwargs)
+        return pyro.infer.JitTraceEnum_ELBO(max_plate_nesting=max_plate_nesting, ignore_jit_warnings=True)
+    return pyro.infer.TraceEnum_ELBO(max_plate_nesting=max_plate_nesting)
 
 
 def seed_everything(seed: int) -> None:
@@ -212,10 +182,9 @@ def _param_groups(module: nn.Module, cfg: TrainConfig) -> list[dict]:
     """One Adam group per learning-rate multiplier (the schedule scales every group alike)."""
     groups: dict[float, list] = {}
     for name, p in module.named_parameters():
-        if not p.requires_grad:
-            continue
-        mult = next((m for prefix, m in cfg.lr_multipliers.items() if name.startswith(prefix)), 1.0)
-        groups.setdefault(float(mult), []).append(p)
+        if p.requires_grad:
+            mult = next((m for prefix, m in cfg.lr_multipliers.items() if name.startswith(prefix)), 1.0)
+            groups.setdefault(float(mult), []).append(p)
     return [{"params": ps, "lr": cfg.lr * m} for m, ps in sorted(groups.items())]
 
 
@@ -232,8 +201,7 @@ def _first_non_finite(tensors: dict) -> str | None:
     named = [(k, t) for k, t in tensors.items() if torch.is_tensor(t) and t.is_floating_point() and t.numel()]
     if not named:
         return None
-    flags = [torch.isfinite(t).all() for _, t in named]
-    finite = torch.stack([f.to(flags[0].device) for f in flags])
+    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
     if bool(finite.all()):
         return None
     return named[int((~finite).nonzero()[0])][0]
@@ -322,51 +290,39 @@ class _LossModule(nn.Module):
 
     def __init__(self, module: nn.Module, loss_fn: Callable):
         super().__init__()
-        self.module = module
-        self.loss_fn = loss_fn
+        self.module, self.loss_fn = module, loss_fn
 
     def forward(self, batch, **schedule_values):
         return self.loss_fn(batch, **schedule_values)
 
 
-def train_loop(
-    module: nn.Module,
-    loss_fn: Callable[..., torch.Tensor | tuple[torch.Tensor, dict]],
-    batches: Callable[[int, int], Iterator],
-    cfg: TrainConfig,
-    out_dir: str | Path,
-    *,
-    resume: bool = False,
-    force: bool = False,
-    metadata: dict | None = None,
-    progress: bool = True,
-    on_checkpoint: Callable[[TrainState], None] | None = None,
-    schedules: dict[str, Callable[[int], float]] | None = None,
-    tensorboard: bool = False,
-) -> TrainState:
+def train_loop(module: nn.Module, loss_fn: Callable[..., torch.Tensor | tuple[torch.Tensor, dict]],
+               batches: Callable[[int, int], Iterator], cfg: TrainConfig, out_dir: str | Path, *,
+               resume: bool = False, force: bool = False, metadata: dict | None = None, progress: bool = True,
+               on_checkpoint: Callable[[TrainState], None] | None = None,
+               schedules: dict[str, Callable[[int], float]] | None = None, tensorboard: bool = False) -> TrainState:
     """Optimise ``module``'s parameters on ``loss_fn`` for ``cfg.steps`` steps.
 
     Args:
         module: holds every trainable parameter (e.g. ``nn.ModuleDict(model=..., guide=...)``).
         loss_fn: ``batch -> scalar loss`` (mean over the batch, so the learning rate does not depend on it), or
-            ``batch -> (loss, {name: float})`` whose extra terms are logged (window means) beside the loss.  With
-            ``schedules`` it is called as ``loss_fn(batch, **{name: schedule(step)})``.
-        batches: ``(epoch, start_batch) -> iterator of batches`` (a tensor, or a tuple/list of tensors whose first
-            dimension is the batch); must be deterministic in its arguments.  Under ``torch.distributed`` every
-            process iterates the same global batches and takes its contiguous share of each.
+            ``batch -> (loss, {name: float})`` whose extra terms are logged (window means) beside the loss; with
+            ``schedules``, called as ``loss_fn(batch, **{name: schedule(step)})``.
+        batches: ``(epoch, start_batch) -> iterator of batches`` (a tensor, or a tuple/list of tensors, batch
+            first), deterministic in its arguments; under ``torch.distributed`` every process iterates the same
+            global batches and takes its contiguous share of each.
         out_dir: receives ``checkpoint.pt`` (latest, periodic), ``final.pt``, ``log.jsonl`` and ``.lock``.
-        resume: continue from ``out_dir/checkpoint.pt`` (exactly: same parameters as an uninterrupted run), with
-            the config's learning rate and schedule from the resumed step on (a change is printed and logged).
-        force: start over in a folder that holds a run (its checkpoints, log and TensorBoard events are deleted);
-            without it (and without ``resume``) such a folder is refused.
+        resume: continue exactly from ``out_dir/checkpoint.pt``, with the config's learning rate and schedule from
+            the resumed step on (a change is printed and logged).
+        force: start over in a folder holding a run (its checkpoints, log and TensorBoard events are deleted);
+            without it or ``resume`` such a folder is refused.
         metadata: stored in every checkpoint (configs, so a checkpoint can rebuild its model).
-        on_checkpoint: called with the state at every ``cfg.checkpoint_every`` steps and at the end, once per step
-            across interruptions and resumes; not at the off-schedule checkpoint a Ctrl-C writes.  Runs on rank 0
-            only under ``torch.distributed``.
+        on_checkpoint: called (on rank 0) with the state at every ``cfg.checkpoint_every`` steps and at the end,
+            once per step across interruptions and resumes; not at the off-schedule checkpoint of a Ctrl-C.
         schedules: ``{name: step -> float}``, evaluated at the 0-based index of each step and passed to
             ``loss_fn`` as keyword arguments; each record of ``log.jsonl`` holds the values of its last step.
-        tensorboard: mirror the log to ``out_dir/tensorboard`` (needs the ``tensorboard`` package); the
-            writer is ``state.summary_writer`` for ``on_checkpoint``.
+        tensorboard: mirror the log to ``out_dir/tensorboard`` (needs the ``tensorboard`` package); the writer is
+            ``state.summary_writer`` for ``on_checkpoint``.
 
     Raises:
         KeyboardInterrupt: Ctrl-C (``Terminated`` for SIGTERM), after writing a checkpoint of the step boundary.
@@ -408,7 +364,6 @@ class _Run:
         self.writer = None
         self.is_main = world.rank == 0
         self.schedule_values: dict[str, float] = {}
-        self.callback_pending = False
 
     # ------------------------------------------------------------------------------------------ start-up
 
@@ -418,24 +373,23 @@ class _Run:
         load the checkpoint or seed; returns whether the checkpoint we resume from still owes its
         ``on_checkpoint`` call."""
         cfg = self.cfg
-        if self.is_main:  # temporary files of writes a kill -9 cut short (we hold the folder's lock)
-            for name in (self.ckpt_path.name, self.final_path.name, self.log_path.name):
-                for tmp in self.out_dir.glob(f".{name}.*.tmp"):
-                    tmp.unlink(missing_ok=True)
-        has_run = self.ckpt_path.is_file() or self.final_path.is_file()
+        files = (self.ckpt_path, self.final_path, self.log_path)
+        for path in files if self.is_main else ():  # temporary files of writes a kill -9 cut short (we hold the lock)
+            for tmp in self.out_dir.glob(f".{path.name}.*.tmp"):
+                tmp.unlink(missing_ok=True)
         if resume and not self.ckpt_path.is_file() and started:
             if self.is_main:
                 print(f"{self.out_dir}: the run stopped before its first checkpoint; starting it at step 0",
                       file=sys.stderr)
             resume, force = False, True
         if not resume:
-            if has_run and not force:
+            if (self.ckpt_path.is_file() or self.final_path.is_file()) and not force:
                 step = _checkpoint_step(self.final_path if self.final_path.is_file() else self.ckpt_path)
                 raise ConfigError(f"{self.out_dir} holds a run (step {step}); pass --resume to continue or --force "
                                   f"to start over")
             self.world.barrier()  # every process has looked before rank 0 deletes
             if self.is_main:
-                for path in (self.ckpt_path, self.final_path, self.log_path):
+                for path in files:
                     path.unlink(missing_ok=True)
                 shutil.rmtree(self.tb_dir, ignore_errors=True)
                 try:
@@ -445,9 +399,8 @@ class _Run:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimiser = make_optimiser(self.module, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimiser, _lr_factor(cfg))
-        self.forward = self.loss_fn
-        if self.world.size > 1:
-            self.forward = self.world.wrap(_LossModule(self.module, self.loss_fn))
+        self.forward = (self.world.wrap(_LossModule(self.module, self.loss_fn)) if self.world.size > 1
+                        else self.loss_fn)
         if resume:
             return self._resume()
         seed_everything(self.world.seed(cfg.seed))
@@ -471,10 +424,8 @@ class _Run:
             raise CheckpointError(f"{self.ckpt_path}: the optimiser state does not fit (train.lr_multipliers "
                                   f"changed?): {e}") from None
         self.scheduler.load_state_dict(ckpt["scheduler"])
-        known = {f.name for f in fields(TrainState)}
-        self.state = TrainState(**{k: v for k, v in ckpt["state"].items() if k in known})
-        rngs = ckpt.get("rng_per_rank") or [ckpt["rng"]]
-        _set_rng_state(rngs[self.world.rank])
+        self.state = TrainState(**{k: v for k, v in ckpt["state"].items() if k in TrainState.__dataclass_fields__})
+        _set_rng_state((ckpt.get("rng_per_rank") or [ckpt["rng"]])[self.world.rank])
         self.window = ckpt.get("log_window", {"steps": 0, "sums": {}})
         self.lr_changes = list(ckpt.get("lr_changes", []))
         self._apply_config_lr(new_base)
@@ -494,14 +445,10 @@ class _Run:
         sched.base_lrs = new_base
         factor = sched.lr_lambdas[0]
         for g, base in zip(groups, new_base):
-            g["initial_lr"] = base
-            g["lr"] = base * factor(sched.last_epoch)
-            g["weight_decay"] = self.cfg.weight_decay
-        sched._last_lr = [g["lr"] for g in groups]
-        new = sched._last_lr
+            g.update(initial_lr=base, lr=base * factor(sched.last_epoch), weight_decay=self.cfg.weight_decay)
+        new = sched._last_lr = [g["lr"] for g in groups]
         if old != new:
-            change = {"step": self.state.step, "from": old[0], "to": new[0]}
-            self.lr_changes.append(change)
+            self.lr_changes.append({"step": self.state.step, "from": old[0], "to": new[0]})
             if self.is_main:
                 print(f"resuming at step {self.state.step}: learning rate changed from {old[0]:.6g} to {new[0]:.6g} "
                       f"(train.lr = {self.cfg.lr:g} and its schedule apply from here on)", file=sys.stderr)
@@ -510,50 +457,40 @@ class _Run:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("--tensorboard needs the tensorboard package: pip install probcaps[tensorboard]") from None
+            raise ConfigError("--tensorboard needs the tensorboard package: pip install probcaps[tensorboard]") \
+                from None
         # purge_step: events a killed run wrote past the checkpoint we resume from are dropped by TensorBoard
         self.writer = SummaryWriter(str(self.tb_dir), purge_step=self.state.step if self.state.step else None)
         self.state.summary_writer = self.writer
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
-    def _snapshot(self, callback_pending: bool = False, rng: dict | None = None) -> dict:
-        rng = rng or _rng_state()
-        snap = {
-            "module": self.module.state_dict(),
-            "optimiser": self.optimiser.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "state": asdict(self.state),
-            "rng": rng,
-            "train_config": self.cfg.to_dict(),
-            "metadata": self.metadata or {},
-            "callback_pending": callback_pending,
-            "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
-            "lr_changes": list(self.lr_changes),
-            "world_size": self.world.size,
-        }
-        if self.world.size > 1:
-            snap["rng_per_rank"] = self.world.gather_objects(rng)
-            snap["rng"] = snap["rng_per_rank"][0]
-        return snap
-
     def _write(self, path: Path, callback_pending: bool = False, rng: dict | None = None) -> None:
-        snap = self._snapshot(callback_pending, rng)
+        """Checkpoint the run into ``path`` (``rng``: the RNG state to store, by default the current one)."""
+        rng = rng or _rng_state()
+        rngs = self.world.gather_objects(rng) if self.world.size > 1 else None
         if not self.is_main:
             return
+        snap = {"module": self.module.state_dict(), "optimiser": self.optimiser.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "state": asdict(self.state), "rng": rng,
+                "train_config": self.cfg.to_dict(), "metadata": self.metadata or {},
+                "callback_pending": callback_pending,
+                "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
+                "lr_changes": list(self.lr_changes), "world_size": self.world.size}
+        if rngs is not None:
+            snap["rng_per_rank"] = rngs
         bad = _first_non_finite(snap["module"]) or _first_non_finite(_optimiser_tensors(snap["optimiser"]))
         if bad is not None:
-            raise TrainingDiverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write "
-                                   f"{path} ({self._last_good()})")
+            raise self._diverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write {path}")
         atomic_torch_save(snap, path)
         if self.writer is not None:
             self.writer.flush()
 
-    def _last_good(self) -> str:
-        """Where the last checkpoint is (every written checkpoint is finite), for a divergence message."""
-        if not self.ckpt_path.is_file():
-            return "no checkpoint was written yet"
-        return f"last good checkpoint: {self.ckpt_path}, step {_checkpoint_step(self.ckpt_path)}"
+    def _diverged(self, message: str) -> TrainingDiverged:
+        """``message`` and where the last checkpoint is (every written checkpoint is finite)."""
+        last = (f"last good checkpoint: {self.ckpt_path}, step {_checkpoint_step(self.ckpt_path)}"
+                if self.ckpt_path.is_file() else "no checkpoint was written yet")
+        return TrainingDiverged(f"{message} ({last})")
 
     def _run_callback(self) -> None:
         if self.on_checkpoint is None or self.callback_done_at == self.state.step:
@@ -566,10 +503,6 @@ class _Run:
                 self.stop.interruptible = False
         self.callback_done_at = self.state.step
 
-    def _scheduled(self) -> bool:
-        s = self.state.step
-        return s > 0 and (s % self.cfg.checkpoint_every == 0 or s == self.cfg.steps)
-
     def _checkpoint(self) -> None:
         """A scheduled checkpoint: the callback first, so that a run killed inside it resumes from the previous
         checkpoint and redoes the steps since and this callback instead of losing it."""
@@ -577,34 +510,28 @@ class _Run:
         try:
             self._run_callback()
         except KeyboardInterrupt:
-            self._write(self.ckpt_path, callback_pending=True, rng=rng)
-            self._say_interrupted()
+            self._interrupted(callback_pending=True, rng=rng)
             raise
         self._write(self.ckpt_path)
 
-    def _say_interrupted(self) -> None:
+    def _interrupted(self, callback_pending: bool = False, rng: dict | None = None) -> None:
+        """Checkpoint the step boundary where an interruption stops the run, and say so."""
+        self._write(self.ckpt_path, callback_pending, rng)
         if self.is_main:
             self.bar.write(f"interrupted at step {self.state.step}: checkpoint written to {self.ckpt_path}; continue "
                            f"with --resume")
 
-    def _stop_here(self, signum: int) -> None:
-        """Checkpoint the step boundary and stop (the signal's KeyboardInterrupt or Terminated)."""
-        pending = self._scheduled() and self.on_checkpoint is not None and self.callback_done_at != self.state.step
-        self._write(self.ckpt_path, callback_pending=pending)
-        self._say_interrupted()
-        raise _interrupt(signum)
-
     # ------------------------------------------------------------------------------------------ the loop
 
     def train(self, resume: bool, force: bool, tensorboard: bool, started: bool) -> TrainState:
-        self.callback_pending = self._start(resume, force, started)
+        callback_pending = self._start(resume, force, started)
         if tensorboard and self.is_main:
             self._open_tensorboard()
         cfg, state = self.cfg, self.state
         self.bar = tqdm(total=cfg.steps, initial=state.step, disable=not self.progress or not self.is_main,
                         desc="train", unit="step", dynamic_ncols=True)
         try:
-            self._loop()
+            self._loop(callback_pending)
             self._checkpoint()
             self._write(self.final_path)
             signum = self.world.agree_stop(self.stop.signum)
@@ -616,19 +543,22 @@ class _Run:
                 self.writer.close()
         return state
 
-    def _loop(self) -> None:
+    def _loop(self, callback_pending: bool) -> None:
         cfg, state, world = self.cfg, self.state, self.world
         iterator = None
         window_t = time.perf_counter()
         signum = world.agree_stop(self.stop.signum)
-        if self.callback_pending and not signum:  # cut by Ctrl-C inside the callback of the step we resume from
+        if callback_pending and not signum:  # cut by Ctrl-C inside the callback of the step we resume from
             self._checkpoint()
         while True:
             self.stop.abortable = False
             if world.size == 1:
                 signum = self.stop.signum
-            if signum:
-                self._stop_here(signum)
+            if signum:  # a scheduled step whose callback has not run yet marks the checkpoint as owing it
+                s = state.step
+                due = s > 0 and (s % cfg.checkpoint_every == 0 or s == cfg.steps) and self.on_checkpoint is not None
+                self._interrupted(callback_pending=due and self.callback_done_at != s)
+                raise _interrupt(signum)
             if state.step >= cfg.steps:
                 return
             # the RNG state and buffers (e.g. batch-norm statistics, which a forward pass updates) before this
@@ -644,9 +574,7 @@ class _Run:
                 except StopIteration:
                     if state.batch_in_epoch == 0:
                         raise DataError(f"train_loop: batches({state.epoch}, 0) yielded no batch") from None
-                    iterator = None
-                    state.epoch += 1
-                    state.batch_in_epoch = 0
+                    iterator, state.epoch, state.batch_in_epoch = None, state.epoch + 1, 0
                     continue
                 t0 = time.perf_counter()
                 loss, grad_norm, terms, n_items, signum = self._step(batch)
@@ -656,8 +584,7 @@ class _Run:
                 with torch.no_grad():
                     for k, b in self.module.named_buffers():
                         b.copy_(buffers_before[k])
-                self._write(self.ckpt_path, rng=rng_before)
-                self._say_interrupted()
+                self._interrupted(rng=rng_before)
                 raise
             state.wall_time_s += time.perf_counter() - t0
             self.bar.update(1)
@@ -674,22 +601,20 @@ class _Run:
         def split(t):
             return torch.tensor_split(t, self.world.size)[self.world.rank]
 
-        first = batch[0] if isinstance(batch, (tuple, list)) else batch
-        n_global = len(first)
+        many = isinstance(batch, (tuple, list))
+        n_global = len(batch[0] if many else batch)
         if self.world.size == 1:
             return batch, n_global, n_global
         if n_global < self.world.size:
             raise ConfigError(f"train.batch_size: a batch of {n_global} items cannot be shared by "
                               f"{self.world.size} processes")
-        shard = type(batch)(split(t) for t in batch) if isinstance(batch, (tuple, list)) else split(batch)
-        first = shard[0] if isinstance(shard, (tuple, list)) else shard
-        return shard, len(first), n_global
+        shard = type(batch)(split(t) for t in batch) if many else split(batch)
+        return shard, len(shard[0] if many else shard), n_global
 
     def _step(self, batch):
         """One optimisation step; returns (global mean loss, gradient norm, terms, items, agreed stop signal)."""
         state, world = self.state, self.world
-        values = {name: float(fn(state.step)) for name, fn in self.schedules.items()}
-        self.schedule_values = values
+        values = self.schedule_values = {name: float(fn(state.step)) for name, fn in self.schedules.items()}
         shard, n_local, n_global = self._shard(batch)
         self.optimiser.zero_grad(set_to_none=True)
         loss, terms = _split_loss(self.forward(shard, **values) if values else self.forward(shard))
@@ -705,13 +630,13 @@ class _Run:
         else:
             loss_value = loss.detach()
         if not torch.isfinite(loss_value):
-            raise TrainingDiverged(f"step {state.step}: loss is {loss_value.item()}; stopped without writing the "
-                                   f"broken model ({self._last_good()})")
+            raise self._diverged(f"step {state.step}: loss is {loss_value.item()}; stopped without writing the broken "
+                                 f"model")
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         if not torch.isfinite(grad_norm):
-            raise TrainingDiverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without "
-                                   f"writing the broken model ({self._last_good()})")
+            raise self._diverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without writing "
+                                 f"the broken model")
         # parameters, optimiser, scheduler and data position advance together: a signal only sets a flag
         self.stop.abortable = False
         self.optimiser.step()
@@ -720,9 +645,8 @@ class _Run:
         state.batch_in_epoch += 1
         bad = _first_non_finite(dict(self.module.named_parameters()))
         if bad is not None:
-            raise TrainingDiverged(f"step {state.step - 1}: the update made '{bad}' NaN or Inf (learning rate "
-                                   f"{self.optimiser.param_groups[0]['lr']:.3g} too large?); stopped without "
-                                   f"writing it ({self._last_good()})")
+            raise self._diverged(f"step {state.step - 1}: the update made '{bad}' NaN or Inf (learning rate "
+                                 f"{self.optimiser.param_groups[0]['lr']:.3g} too large?); stopped without writing it")
         return float(loss_value), float(grad_norm), terms, n_global, signum
 
     def _accumulate(self, loss: float, terms: dict) -> None:

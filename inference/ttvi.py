@@ -1,25 +1,14 @@
 """Free-form test-time variational inference (Smith et al. 2020, §2.4).
 
 Each image gets its own variational parameters, initialised at the amortised encoder's output and then optimised on
-the same enumerated ELBO (``TraceEnum_ELBO``, ``s`` summed out) with the generative model frozen.  It repairs
-amortisation failures, e.g. on rotated digits the encoder never saw.
-
-The per-image parameters of a batch of ``B`` images (all optimised together, one Adam step for the whole batch):
-
-- part presence logits ``(B, M)`` and part pose locations ``(B, M, 6)``,
-- parent presence logits ``(B, K)`` and parent pose locations ``(B, K, 6)``,
-- for ``pose_family="normal"``: per-image, per-capsule, per-dimension pose scales ``(B, M, 6)``, ``(B, K, 6)``,
-  each ``min_scale + softplus(raw)``.
-
-The free-form guide is mean-field across layers: the parents no longer depend on the sampled parts (the encoder's
-parent path is used once, at initialisation, with part presences at ``sigmoid(logits)``, as
-:meth:`CapsuleEncoder.encode` does).
-
-Usage::
+the same enumerated ELBO (``s`` summed out) with the generative model frozen: part presence logits ``(B, M)`` and
+pose locations ``(B, M, 6)``, parent presence logits ``(B, K)`` and pose locations ``(B, K, 6)``, and for
+``pose_family="normal"`` per-image pose scales ``(B, M, 6)``, ``(B, K, 6)``, each ``min_scale + softplus(raw)``.
+It repairs amortisation failures, e.g. on rotated digits the encoder never saw.  The free-form guide is mean-field
+across layers: the encoder's parent path is used once, at initialisation.
 
     result = run_ttvi(system.model, system.guide, x, steps=200)           # x (B, 1, H, W) floats in [0, 1]
     result.latents.parent_logits                                           # features for the probes
-    result = ttvi_batches(system.model, system.guide, images_uint8, batch_size=250, steps=200)
 """
 
 from __future__ import annotations
@@ -35,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from probcaps.data import iterate_batches
 from probcaps.inference.guides import DeltaGuide, Latents, NormalPoseGuide
 from probcaps.inference.train import make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
@@ -93,25 +83,17 @@ class FreeFormGuide(nn.Module):
         if pose_family not in POSE_FAMILIES:
             raise ValueError(f"FreeFormGuide: pose_family must be one of {POSE_FAMILIES}, got {pose_family!r}")
         self.pose_family, self.temperature, self.min_scale = pose_family, float(temperature), float(min_scale)
-        self.part_logits = nn.Parameter(latents.part_logits.detach().clone())
-        self.part_locs = nn.Parameter(latents.part_poses.detach().clone())
-        self.parent_logits = nn.Parameter(latents.parent_logits.detach().clone())
-        self.parent_locs = nn.Parameter(latents.parent_poses.detach().clone())
+        for name, t in zip(("part_logits", "part_locs", "parent_logits", "parent_locs"), latents):
+            setattr(self, name, nn.Parameter(t.detach().clone()))
         if pose_family == "normal":
             if part_scales is None or parent_scales is None:
                 raise ValueError("FreeFormGuide: pose_family='normal' needs part_scales and parent_scales")
-            for name, s in (("part_scales", part_scales), ("parent_scales", parent_scales)):
+            for which, s in (("part", part_scales), ("parent", parent_scales)):
                 if not (s > min_scale).all():
-                    raise ValueError(f"FreeFormGuide: {name} must exceed min_scale={min_scale}")
-            ref = self.part_locs
-            self.part_scale_raw = nn.Parameter(inverse_softplus(
-                part_scales.detach().to(ref) - min_scale).expand_as(self.part_locs).clone())
-            self.parent_scale_raw = nn.Parameter(inverse_softplus(
-                parent_scales.detach().to(ref) - min_scale).expand_as(self.parent_locs).clone())
-
-    @property
-    def batch_size(self) -> int:
-        return self.part_logits.shape[0]
+                    raise ValueError(f"FreeFormGuide: {which}_scales must exceed min_scale={min_scale}")
+                loc = getattr(self, f"{which}_locs")
+                raw = inverse_softplus(s.detach().to(loc) - min_scale).expand_as(loc).clone()
+                setattr(self, f"{which}_scale_raw", nn.Parameter(raw))
 
     def pose_scales(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """``(B, M, 6)`` and ``(B, K, 6)`` pose scales (``(None, None)`` for delta poses)."""
@@ -189,9 +171,7 @@ def per_image_elbo(model, guide: FreeFormGuide, x: torch.Tensor, num_samples: in
 
 
 def _initial_scales(guide, pose_family: str, init_scale: float | None, min_scale: float | None):
-    """Starting pose scales ``(M, 6)``, ``(K, 6)`` and floor for ``pose_family="normal"``: a
-    :class:`NormalPoseGuide`'s own per-capsule scales (unless ``init_scale`` is given), otherwise ``init_scale``
-    (default 0.02) everywhere.  The floor defaults to the guide's (a :class:`NormalPoseGuide`) or 1e-3."""
+    """Starting pose scales ``(M, 6)``, ``(K, 6)`` (None for delta poses) and floor, as :func:`run_ttvi` says."""
     own_floor = guide.min_scale if isinstance(guide, NormalPoseGuide) else DEFAULT_MIN_SCALE
     floor = own_floor if min_scale is None else float(min_scale)
     if pose_family != "normal":
@@ -202,8 +182,7 @@ def _initial_scales(guide, pose_family: str, init_scale: float | None, min_scale
         lowest = floor * (1 + 1e-3) + 1e-8  # strictly above a caller's floor, if it is higher than the guide's
         return parts.clamp_min(lowest), parents.clamp_min(lowest), floor
     scale = torch.tensor(DEFAULT_INIT_SCALE if init_scale is None else float(init_scale))
-    M, K = guide.encoder.num_parts, guide.encoder.num_parents
-    return scale.expand(M, 6), scale.expand(K, 6), floor
+    return scale.expand(guide.encoder.num_parts, 6), scale.expand(guide.encoder.num_parents, 6), floor
 
 
 def fit_guide(model, guide, params, x: torch.Tensor, steps: int, lr: float, bar=None, what: str = "test-time VI",
@@ -262,7 +241,6 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
     frozen = [(p, p.requires_grad) for p in list(model.parameters()) + list(guide.parameters())]
     rng = (torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else [])
            if seed is not None else contextlib.nullcontext())
-    trace: list[float] = []
     try:
         for p, _ in frozen:
             p.requires_grad_(False)
@@ -273,25 +251,18 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
             init = guide.encoder.encode(x)
             ff = FreeFormGuide(init, guide.temperature, pose_family, part_scales, parent_scales, floor)
             elbo_start = per_image_elbo(model, ff, x, elbo_samples, elbo_seed)
-            bar = _bar if _bar is not None else tqdm(total=steps, disable=not progress, desc="ttvi", unit="step",
-                                                     dynamic_ncols=True)
-            try:
+            with (contextlib.nullcontext(_bar) if _bar is not None else
+                  tqdm(total=steps, disable=not progress, desc="ttvi", unit="step", dynamic_ncols=True)) as bar:
                 trace = fit_guide(model, ff, list(ff.parameters()), x, steps, lr, bar, show_elbo=True)
-            finally:
-                if _bar is None:
-                    bar.close()
             elbo_end = per_image_elbo(model, ff, x, elbo_samples, elbo_seed)
     finally:
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)
-    part_s, parent_s = ff.pose_scales()
-    return TTVIResult(
-        latents=Latents(*(t.cpu() for t in ff.latents())), elbo_trace=trace, elbo_start=elbo_start.cpu(),
-        elbo_end=elbo_end.cpu(), pose_family=pose_family, steps=steps,
-        part_pose_scales=None if part_s is None else part_s.detach().cpu(),
-        parent_pose_scales=None if parent_s is None else parent_s.detach().cpu(),
-        wall_time_s=time.perf_counter() - t0, cpu_time_s=time.process_time() - c0,
-    )
+    part_s, parent_s = (None if s is None else s.detach().cpu() for s in ff.pose_scales())
+    return TTVIResult(latents=Latents(*(t.cpu() for t in ff.latents())), elbo_trace=trace,
+                      elbo_start=elbo_start.cpu(), elbo_end=elbo_end.cpu(), pose_family=pose_family, steps=steps,
+                      part_pose_scales=part_s, parent_pose_scales=parent_s, wall_time_s=time.perf_counter() - t0,
+                      cpu_time_s=time.process_time() - c0)
 
 
 def ttvi_batches(model, guide: DeltaGuide, images: torch.Tensor, batch_size: int = 250, steps: int = 200, *,
@@ -304,21 +275,16 @@ def ttvi_batches(model, guide: DeltaGuide, images: torch.Tensor, batch_size: int
     traces weighted by their sizes).  With ``seed``, chunk ``i`` is run with seed ``seed + i``.  Other keyword
     arguments go to :func:`run_ttvi`.
     """
-    from probcaps.data import iterate_batches
-
     t0, c0 = time.perf_counter(), time.process_time()
     n = images.shape[0]
     labels = torch.zeros(n, dtype=torch.long)
     n_chunks = -(-n // batch_size)
-    bar = tqdm(total=steps * n_chunks, disable=not progress, desc="ttvi", unit="step", dynamic_ncols=True)
     results = []
-    try:
+    with tqdm(total=steps * n_chunks, disable=not progress, desc="ttvi", unit="step", dynamic_ncols=True) as bar:
         for i, (x, _) in enumerate(iterate_batches(images, labels, batch_size, shuffle=False, device=device)):
             bar.set_description(f"ttvi {i + 1}/{n_chunks}")
             results.append(run_ttvi(model, guide, x, steps=steps, progress=progress,
                                     seed=None if seed is None else seed + i, _bar=bar, **kwargs))
-    finally:
-        bar.close()
     if not results:
         raise ValueError("ttvi_batches: no images")
     sizes = torch.tensor([len(r) for r in results], dtype=torch.float64)
@@ -329,12 +295,11 @@ def ttvi_batches(model, guide: DeltaGuide, images: torch.Tensor, batch_size: int
         parts = [getattr(r, field) for r in results]
         return None if parts[0] is None else torch.cat(parts)
 
-    return TTVIResult(
-        latents=Latents(*(torch.cat(parts) for parts in zip(*(r.latents for r in results)))), elbo_trace=trace,
-        elbo_start=cat("elbo_start"), elbo_end=cat("elbo_end"), pose_family=results[0].pose_family, steps=steps,
-        part_pose_scales=cat("part_pose_scales"), parent_pose_scales=cat("parent_pose_scales"),
-        wall_time_s=time.perf_counter() - t0, cpu_time_s=time.process_time() - c0,
-    )
+    return TTVIResult(latents=Latents(*(torch.cat(parts) for parts in zip(*(r.latents for r in results)))),
+                      elbo_trace=trace, elbo_start=cat("elbo_start"), elbo_end=cat("elbo_end"),
+                      pose_family=results[0].pose_family, steps=steps, part_pose_scales=cat("part_pose_scales"),
+                      parent_pose_scales=cat("parent_pose_scales"), wall_time_s=time.perf_counter() - t0,
+                      cpu_time_s=time.process_time() - c0)
 
 
 @torch.no_grad()
@@ -344,10 +309,6 @@ def reencode_parents(encoder, latents: Latents, batch_size: int = 500, device: s
     The free-form object latents of test-time VI are only tied to the image through the parts, and drift out of the
     distribution a probe fit on encoder features has seen; re-encoding the optimised parts keeps them in it.
     """
-    logits, poses = [], []
-    for i in range(0, len(latents.part_logits), batch_size):
-        sl = slice(i, i + batch_size)
-        lg, ps = encoder.encode_parents(latents.part_poses[sl].to(device), torch.sigmoid(latents.part_logits[sl]).to(device))
-        logits.append(lg.cpu())
-        poses.append(ps.cpu())
-    return Latents(latents.part_logits, latents.part_poses, torch.cat(logits), torch.cat(poses))
+    chunks = [[t.cpu() for t in encoder.encode_parents(poses.to(device), torch.sigmoid(logits).to(device))]
+              for poses, logits in zip(latents.part_poses.split(batch_size), latents.part_logits.split(batch_size))]
+    return Latents(latents.part_logits, latents.part_poses, *(torch.cat(parts) for parts in zip(*chunks)))
