@@ -15,11 +15,11 @@ result can be evaluated without training: ``probcaps evaluate --checkpoint check
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
 
 from probcaps.inference.capsule_svi import REMOVED_AFTER, REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules  # noqa: E402
 from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
@@ -34,6 +34,7 @@ from probcaps.report import fmt_mean_std, load_result, results_in, write_table  
 
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
 HEADLINE = "mnist_probe"  # the package's first full run, which the ablations changed one key at a time
+HEADLINE_CHECKPOINT = ROOT / "checkpoints" / f"{HEADLINE}.pt"  # where the other MNIST experiments start from
 
 
 def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
@@ -65,13 +66,23 @@ def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
                              title="training (SVI, TraceEnum_ELBO)")
 
 
-def readme_table(results_dir: Path, name: str = "mnist_probe") -> str | None:
+def results_table(default_name: str):
+    """Decorate ``table(metrics, provenance) -> str | None`` (of one results JSON) into ``table(results_dir,
+    name=default_name) -> str | None``, the table of ``results_dir/<name>.json``: None while that is absent."""
+
+    def decorate(table):
+        @functools.wraps(table)
+        def from_results(results_dir: Path, name: str = default_name) -> str | None:
+            loaded = load_result(results_dir, name)
+            return None if loaded is None else table(*loaded)
+        return from_results
+    return decorate
+
+
+@results_table("mnist_probe")
+def readme_table(metrics: dict, prov: dict) -> str:
     """The README table of ``results_dir/<name>.json``: probe and k-means accuracies, mean ± std over the seeds,
     against SCAE's published numbers."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
-        return None
-    metrics, prov = loaded
     runs = metrics["per_seed"]
     rows = [
         ("Linear probe, object presences + poses (%)", "probe_presence_pose_test_acc", "99.0 (SCAE, presences)"),
@@ -177,8 +188,7 @@ def main(argv=None) -> int:
         return 0
     runs = []
     for seed in args.seeds:
-        overrides = [*args.set, f"train.seed={seed}"] + (["train.jit=true"] if args.jit else []) \
-            + (["train.compile=true"] if args.compile else [])
+        overrides = [*args.set, f"train.seed={seed}"] + [f"train.{k}=true" for k in ("jit", "compile") if getattr(args, k)]
         cfg = load_experiment_config(args.config, overrides)
         out = Path(args.out) / f"seed{seed}"
         final = out / "final.pt"

@@ -26,35 +26,29 @@ training images and on the same ``N``.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pyro
+import pyro.distributions as dist
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
 
-import time  # noqa: E402
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
+from probcaps.inference.evaluate import posterior_part_counts, readout_features
+from probcaps.inference.guides import Latents
+from probcaps.inference.ttvi import fit_guide, reencode_parents, ttvi_batches
+from probcaps.distributions import ClampedRelaxedBernoulli
+from probcaps import plotting
+from probcaps.data import rotate, to_float
+from probcaps.cli import (add_run_args, setup_run, table_writer, finite_float, finite_positive_float,
+                          non_negative_int, positive_int, launch, one_line_errors)
+from probcaps.experiments.mnist_probe import HEADLINE_CHECKPOINT, results_table
+from probcaps.metrics import LinearProbe
+from probcaps.provenance import provenance, write_results
+from probcaps.report import provenance_line, write_table
 
-import pyro  # noqa: E402
-import pyro.distributions as dist  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained  # noqa: E402
-from probcaps.inference.evaluate import posterior_part_counts, readout_features  # noqa: E402
-from probcaps.inference.guides import Latents  # noqa: E402
-from probcaps.inference.ttvi import fit_guide, reencode_parents, ttvi_batches  # noqa: E402
-from probcaps.distributions import ClampedRelaxedBernoulli  # noqa: E402
-from probcaps import plotting  # noqa: E402
-from probcaps.data import rotate, to_float  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_run_args, setup_run, table_writer, finite_float, finite_positive_float, non_negative_int, positive_int,
-    launch, one_line_errors,
-)
-from probcaps.metrics import LinearProbe  # noqa: E402
-from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import load_result, provenance_line, write_table  # noqa: E402
-
-DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
-FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}
 #: the readings of the fair protocol: LATENTS and the test-time VI of the parts alone
@@ -64,29 +58,24 @@ FAIR_FEATURES = {"presence_pose": "presences + poses", "presence": "presences",
                  "posterior_counts": "posterior presences", "presence_counts": "presences ⊕ posterior presences"}
 
 
-def readme_table(results_dir: Path, name: str = "ttvi_classification") -> str | None:
+@results_table("ttvi_classification")
+def readme_table(m: dict, prov: dict) -> str:
     """The README table of ``results_dir/<name>.json`` (``--name``, e.g. for another checkpoint)."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
-        return None
-    m, prov = loaded
     lines = ["| latents of the test digits | probe, presences + poses (%) | probe, presences (%) |",
              "| --- | --- | --- |"]
     for key, label in LATENTS.items():
         lines.append(f"| {label} | {100 * m[f'{key}_presence_pose_acc']:.1f} | {100 * m[f'{key}_presence_acc']:.1f} |")
-    lines += ["", f"{m['n_test']} MNIST test digits (rotated {m['rotation_deg']:g}°), {m['steps']} steps of test-time VI "
-              f"(ELBO per image {m['elbo_encoder']:.0f} → {m['elbo_ttvi']:.0f}); probes fit on the encoder's features of "
-              f"{m['n_train']} training digits; checkpoint `{prov.get('checkpoint')}`; {provenance_line(prov)}"]
+    lines += ["", f"{m['n_test']} MNIST test digits (rotated {m['rotation_deg']:g}°), {m['steps']} steps of test-time "
+              f"VI (ELBO per image {m['elbo_encoder']:.0f} → {m['elbo_ttvi']:.0f}); probes fit on the encoder's "
+              f"features of {m['n_train']} training digits; checkpoint `{prov.get('checkpoint')}`; "
+              f"{provenance_line(prov)}"]
     return "\n".join(lines)
 
 
-def throughput_table(results_dir: Path, name: str = "ttvi_throughput") -> str | None:
+@results_table("ttvi_throughput")
+def throughput_table(m: dict, prov: dict) -> str:
     """The table of a ``probcaps ttvi`` run (``results_dir/<name>.json``): how fast free-form test-time VI runs and
     how much it improves the ELBO and the reconstructions."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
-        return None
-    m, prov = loaded
     work = m["n_images"] * m["steps"]
     line = provenance_line(prov)
     return "\n".join([
@@ -102,14 +91,11 @@ def throughput_table(results_dir: Path, name: str = "ttvi_throughput") -> str | 
     ])
 
 
-def fair_table(results_dir: Path, name: str = "ttvi_classification_fair") -> str | None:
-    """The table of the fair protocol from ``results_dir/<name>.json`` (a run with ``--n-train-ttvi`` > 0): probe
-    test accuracy per reading (rows) and feature set (columns), fit on the encoder's features (encoder → ·) or on
-    the same reading of the training images (VI → VI)."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
-        return None
-    m, prov = loaded
+@results_table("ttvi_classification_fair")
+def fair_table(m: dict, prov: dict) -> str | None:
+    """The table of the fair protocol from ``results_dir/<name>.json`` (a run with ``--n-train-ttvi`` > 0; None
+    otherwise): probe test accuracy per reading (rows) and feature set (columns), fit on the encoder's features
+    (encoder → ·) or on the same reading of the training images (VI → VI)."""
     if not m.get("n_train_ttvi"):
         return None
     cols = " | ".join(f"probe, {label} (%)" for label in FAIR_FEATURES.values())
@@ -126,10 +112,10 @@ def fair_table(results_dir: Path, name: str = "ttvi_classification_fair") -> str
         lines.append(row(label, f"encoder, {n_all} training digits", key))
     for key, label in readings.items():
         lines.append(row(f"**fair**: {label}", f"the same, first {n} training digits", f"fair_{key}"))
-    parts = (f", one-sample estimate {m['elbo_trace_parts_start']:.0f} → {m['elbo_trace_parts_end']:.0f} for the parts "
-             f"alone" if "elbo_trace_parts_start" in m else "")
-    lines += ["", f"{m['n_test']} MNIST test digits and the first {n} training digits (rotated {m['rotation_deg']:g}°), "
-              f"{m['steps']} steps of test-time VI (lr {m['lr']:g}; ELBO per test image {m['elbo_encoder']:.0f} → "
+    parts = (f", one-sample estimate {m['elbo_trace_parts_start']:.0f} → {m['elbo_trace_parts_end']:.0f} for the "
+             f"parts alone" if "elbo_trace_parts_start" in m else "")
+    lines += ["", f"{m['n_test']} MNIST test digits and the first {n} training digits (rotated "
+              f"{m['rotation_deg']:g}°), {m['steps']} steps of test-time VI (lr {m['lr']:g}; ELBO per test image {m['elbo_encoder']:.0f} → "
               f"{m['elbo_ttvi']:.0f} free-form{parts}); posterior presences: the expected number of parts each object "
               f"explains under the exact posterior over the parts' parents; checkpoint `{prov.get('checkpoint')}`; "
               f"{provenance_line(prov)}"]
@@ -217,7 +203,7 @@ def reading_features(model, latents: Latents, batch_size: int = 500) -> dict[str
 @one_line_errors("ttvi_classification")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT))
     p.add_argument("--n-test", type=positive_int, default=1000, help="the first N test digits")
     p.add_argument("--probe-train-limit", type=non_negative_int, default=None,
                    help="fit the probe on the first N training images (default: the checkpoint's eval config)")
@@ -244,47 +230,42 @@ def main(argv=None) -> int:
     limit = args.probe_train_limit if args.probe_train_limit is not None else ecfg.probe_train_limit
     train_images, train_labels = load_images(cfg["data"], "train", args.data_dir, limit=limit or None)
     test_images, test_labels = load_images(cfg["data"], "test", args.data_dir, limit=args.n_test)
-    x = to_float(test_images)
-    if args.rotate:
-        x = rotate(x, args.rotate).clamp(0, 1)
+    n_fair = min(args.n_train_ttvi, len(train_images))
+
+    def readings(images: torch.Tensor, seed: int, parts: bool):
+        """``(latents per reading, the free-form run's TTVIResult, (elbo_trace, wall_time_s) of the parts-only run
+        or None)`` of ``images`` rotated by ``--rotate``; test-time VI chunk ``i`` under the seed ``seed + i``."""
+        x = to_float(images)
+        x = rotate(x, args.rotate).clamp(0, 1) if args.rotate else x
+        run = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+                           device=args.device, progress=progress, seed=seed)
+        latents = {"encoder": encode_dataset(system.encoder, x, ecfg.batch_size, args.device),
+                   "ttvi_objects": run.latents,
+                   "ttvi_reencoded": reencode_parents(system.encoder, run.latents, ecfg.batch_size, args.device)}
+        if not parts:
+            return latents, run, None
+        latents["ttvi_parts"], *parts_run = ttvi_parts_batches(system.model, system.encoder, x, args.batch_size,
+                                                               args.steps, args.lr, args.device, progress, seed)
+        return latents, run, parts_run
+
     train_lat = encode_dataset(system.encoder, train_images, ecfg.batch_size, args.device, progress)
-    result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps,
-                          lr=args.lr, device=args.device, progress=progress, seed=args.seed)
-    latents = {"encoder": encode_dataset(system.encoder, x, ecfg.batch_size, args.device),
-               "ttvi_objects": result.latents,
-               "ttvi_reencoded": reencode_parents(system.encoder, result.latents, ecfg.batch_size, args.device)}
-    metrics = {"n_train": len(train_images), "n_test": len(x), "rotation_deg": args.rotate, "steps": args.steps,
-               "lr": args.lr, "elbo_encoder": float(result.elbo_start.mean()),
+    latents, result, parts = readings(test_images, args.seed, args.parts_ttvi and n_fair > 0)
+    metrics = {"n_train": len(train_images), "n_test": len(test_images), "rotation_deg": args.rotate,
+               "steps": args.steps, "lr": args.lr, "elbo_encoder": float(result.elbo_start.mean()),
                "elbo_ttvi": float(result.elbo_end.mean()), "ttvi_wall_time_s": result.wall_time_s,
-               "n_train_ttvi": min(args.n_train_ttvi, len(train_images))}
+               "n_train_ttvi": n_fair}
     fair_train = {}
-    n_fair = metrics["n_train_ttvi"]
     if n_fair:
-        # the fair protocol: the probe's training images go through the same inference as the test images
-        x_train = to_float(train_images[:n_fair])
-        if args.rotate:
-            x_train = rotate(x_train, args.rotate).clamp(0, 1)
-        train_seed = args.seed + 10_000  # chunk seeds of its own, apart from the test images'
-        train_result = ttvi_batches(system.model, system.guide, x_train, batch_size=args.batch_size, steps=args.steps,
-                                    lr=args.lr, device=args.device, progress=progress, seed=train_seed)
-        fair_train = {"encoder": encode_dataset(system.encoder, x_train, ecfg.batch_size, args.device),
-                      "ttvi_objects": train_result.latents,
-                      "ttvi_reencoded": reencode_parents(system.encoder, train_result.latents, ecfg.batch_size,
-                                                         args.device)}
+        # the fair protocol: the probe's training images go through the same inference as the test images, under
+        # chunk seeds of their own
+        fair_train, train_result, train_parts = readings(train_images[:n_fair], args.seed + 10_000, args.parts_ttvi)
         metrics.update(elbo_ttvi_train=float(train_result.elbo_end.mean()),
                        elbo_encoder_train=float(train_result.elbo_start.mean()),
                        elbo_trace_objects_start=result.elbo_trace[0], elbo_trace_objects_end=result.elbo_trace[-1],
                        ttvi_train_wall_time_s=train_result.wall_time_s)
-        if args.parts_ttvi:
-            parts_test, trace_test, wall_test = ttvi_parts_batches(
-                system.model, system.encoder, x, args.batch_size, args.steps, args.lr, args.device, progress,
-                args.seed)
-            parts_train, _, wall_train = ttvi_parts_batches(
-                system.model, system.encoder, x_train, args.batch_size, args.steps, args.lr, args.device, progress,
-                train_seed)
-            latents["ttvi_parts"], fair_train["ttvi_parts"] = parts_test, parts_train
-            metrics.update(elbo_trace_parts_start=trace_test[0], elbo_trace_parts_end=trace_test[-1],
-                           ttvi_parts_wall_time_s=wall_test + wall_train)
+        if parts:
+            metrics.update(elbo_trace_parts_start=parts[0][0], elbo_trace_parts_end=parts[0][-1],
+                           ttvi_parts_wall_time_s=parts[1] + train_parts[1])
     train_feats = reading_features(system.model, train_lat, ecfg.batch_size)
     test_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in latents.items()}
     fair_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in fair_train.items()}
@@ -299,7 +280,7 @@ def main(argv=None) -> int:
     results = Path(args.results_dir)
     plotting.plot_curves({"test-time VI": (list(range(len(result.elbo_trace))), result.elbo_trace)},
                          results / f"{args.name}_elbo.png", xlabel="step", ylabel="ELBO per image (nats)",
-                         title=f"test-time VI on {len(x)} MNIST test digits")
+                         title=f"test-time VI on {len(test_images)} MNIST test digits")
     prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
                       checkpoint=str(args.checkpoint))
     write_results(results / f"{args.name}.json", metrics, prov)
