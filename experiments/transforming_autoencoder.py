@@ -71,9 +71,6 @@ class PairDataConfig:
     seed: int = 0                 # seeds the held-out pairs' jitters and transformations
     swap_pairs: bool = True       # train on each pair in a random direction (x1 -> x2 by T, or x2 -> x1 by T⁻¹)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
 class TransformRange:
@@ -89,9 +86,6 @@ class TransformRange:
     scale: float = 0.0
     shear: float = 0.0
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
 class TAEEvalConfig:
@@ -104,9 +98,6 @@ class TAEEvalConfig:
     test_time_warps: int = 0      # > 0: recognition averaged over this many known warps of each image (the identity
                                   # and draws from the jitter range; TransformingAutoencoder.recognise_averaged)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
 class TAELossConfig:
@@ -117,19 +108,14 @@ class TAELossConfig:
     consistency_weight: float = 0.0
     consistency_cap: float = 0.0  # > 0: each capsule's mismatch c counts as cap·c/(cap + c) (see pose_consistency)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+
+SCHEMA = {"name": str, "data": PairDataConfig, "model": TransformingAutoencoderConfig, "loss": TAELossConfig,
+          "train": TrainConfig, "eval": TAEEvalConfig, "range": TransformRange}
 
 
-SCHEMA = {
-    "name": str,
-    "data": PairDataConfig,
-    "model": TransformingAutoencoderConfig,
-    "loss": TAELossConfig,
-    "train": TrainConfig,
-    "eval": TAEEvalConfig,
-    "range": TransformRange,
-}
+def config_record(cfg: dict) -> dict:
+    """``{section: its fields}`` of the config sections, as checkpoints and results record them."""
+    return {k: dataclasses.asdict(cfg[k]) for k in SCHEMA if k != "name"}
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
@@ -137,28 +123,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
 
     Returns ``{"name", "mode", "data", "model", "loss", "train", "eval", "range"}``.
     """
-    cfg = load_sections(path, SCHEMA, overrides)
-    label = path or "<defaults>"
-    mode, rng = cfg["model"].mode, cfg["range"]
-    if mode == "translation" and any(getattr(rng, k) for k in ("jitter_rotation_deg", "jitter_scale", "jitter_shear",
-                                                               "rotation_deg", "scale", "shear")):
+    cfg = load_sections(path, SCHEMA, overrides)  # types, ranges and each section's validate()
+    label, mode = path or "<defaults>", cfg["model"].mode
+    if mode == "translation" and any(getattr(cfg["range"], f"{jitter}{k}") for jitter in ("jitter_", "")
+                                     for k in ("rotation_deg", "scale", "shear")):
         raise ConfigError(f"{label}: model.mode = 'translation' takes translations only ([range] rotation, scale "
                           f"and shear must be 0)")
     if cfg["data"].dataset not in ("mnist", "synthetic"):
         raise ConfigError(f"{label}: data.dataset must be 'mnist' or 'synthetic', got {cfg['data'].dataset!r}")
-    try:
-        cfg["model"].validate()
-    except ValueError as e:
-        raise ConfigError(f"{label}: {e}") from None
-    if cfg["loss"].consistency_weight < 0:
-        raise ConfigError(f"{label}: loss.consistency_weight must be >= 0, got {cfg['loss'].consistency_weight}")
-    if cfg["eval"].test_time_warps < 0:
-        raise ConfigError(f"{label}: eval.test_time_warps must be >= 0, got {cfg['eval'].test_time_warps}")
-    if not cfg["loss"].consistency_cap >= 0:
-        raise ConfigError(f"{label}: loss.consistency_cap must be >= 0, got {cfg['loss'].consistency_cap}")
-    name = cfg["name"] or (Path(path).stem if path else f"{NAME}_{mode}")
-    return {"name": name, "mode": mode, "data": cfg["data"], "model": cfg["model"], "loss": cfg["loss"],
-            "train": cfg["train"], "eval": cfg["eval"], "range": rng}
+    return {**cfg, "name": cfg["name"] or (Path(path).stem if path else f"{NAME}_{mode}"), "mode": mode}
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -272,18 +245,16 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
     lcfg = cfg["loss"]
 
     def loss_fn(batch):
-        images, transforms, targets = batch
-        return transforming_loss(model, images, transforms, targets, lcfg.consistency_weight, lcfg.consistency_cap)
+        return transforming_loss(model, *batch, lcfg.consistency_weight, lcfg.consistency_cap)
 
     curve_path = out_dir / "r2_curve.jsonl"
     curve_time = [0.0]
 
     def score_curve(state) -> None:
         t0 = time.perf_counter()
-        was_training = model.training
         model.eval()
         scores = score_pairs(model, curve_set, cfg["eval"].batch_size)
-        model.train(was_training)
+        model.train()
         with open(curve_path, "a") as f:
             f.write(json.dumps({"step": state.step, **{f"r2_{k}": v for k, v in scores["r2"].items()},
                                 "recon_mse": scores["recon_mse"]}) + "\n")
@@ -293,8 +264,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
         truncate_log(curve_path, load_checkpoint(out_dir / "checkpoint.pt")["state"]["step"])
     else:
         curve_path.unlink(missing_ok=True)
-    metadata = {"name": cfg["name"], "kind": NAME, "mode": cfg["mode"],
-                "configs": {k: cfg[k].to_dict() for k in ("data", "model", "loss", "train", "eval", "range")}}
+    metadata = {"name": cfg["name"], "kind": NAME, "mode": cfg["mode"], "configs": config_record(cfg)}
     model.train()
     t0 = time.perf_counter()
     state = train_loop(model, loss_fn, batches, tcfg, out_dir, resume=resume, metadata=metadata, progress=progress,
@@ -312,12 +282,11 @@ def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, tran
     mixture's, see :meth:`TransformingAutoencoder.reconstruction_loss`), plus, if
     ``consistency_weight > 0``, that weight times the pose consistency of input and target (both images
     recognised in one batched call), its capsules weighted by ``p1 · p2`` held fixed."""
-    if consistency_weight <= 0:
-        presence, poses = model.recognise(images)
-        return model.reconstruction_loss(presence, model.apply_transform(poses, transforms), targets)
     B = images.shape[0]
-    presence, poses = model.recognise(torch.cat([images, targets]))
+    presence, poses = model.recognise(torch.cat([images, targets]) if consistency_weight > 0 else images)
     recon_loss = model.reconstruction_loss(presence[:B], model.apply_transform(poses[:B], transforms), targets)
+    if consistency_weight <= 0:
+        return recon_loss
     weights = (presence[:B] * presence[B:]).detach()
     return recon_loss + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms, weights, cap)
 
@@ -341,28 +310,21 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, warp
     """Recognise both images of every pair (averaged over ``warps (K, 3, 3)`` if given), read ``T`` back
     (capsules weighted by ``p1 · p2``, present in both), reconstruct the target: CPU tensors."""
     mode, canvas = model.config.mode, model.config.canvas_size
-    out: dict[str, list] = {k: [] for k in ("pred", "true", "p1", "sq_err", "win_err", "win_zero", "recon",
-                                            "contrib")}
-    n = pairs["input"].shape[0]
     recognise = model.recognise if warps is None else (lambda x: model.recognise_averaged(x, warps))
-    for s in range(0, n, batch_size):
-        x1, T, x2 = (pairs[k][s:s + batch_size] for k in ("input", "transform", "target"))
-        p1, P1 = recognise(x1)
-        p2, P2 = recognise(x2)
-        T_hat = estimate_transform(P1, P2, p1 * p2, mode)
+    rows = []
+    for s in range(0, pairs["input"].shape[0], batch_size):
+        x1, T, x2, placement = (pairs[k][s:s + batch_size] for k in ("input", "transform", "target", "placement"))
+        (p1, P1), (p2, P2) = recognise(x1), recognise(x2)
         recon, contributions = model.render(p1, model.apply_transform(P1, T))
-        mask = window_mask(pairs["placement"][s:s + batch_size], canvas).float()
+        mask = window_mask(placement, canvas).float()
         err = (recon - x2) ** 2
-        out["pred"].append(transform_components(T_hat, mode, canvas)[0].cpu())
-        out["true"].append(transform_components(T, mode, canvas)[0].cpu())
-        out["p1"].append(p1.cpu())
-        out["sq_err"].append(err.mean((1, 2, 3)).cpu())
-        out["win_err"].append(((err * mask).sum((1, 2, 3)) / mask.sum((1, 2, 3))).cpu())
-        out["win_zero"].append(((x2 ** 2 * mask).sum((1, 2, 3)) / mask.sum((1, 2, 3))).cpu())
+        rows.append({"pred": transform_components(estimate_transform(P1, P2, p1 * p2, mode), mode, canvas)[0],
+                     "true": transform_components(T, mode, canvas)[0], "p1": p1, "sq_err": err.mean((1, 2, 3)),
+                     **{k: (e * mask).sum((1, 2, 3)) / mask.sum((1, 2, 3)) for k, e in (("win_err", err),
+                                                                                         ("win_zero", x2 ** 2))}})
         if s == 0:
-            out["recon"].append(recon.cpu())
-            out["contrib"].append(contributions.cpu())
-    return {k: torch.cat(v) for k, v in out.items()}
+            first = {"recon": recon, "contrib": contributions}
+    return {**{k: torch.cat([r[k].cpu() for r in rows]) for k in rows[0]}, **{k: v.cpu() for k, v in first.items()}}
 
 
 def score_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> dict:
@@ -378,13 +340,6 @@ def test_time_warp_maps(n: int, rng: TransformRange, canvas: int, seed) -> torch
     from the input-jitter range (deterministic in ``seed``)."""
     draws = sample_transforms(max(n - 1, 0), rng, canvas, seeded_generator(NAME, "test_time_warps", seed), jitter=True)
     return torch.cat([torch.eye(3).unsqueeze(0), draws])[:n]
-
-
-def fit_readout(pred: torch.Tensor, true: torch.Tensor):
-    """Least-squares linear map (with intercept) from the raw estimate's components to the true ones."""
-    from sklearn.linear_model import LinearRegression
-
-    return LinearRegression().fit(pred.double().numpy(), true.double().numpy())
 
 
 def error_breakdown(pred: torch.Tensor, true: torch.Tensor, labels: torch.Tensor, names: list[str],
@@ -410,18 +365,20 @@ def error_breakdown(pred: torch.Tensor, true: torch.Tensor, labels: torch.Tensor
 
 def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="cpu") -> tuple[dict, dict]:
     """Disentanglement and reconstruction on held-out pairs; returns ``(metrics, arrays for the figures)``."""
+    from sklearn.linear_model import LinearRegression
+
     ecfg: TAEEvalConfig = cfg["eval"]
-    canvas, rng, mode = model.config.canvas_size, cfg["range"], model.config.mode
+    canvas, rng, mode, seed = model.config.canvas_size, cfg["range"], model.config.mode, cfg["data"].seed
     model.eval()
     test_digits, test_labels = load_digits(cfg["data"], "test", data_dir)
     train_digits, _ = load_digits(cfg["data"], "train", data_dir)
-    pairs = heldout_pairs(test_digits, ecfg.pairs, rng, canvas, cfg["data"].seed, "heldout", device)
-    warps = test_time_warp_maps(ecfg.test_time_warps, rng, canvas, cfg["data"].seed).to(device) \
-        if ecfg.test_time_warps > 0 else None
+    pairs = heldout_pairs(test_digits, ecfg.pairs, rng, canvas, seed, "heldout", device)
+    warps = test_time_warp_maps(ecfg.test_time_warps, rng, canvas, seed).to(device) if ecfg.test_time_warps else None
     res = run_pairs(model, pairs, ecfg.batch_size, warps)
-    fit_pairs = heldout_pairs(train_digits, ecfg.readout_pairs, rng, canvas, cfg["data"].seed, "readout", device)
-    fit = run_pairs(model, fit_pairs, ecfg.batch_size, warps)
-    readout = fit_readout(fit["pred"], fit["true"])
+    fit = run_pairs(model, heldout_pairs(train_digits, ecfg.readout_pairs, rng, canvas, seed, "readout", device),
+                    ecfg.batch_size, warps)
+    # the linear readout: a least-squares map (with intercept) from the raw estimate's components to the true ones
+    readout = LinearRegression().fit(fit["pred"].double().numpy(), fit["true"].double().numpy())
     pred_linear = torch.from_numpy(readout.predict(res["pred"].double().numpy()))
     names = transform_components(pairs["transform"][:1], mode, canvas)[1]
     r2_raw = r2_scores(res["pred"], res["true"])
@@ -457,12 +414,6 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
 # ---------------------------------------------------------------------------------------------- figures
 
 
-def plot_presence(presence: torch.Tensor, path: Path, title: str) -> Path:
-    """Heatmap of capsule presences ``(images, capsules)``."""
-    return plotting.plot_heatmap(presence, path, xlabel="capsule", ylabel="held-out image", title=title,
-                                 vmin=0, vmax=1, colorbar_label="presence p")
-
-
 def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Path, prefix: str, runs: list[Path]
                   ) -> None:
     """Scatter, reconstructions, presence heatmap, templates, and the training curves of every seed."""
@@ -479,19 +430,19 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
     plotting.plot_image_grid(grid, results_dir / f"{prefix}_reconstructions.png",
                              row_labels=["input", "target", "output", "capsules"],
                              title=f"{mode}: input, transformed target, reconstruction, capsule contributions")
-    plot_presence(res["p1"][:24], results_dir / f"{prefix}_presence.png", f"{mode}: capsule presences")
+    plotting.plot_heatmap(res["p1"][:24], results_dir / f"{prefix}_presence.png", xlabel="capsule",
+                          ylabel="held-out image", title=f"{mode}: capsule presences", vmin=0, vmax=1,
+                          colorbar_label="presence p")
     plotting.plot_templates(model.templates().detach().cpu(), results_dir / f"{prefix}_templates.png",
                             title=f"{mode}: learned templates")
     losses, r2s = {}, {}
     for run in runs:
-        log, curve = run / "log.jsonl", run / "r2_curve.jsonl"
-        if log.is_file():
-            recs = read_jsonl(log)
+        if (run / "log.jsonl").is_file():
+            recs = read_jsonl(run / "log.jsonl")
             losses[run.name] = ([r["step"] for r in recs], [r["loss"] for r in recs])
-        if curve.is_file():
-            recs = read_jsonl(curve)
-            for comp in names:
-                r2s[f"{run.name} {comp}"] = ([r["step"] for r in recs], [r[f"r2_{comp}"] for r in recs])
+        if (run / "r2_curve.jsonl").is_file():
+            recs = read_jsonl(run / "r2_curve.jsonl")
+            r2s.update({f"{run.name} {c}": ([r["step"] for r in recs], [r[f"r2_{c}"] for r in recs]) for c in names})
     if losses:
         plotting.plot_curves(losses, results_dir / f"{prefix}_training.png", xlabel="step",
                              ylabel="training MSE per pixel", title=f"{mode}: training loss", logy=True)
@@ -503,12 +454,6 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
 # ---------------------------------------------------------------------------------------------- aggregation
 
 
-def summarise(runs: list[dict]) -> dict:
-    return {"per_seed": runs, **seed_summary(runs, [
-        key for key, value in runs[0].items() if key not in ("seed", "steps", "threads", "heldout_pairs")
-        and not isinstance(value, (bool, str, list, dict)) and value is not None]), "components": runs[0]["components"]}
-
-
 def run_recipe(config: str | Path, args) -> Path:
     """Train (or resume / reuse) every seed of one config, evaluate, write the results JSON and figures."""
     results_dir = Path(args.results_dir)
@@ -516,35 +461,32 @@ def run_recipe(config: str | Path, args) -> Path:
     name = args.name or load_config(config, args.set)["name"]
     for seed in args.seeds:
         cfg = load_config(config, [*args.set, f"train.seed={seed}"])
-        mode = cfg["mode"]
         out = Path(args.out or ROOT / "runs" / name) / f"seed{seed}"
         run_dirs.append(out)
         if args.resume and run_finished(out, cfg["train"].steps):
             model, timing = load_trained(cfg, out, args.device)
         else:
-            resume = args.resume and (out / "checkpoint.pt").is_file()
-            model, timing = train_mode(cfg, out, resume=resume, device=args.device, data_dir=args.data_dir,
-                                       progress=not args.quiet)
+            model, timing = train_mode(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(),
+                                       device=args.device, data_dir=args.data_dir, progress=not args.quiet)
         metrics, arrays = evaluate(model, cfg, args.data_dir, args.device)
-        runs.append({"seed": seed, **metrics, "steps": timing.get("steps"),
-                     "train_wall_time_s": timing.get("train_wall_time_s"),
-                     "train_step_time_s": timing.get("train_step_time_s"), "threads": timing.get("threads")})
-        if first is None:
-            first = (model, arrays)
+        runs.append({"seed": seed, **metrics,
+                     **{k: timing.get(k) for k in ("steps", "train_wall_time_s", "train_step_time_s", "threads")}})
+        first = first or (model, arrays)
         r2_text = ", ".join(f"{k} {metrics[f'r2_{k}']:.3f}" for k in metrics["components"])
         wall = timing.get("train_wall_time_s")
-        print(f"{mode} seed {seed}: R² {r2_text}; recon MSE {metrics['recon_mse']:.4f} "
+        print(f"{cfg['mode']} seed {seed}: R² {r2_text}; recon MSE {metrics['recon_mse']:.4f} "
               f"(22x22 window {metrics['recon_mse_window']:.4f}); active capsules "
               f"{metrics['active_capsules_mean']:.1f}; training {wall if wall is None else round(wall)} s")
-    summary = summarise(runs)
-    summary["mode"] = mode
+    summary = {"per_seed": runs, **seed_summary(runs, [
+        key for key, value in runs[0].items() if key not in ("seed", "steps", "threads", "heldout_pairs")
+        and not isinstance(value, (bool, str, list, dict)) and value is not None]), "components": runs[0]["components"],
+        "mode": cfg["mode"]}
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                       wall_time_s=sum(r["train_wall_time_s"] or 0.0 for r in runs),
-                      batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(),
-                      configs={k: cfg[k].to_dict() for k in ("data", "model", "loss", "train", "eval", "range")})
+                      batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(), configs=config_record(cfg))
     path = write_results(results_dir / f"{name}.json", summary, prov)
-    if cfg["eval"].figures and first is not None:
-        write_figures(first[0], first[1], results_dir, name, run_dirs)
+    if cfg["eval"].figures:
+        write_figures(*first, results_dir, name, run_dirs)
     print(f"wrote {path}")
     return path
 
@@ -553,9 +495,9 @@ def run_recipe(config: str | Path, args) -> Path:
 
 
 def readme_table(results_dir: Path) -> str | None:
-    """Ours (mean ± std over seeds) against the numpy reproduction's numbers, built only from the shipped recipes' results,
-    ``results/transforming_autoencoder_<mode>.json`` (and ``..._<mode>_tta.json``, the same models re-scored with
-    ``eval.test_time_warps > 0``, when present)."""
+    """Ours (mean ± std over seeds) against the numpy reproduction's numbers, built only from the shipped recipes'
+    results, ``results/transforming_autoencoder_<mode>.json`` (and ``..._<mode>_tta.json``, the same models
+    re-scored with ``eval.test_time_warps > 0``, when present)."""
     from probcaps.report import fmt_mean_std
 
     results_dir = Path(results_dir)
@@ -597,36 +539,30 @@ def readme_table(results_dir: Path) -> str | None:
                              f"of each image | {fmt_mean_std([r[f'r2_{c}'] for r in tta], 1.0, 3)} | {r2_target} | — |")
             tta_note.append(f"{mode}, averaged over warps: seeds {', '.join(str(r['seed']) for r in tta)}; command: "
                           f"`{tta_data['provenance'].get('command', '?')}`.")
+        maps = {p: f"rotation ±{rng.get(p + 'rotation_deg')}°, scales 1 ± {rng.get(p + 'scale')}, shear "
+                   f"±{rng.get(p + 'shear')}, translation ±{rng.get(p + 'translation_px')} px" for p in ("", "jitter_")}
         ranges = (f"jitter ±{rng.get('jitter_translation_px')} px, shift ±{rng.get('translation_px')} px"
-                  if mode == "translation" else
-                  f"T: rotation ±{rng.get('rotation_deg')}°, scales 1 ± {rng.get('scale')}, shear ±{rng.get('shear')}, "
-                  f"translation ±{rng.get('translation_px')} px; input jitter: rotation ±{rng.get('jitter_rotation_deg')}°, "
-                  f"scales 1 ± {rng.get('jitter_scale')}, shear ±{rng.get('jitter_shear')}, translation "
-                  f"±{rng.get('jitter_translation_px')} px")
-        model_cfg, loss_cfg = prov.get("configs", {}).get("model", {}), prov.get("configs", {}).get("loss", {})
-        recognition = model_cfg.get("recognition", "mlp")
-        setup = (f"recognition: {recognition}"
-                 + (f" ({model_cfg.get('keypoints')} keypoint(s) per capsule)" if recognition == "conv" else "")
-                 + f", {model_cfg.get('num_capsules')} capsules, combine {model_cfg.get('combine', 'sum')!r}, "
-                 f"pose-consistency weight {loss_cfg.get('consistency_weight', 0.0)}"
-                 + (" (template frame" + (f", capped at {loss_cfg['consistency_cap']}"
-                                         if loss_cfg.get("consistency_cap") else "") + ")"
-                    if loss_cfg.get('consistency_weight') else ""))
-        footer.append(f"{mode}: {ranges}; {setup}; seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps "
-                      f"of batch {prov.get('batch_size', '?')}; {runs[0].get('threads')} torch thread(s); device: "
-                      f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
-                      f"{prov.get('git_commit', '?')}.")
-        footer += tta_note
-        footer += _error_note(mode, runs)
+                  if mode == "translation" else f"T: {maps['']}; input jitter: {maps['jitter_']}")
+        model_cfg, loss_cfg = (prov.get("configs", {}).get(k, {}) for k in ("model", "loss"))
+        recognition, weight = model_cfg.get("recognition", "mlp"), loss_cfg.get("consistency_weight", 0.0)
+        keypoints = f" ({model_cfg.get('keypoints')} keypoint(s) per capsule)" if recognition == "conv" else ""
+        cap = f", capped at {loss_cfg['consistency_cap']}" if loss_cfg.get("consistency_cap") else ""
+        setup = (f"recognition: {recognition}{keypoints}, {model_cfg.get('num_capsules')} capsules, combine "
+                 f"{model_cfg.get('combine', 'sum')!r}, pose-consistency weight {weight}"
+                 + (f" (template frame{cap})" if weight else ""))
+        footer += [f"{mode}: {ranges}; {setup}; seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} "
+                   f"steps of batch {prov.get('batch_size', '?')}; {runs[0].get('threads')} torch thread(s); device: "
+                   f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
+                   f"{prov.get('git_commit', '?')}.", *tta_note, *_error_note(mode, runs)]
     return "\n".join(lines + [""] + footer)
 
 
-#: one-seed tries of the affine mode with other settings: ``results/transforming_autoencoder_ablations/*.json``, table ``results/transforming_autoencoder_ablations.md``
+#: one-seed tries of the affine mode with other settings: ``results/<this>/*.json``, table ``results/<this>.md``
 TAE_ABLATIONS = "transforming_autoencoder_ablations"
 
 
 def ablations_table(results_dir: Path) -> str | None:
-    """The history of tries of the affine transforming auto-encoder (``results_dir/transforming_autoencoder_ablations/*.json``)."""
+    """The tries of the affine transforming auto-encoder (``results_dir/transforming_autoencoder_ablations/*.json``)."""
     from probcaps.report import results_in
 
     results = results_in(results_dir, TAE_ABLATIONS)
@@ -655,7 +591,6 @@ def write_tables(results_dir: Path) -> list[Path]:
     (``results_dir/transforming_autoencoder_ablations.md``) from the results JSON there; returns the files written."""
     from probcaps.report import write_table
 
-    results_dir = Path(results_dir)
     written = [write_table(results_dir, NAME, readme_table(results_dir)),
                write_table(results_dir, TAE_ABLATIONS, ablations_table(results_dir))]
     return [path for path in written if path is not None]

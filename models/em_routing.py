@@ -1,50 +1,34 @@
 """EM routing between capsule layers (Hinton, Sabour & Frosst 2018), in log space, vectorised.
 
-Notation (shapes use ``N`` = batch x output positions, ``J`` output capsules per position, ``I`` input capsules
-voting at that position, ``H = 16`` pose entries):
+Shapes: ``N`` = batch x output positions, ``J`` output capsules per position, ``I`` input capsules voting at that
+position, ``H = 16`` pose entries.
 
-- votes ``V[n, j, i] = M_i W_ij`` (4x4 flattened to 16), input activations ``a_i`` given as ``log a_i``;
-- M-step: weights ``r_ij = R_ij a_i``; ``mu_j``, ``sigma2_j`` are the ``r``-weighted mean and variance of the votes
-  (per pose entry, plus a floor); ``cost_j = S_j sum_h (beta_v + log sigma_jh)`` with ``S_j = sum_i r_ij``
-  relative to its mean over the ``J`` parents; by default (``standardise_cost``) the cost is then standardised
-  over the ``J`` parents at the position (zero mean, unit variance); ``a_j = sigmoid(lambda (beta_a - cost_j))``,
-  ``lambda`` growing linearly over the iterations to ``inverse_temperature``;
+- votes ``V[n, j, i] = M_i W_ij`` (4x4 flattened to 16), input activations given as ``log a_i``;
+- M-step: ``r_ij = R_ij a_i``; ``mu_j``, ``sigma2_j`` are the ``r``-weighted mean and variance of the votes (per
+  pose entry, plus a floor); ``cost_j = S_j sum_h (beta_v + log sigma_jh)`` with ``S_j = sum_i r_ij`` relative to
+  its mean over the ``J`` parents, then (``standardise_cost``) standardised over them;
+  ``a_j = sigmoid(lambda (beta_a - cost_j))``, ``lambda`` growing linearly over the iterations;
 - E-step: ``R_ij ∝ a_j N(V_ij; mu_j, sigma2_j)``, normalised over every parent an input votes for (``normalise``:
-  plain log-softmax over ``j`` by default; convolutional layers pass one that also sums over the overlapping
-  patches an input belongs to).
+  log-softmax over ``j`` by default; convolutional layers also sum over the overlapping patches of an input).
 
-Everything is held as logarithms (``log a``, ``log R``, log-normalised weights), so no activation or assignment
-underflows to an exact zero that a later ``log`` would turn into ``-inf``.  Variances have a floor.
+Everything is held as logarithms, so no activation or assignment underflows to an exact zero that a later ``log``
+would turn into ``-inf``.  Votes whose squares could overflow are routed in units of a power of two per row ``n``
+(an exact division; the variances' logarithms carry the scale) and half precision in float32, so the outputs stay
+finite for every finite float16, bfloat16, float32 and float64 input; other dtypes are refused
+(:class:`probcaps.errors.ConfigError`).
 
-Range: votes whose squares could overflow (largest entry above ``2^(emax/4)``, about ``4e9`` in float32 and
-``1e77`` in float64; poses and transforms above ``2^(emax/8)`` for the convolutional votes) are routed in units
-of a power of two per row ``n`` (an exact division), the variances' logarithms carrying the scale; smaller votes
-are routed exactly as given.  Half-precision inputs are routed in float32 and the results cast back.  So the
-outputs stay finite for every finite input of float16, bfloat16, float32 and float64; ``var`` saturates at the
-dtype's largest value where the votes' spread squared exceeds it, and where the rescaled ``var_floor`` falls
-below what the quadratic form can hold (votes beyond about ``4e15`` in float32) the floor is raised to that.
-Other dtypes are refused (:class:`probcaps.errors.ConfigError`).
-
-Speed: the votes are stored once, centred per (n, j), with their squares next to them, as ``VV`` of shape
-``(N, J, I, 2H)`` (contiguous).  Every M-step is then one batched product ``w @ VV`` over the ``N*J`` parents
-(weighted first and second moments) and every E-step one batched ``x @ VV^T`` (the Gaussian's quadratic form
-expanded as ``sum V^2/s2 - 2 V mu/s2 + mu^2/s2``): two passes over the votes per iteration, no temporaries of
-the votes' size.  Convolutional layers make the votes with one batched matrix product per input index ``i``
-(``M_i @ K_i``, ``K_i`` the 16 x 16J matrix that applies ``W_ij`` to every row of a 4x4 pose), then one
-transposing copy into ``VV``.
-
-Gradients: the assignments of the last E-step are treated as constants (``stop-gradient`` through the routing
-iterations, as most implementations of the paper do); the final M-step is differentiable with respect to the
-votes, the input activations and ``beta_v``, ``beta_a``.  Its backward (:class:`_WeightedMoments`) is written by
-hand, so autograd stores no tensor of the votes' size; convolutional layers rebuild their votes for the backward
-pass instead of keeping them (one layer's votes in memory at a time) and receive the votes' gradient directly as
-``dM``, ``dW`` (two batched products).
+Speed: the votes are stored once, centred per (n, j), with their squares beside them, ``VV (N, J, I, 2H)``: every
+M-step is one batched product ``w @ VV`` and every E-step one ``x @ VV^T`` (the Gaussian's quadratic form
+expanded), two passes over the votes per iteration.  Gradients: the last E-step's assignments are constants
+(stop-gradient through the iterations, as most implementations of the paper do); the final M-step's backward
+(:class:`_WeightedMoments`) is written by hand, so autograd stores no tensor of the votes' size, and convolutional
+layers rebuild their votes for it (one layer's votes in memory at a time).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -66,9 +50,6 @@ class EMConfig:
     var_floor: float = 1e-4            # added to every variance (the log and the 1/sigma2 stay bounded)
     log_a_floor: float = -30.0         # log activations are clamped here (a = 0 is exp(-30), not -inf)
     standardise_cost: bool = True      # standardise the cost over the J parents before the sigmoid
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # --------------------------------------------------------------------------- the vote cache
@@ -92,12 +73,6 @@ class VoteCache:
     # rebuilds VV from the sources: when given, the final M-step frees VV after the forward pass and rebuilds it
     # for the backward pass, so the votes of only one layer are in memory at a time
     rebuild: Callable[[], torch.Tensor] | None = None
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """``(N, J, I, H)``."""
-        N, J, I, H2 = self.VV.shape
-        return N, J, I, H2 // 2
 
 
 def _cache_from_centred(V: torch.Tensor) -> torch.Tensor:
@@ -260,7 +235,7 @@ def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_
 
     Returns ``mu`` (including the centre), ``var`` (both still in those units), ``log a_out`` and ``log R``.
     """
-    N, J, I, _ = cache.shape
+    N, J, I, _ = cache.VV.shape
     if log_a_in.shape != (N, I):
         raise ValueError(f"em_routing: log activations must be {(N, I)}, got {tuple(log_a_in.shape)}")
     if cfg.iterations < 1:

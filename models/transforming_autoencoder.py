@@ -1,38 +1,20 @@
 """Transforming auto-encoder (Hinton, Krizhevsky & Wang 2011, "Transforming auto-encoders", ICANN).
 
-Every capsule ``m`` has its own recognition units, which look at the image and output a presence probability
-``p_m`` and a pose ``P_m`` (a 3x3 affine matrix, template -> canvas).  The known transformation ``T`` of the
-input (given to the network) is applied to every pose, ``P'_m = T ∘ P_m``, and the capsule's generative side
-renders its learned template at ``P'_m`` with the package's one affine warp (:func:`probcaps.render.render_templates`).
-The output is the presence-weighted sum of the rendered capsules (the paper's rule, ``combine = "sum"``, the
-default), or a mixture (``combine = "mixture"``, not in the paper): presences are a softmax over capsules and each capsule must explain
-the whole image on its own (:meth:`TransformingAutoencoder.reconstruction_loss`).
+Every capsule ``m`` has its own recognition units, which output a presence ``p_m`` and a pose ``P_m`` (a 3x3
+affine map, template -> canvas).  The known transformation ``T`` of the input is applied to every pose,
+``P'_m = T ∘ P_m``, and the capsule renders its learned template at ``P'_m`` (:func:`probcaps.render.render_templates`).
+The output is the presence-weighted sum of the rendered capsules (the paper's rule, ``combine = "sum"``), or a
+mixture (``"mixture"``, not in the paper) in which each capsule must explain the whole image on its own.
 
-Two modes:
+Modes: ``"translation"`` (the pose is a position ``(x, y)`` and ``T`` a known shift) and ``"affine"`` (the pose a
+full 2-D affine map, from 6 numbers squashed by :func:`probcaps.geometry.constrained_pose`, or from keypoints).
+Recognition: ``"mlp"`` (the paper's: each capsule's own hidden units on the pixels, all capsules one matrix
+product) or ``"conv"`` (a shared conv trunk, then per-capsule heads, :class:`probcaps.encoders.PartEncoder` with
+``M·K`` attention heads: the pose is the affine map taking ``K >= 3`` canonical template points to the keypoints).
 
-- ``"translation"``: the pose is a translation ``(x, y)`` (normalised canvas units), ``T`` a known shift
-  ``(dx, dy)``; ``T ∘ P`` adds ``(dx, dy)`` to ``(x, y)``.
-- ``"affine"``: the pose is a full 2-D affine map (from 6 numbers squashed into plausible scales / shears by
-  :func:`probcaps.geometry.constrained_pose`, or from keypoints), ``T`` a known 2-D affine map composed with it.
-
-Because the decoder is exactly equivariant (rendering at ``T ∘ P`` is rendering at ``P`` then warping the canvas
-by ``T``), reconstructing the transformed image is the same as auto-encoding the input: the poses must place the
-templates where the entities are, but nothing ties the linear part of a pose to the image's own frame.  Translations
-are disentangled all the same (a template is placed where its part is); for affine maps see ``pose_consistency``.
-:func:`estimate_transform` reads ``T`` back from the recognised poses of two images alone.
-
-Two recognition front ends (``recognition``):
-
-- ``"mlp"`` (the paper's): each capsule's own hidden units on the raw pixels.  All capsules together: the hidden
-  layers of every capsule are one matrix product, the output layers one batched ``einsum``.
-- ``"conv"``: a small shared conv trunk, then per-capsule heads, all of them one 1x1 conv
-  (:class:`probcaps.encoders.PartEncoder` with ``M·K`` attention heads): capsule ``m`` has ``K`` keypoints, each
-  where its own spatial-softmax attention looks plus a bounded offset, and its pose is the affine map taking ``K``
-  canonical template points to them (``K >= 3``).
-
-For the affine mode, :func:`pose_consistency` (not in the paper) is what teaches the recognition the linear part:
-with the exactly equivariant renderer the reconstruction loss alone is blind to the known ``T``.  The rendering
-is always one ``render_templates`` call.
+The decoder is exactly equivariant (rendering at ``T ∘ P`` is rendering at ``P`` then warping by ``T``), so the
+reconstruction loss alone cannot teach the linear part of an affine pose: :func:`pose_consistency` (not in the
+paper) does.  :func:`estimate_transform` reads ``T`` back from the recognised poses of two images alone.
 """
 
 from __future__ import annotations
@@ -63,22 +45,20 @@ class TransformingAutoencoderConfig:
     mode: str = "translation"        # "translation" (pose = (x, y)) or "affine" (pose = 3x3 affine matrix)
     canvas_size: int = 40            # H = W of the input and output images
     num_capsules: int = 30           # M
-    recognition: str = "mlp"         # "mlp": per-capsule hidden units on the pixels (the paper's); "conv": a shared
-                                     # conv trunk, then per-capsule heads with spatial attention (PartEncoder)
+    recognition: str = "mlp"         # "mlp" (the paper's) or "conv" (a conv trunk, per-capsule attention heads)
     recognition_hidden: int = 32     # "mlp": recognition units per capsule
     conv_channels: list = field(default_factory=lambda: [32, 64, 64])  # "conv": trunk channels per layer
     conv_strides: list = field(default_factory=lambda: [2, 2, 1])      # "conv": trunk strides (3x3 kernels)
-    keypoints: int = 3               # "conv": attention points per capsule (>= 3): the pose is the affine map that
-                                     # takes K canonical template points to them
+    keypoints: int = 3               # "conv": attention points per capsule (K >= 3)
     keypoint_radius: float = 0.3     # the canonical points lie on a circle of this radius (normalised units)
-    keypoint_offset_gain: float = 1.0  # "conv": a keypoint is its attention centre plus an offset
-                                     # bounded by this times max_translation; below 1 the triangle has to come from
-                                     # where the keypoints look (equivariant), not from the regressed offsets
+    # "conv": a keypoint is its attention centre plus an offset bounded by this times max_translation; below 1 the
+    # triangle has to come from where the keypoints look (equivariant), not from the regressed offsets
+    keypoint_offset_gain: float = 1.0
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
-    template_init: str = "blob"      # "blob": a soft round brush plus noise; "data": training images (see
-                                     # init_templates_from), so templates start asymmetric and their poses identifiable
-    combine: str = "sum"             # "sum": presence-weighted sum (the paper); "mixture": presences sum to 1 over
-                                     # capsules and one capsule explains the image
+    # "blob": a soft round brush plus noise; "data": training images (init_templates_from), so templates start
+    # asymmetric and their poses identifiable
+    template_init: str = "blob"
+    combine: str = "sum"             # "sum": presence-weighted sum (the paper); "mixture": one capsule explains it
     mixture_pixel_std: float = 0.1   # "mixture": pixel noise of each capsule's likelihood (sharpness of the choice)
     presence_bias_init: float = 0.0  # initial presence logit of every capsule
     min_scale: float = 0.5           # affine mode: pose scales squashed into [min_scale, max_scale]
@@ -91,14 +71,13 @@ class TransformingAutoencoderConfig:
         return asdict(self)
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"model.mode must be one of {MODES}, got {self.mode!r}")
-        if self.combine not in COMBINES:
-            raise ValueError(f"model.combine must be one of {COMBINES}, got {self.combine!r}")
+        """What the config layer's range rules cannot say (checked also for a config built in code)."""
+        for key, choices in (("mode", MODES), ("combine", COMBINES), ("recognition", RECOGNITIONS),
+                             ("template_init", ("blob", "data"))):
+            if getattr(self, key) not in choices:
+                raise ValueError(f"model.{key} must be one of {choices}, got {getattr(self, key)!r}")
         if not self.mixture_pixel_std > 0:
             raise ValueError(f"model.mixture_pixel_std must be > 0, got {self.mixture_pixel_std}")
-        if self.recognition not in RECOGNITIONS:
-            raise ValueError(f"model.recognition must be one of {RECOGNITIONS}, got {self.recognition!r}")
         if len(self.conv_channels) != len(self.conv_strides) or not self.conv_channels:
             raise ValueError(f"model.conv_channels and model.conv_strides must be non-empty and of equal length, got "
                              f"{self.conv_channels} and {self.conv_strides}")
@@ -108,11 +87,6 @@ class TransformingAutoencoderConfig:
             raise ValueError(f"model.keypoint_radius must be in (0, max_translation), got {self.keypoint_radius}")
         if not 0 <= self.keypoint_offset_gain <= 1:
             raise ValueError(f"model.keypoint_offset_gain must be in [0, 1], got {self.keypoint_offset_gain}")
-        if self.template_init not in ("blob", "data"):
-            raise ValueError(f"model.template_init must be 'blob' or 'data', got {self.template_init!r}")
-        for key in ("canvas_size", "num_capsules", "recognition_hidden", "template_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.min_scale < self.max_scale:
             raise ValueError(f"model.min_scale/max_scale must satisfy 0 < min < max, got {self.min_scale}, "
                              f"{self.max_scale}")
@@ -149,16 +123,14 @@ class TransformingAutoencoder(nn.Module):
         gen = torch.Generator().manual_seed(cfg.seed)
         if cfg.recognition == "conv":
             self._init_conv_recognition()
-            self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
-            return
-        # recognition: capsule m's hidden units are columns [m*Hd, (m+1)*Hd) of one (D, M*Hd) matrix, so the hidden
-        # layer of all capsules is a single matmul; each capsule's output layer is its own (Hd, out_dim) block.
-        self.hidden_weight = nn.Parameter(torch.randn(D, M * Hd, generator=gen) / math.sqrt(D))
-        self.hidden_bias = nn.Parameter(torch.zeros(M * Hd))
-        self.output_weight = nn.Parameter(torch.randn(M, Hd, out_dim, generator=gen) / math.sqrt(Hd))
-        bias = torch.zeros(M, out_dim)
-        bias[:, 0] = cfg.presence_bias_init
-        self.output_bias = nn.Parameter(bias)
+        else:
+            # capsule m's hidden units are columns [m*Hd, (m+1)*Hd) of one (D, M*Hd) matrix, so the hidden layer of
+            # all capsules is a single matmul; each capsule's output layer is its own (Hd, out_dim) block
+            self.hidden_weight = nn.Parameter(torch.randn(D, M * Hd, generator=gen) / math.sqrt(D))
+            self.hidden_bias = nn.Parameter(torch.zeros(M * Hd))
+            self.output_weight = nn.Parameter(torch.randn(M, Hd, out_dim, generator=gen) / math.sqrt(Hd))
+            self.output_bias = nn.Parameter(torch.cat([torch.full((M, 1), cfg.presence_bias_init),
+                                                       torch.zeros(M, out_dim - 1)], 1))
         # generative side: one learned template per capsule (intensities through a sigmoid, so in [0, 1])
         self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
 
@@ -194,10 +166,10 @@ class TransformingAutoencoder(nn.Module):
     def init_templates_from(self, images: torch.Tensor, scale: float = 1.0, contrast: float = 0.9) -> None:
         """Start the templates from ``M`` images ``(M, 1, h, w)`` in ``[0, 1]`` (e.g. random training digits).
 
-        Each image is rendered onto the ``t x t`` template at ``scale`` times its own pixel size by the shared warp,
-        squeezed into ``[(1 - contrast)/2, (1 + contrast)/2]`` so that the sigmoid's logit stays finite, and noise is
-        not added: the images differ already.  With blob templates an affine pose is ambiguous (a round blob turned
-        inside its ellipse looks the same); digit-shaped templates have no such symmetry.
+        Each image is rendered onto the ``t x t`` template at ``scale`` times its own pixel size by the shared warp
+        and squeezed into ``[(1 - contrast)/2, (1 + contrast)/2]`` (the sigmoid's logit stays finite); no noise is
+        added.  A round blob turned inside its ellipse looks the same, so its affine pose is ambiguous; a
+        digit-shaped template has no such symmetry.
         """
         M, t = self.config.num_capsules, self.config.template_size
         if images.dim() != 4 or images.shape[0] != M:
@@ -214,8 +186,7 @@ class TransformingAutoencoder(nn.Module):
 
     def recognise(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Presences ``(B, M)`` in ``(0, 1)`` and poses ``(B, M, 3, 3)`` of every capsule, from ``(B, 1, H, W)``."""
-        cfg = self.config
-        B = images.shape[0]
+        cfg, B = self.config, images.shape[0]
         if cfg.recognition == "conv":
             return self._recognise_conv(images)
         x = images.reshape(B, -1)
@@ -223,8 +194,7 @@ class TransformingAutoencoder(nn.Module):
             raise ValueError(f"recognise: expected images of {cfg.canvas_size}x{cfg.canvas_size} pixels, got "
                              f"{tuple(images.shape)}")
         pre = torch.addmm(self.hidden_bias, x, self.hidden_weight).view(B, cfg.num_capsules, cfg.recognition_hidden)
-        hidden = torch.sigmoid(pre)
-        out = torch.einsum("bmh,mho->bmo", hidden, self.output_weight) + self.output_bias  # (B, M, 1 + pose)
+        out = torch.einsum("bmh,mho->bmo", torch.sigmoid(pre), self.output_weight) + self.output_bias  # (B, M, 1+pose)
         return self.presence(out[..., 0]), self.pose_matrix(out[..., 1:])
 
     def recognise_averaged(self, images: torch.Tensor, warps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,16 +218,19 @@ class TransformingAutoencoder(nn.Module):
         over the capsules (the mixture weights, which sum to 1)."""
         return logits.softmax(-1) if self.config.combine == "mixture" else torch.sigmoid(logits)
 
-    def _recognise_conv(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.config
-        B, M, K = images.shape[0], cfg.num_capsules, cfg.keypoints
+    def _keypoint_outputs(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """"conv" recognition per capsule and keypoint: presence logits ``(B, M, K)``, keypoints ``(B, M, K, 2)``
+        (the translations of the heads' poses) and attention centres ``(B, M, K, 2)``."""
+        B, M, K = images.shape[0], self.config.num_capsules, self.config.keypoints
         out = self.encoder(images)
-        presence = self.presence(out.presence_logit.view(B, M, K).mean(-1))  # (B, M): the keypoints' mean logit
-        points = out.pose.view(B, M, K, 6)[..., [2, 5]]                      # (B, M, K, 2): the translations
+        return out.presence_logit.view(B, M, K), out.pose.view(B, M, K, 6)[..., [2, 5]], out.centre.view(B, M, K, 2)
+
+    def _recognise_conv(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, points, _ = self._keypoint_outputs(images)
         pose = self.pose_from_points(points)
-        if cfg.mode == "translation":  # keep only where the capsule is
+        if self.config.mode == "translation":  # keep only where the capsule is
             pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])
-        return presence, pose
+        return self.presence(logits.mean(-1)), pose  # a capsule's presence logit: its keypoints' mean
 
     @torch.no_grad()
     def keypoint_spread(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,19 +238,17 @@ class TransformingAutoencoder(nn.Module):
         they look at (attention centres) are: each the mean distance from their mean, ``(B,)`` and ``(B,)`` in
         normalised units ("conv" recognition).  Centres much closer together than the keypoints
         mean the pose's linear part comes from the regressed offsets, not from where the keypoints look."""
-        cfg = self.config
-        if cfg.recognition != "conv":
+        if self.config.recognition != "conv":
             raise ValueError("keypoint_spread needs recognition = 'conv'")
-        B, M, K = images.shape[0], cfg.num_capsules, cfg.keypoints
-        out = self.encoder(images)
-        top = out.presence_logit.view(B, M, K).mean(-1).argmax(1)                       # (B,)
-        rows = torch.arange(B, device=images.device)
+        logits, points, centres = self._keypoint_outputs(images)
+        top = logits.mean(-1).argmax(1)                                                  # (B,)
+        rows = torch.arange(images.shape[0], device=images.device)
 
         def spread(p: torch.Tensor) -> torch.Tensor:  # (B, M, K, 2) -> (B,)
             p = p[rows, top]
             return (p - p.mean(1, keepdim=True)).norm(dim=-1).mean(1)
 
-        return spread(out.pose.view(B, M, K, 6)[..., [2, 5]]), spread(out.centre.view(B, M, K, 2))
+        return spread(points), spread(centres)
 
     def pose_from_points(self, points: torch.Tensor) -> torch.Tensor:
         """``(..., K, 2)`` keypoints on the canvas -> the least-squares affine pose ``(..., 3, 3)`` taking the
@@ -303,9 +274,7 @@ class TransformingAutoencoder(nn.Module):
         return pose6_to_matrix(constrained_pose(raw, **self._pose_kwargs()))
 
     def _pose_kwargs(self) -> dict:
-        cfg = self.config
-        return {"min_scale": cfg.min_scale, "max_scale": cfg.max_scale, "max_shear": cfg.max_shear,
-                "max_translation": cfg.max_translation}
+        return {k: getattr(self.config, k) for k in ("min_scale", "max_scale", "max_shear", "max_translation")}
 
     # ------------------------------------------------------------------ generation
 
@@ -324,15 +293,14 @@ class TransformingAutoencoder(nn.Module):
         return contributions.sum(1), contributions
 
     def reconstruction_loss(self, presence: torch.Tensor, poses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The training loss of the capsules ``presence (B, M)`` at ``poses (B, M, 3, 3)`` for ``targets (B, 1, H, W)``.
+        """The training loss of capsules ``presence (B, M)`` at ``poses (B, M, 3, 3)`` for ``targets (B, 1, H, W)``.
 
-        ``"sum"``: the mean squared error of the combined image (the paper's loss).  ``"mixture"``: the
-        negative log-likelihood of a mixture in which capsule ``m`` (weight ``π_m``, the presence) renders the whole
-        image with Gaussian pixel noise ``σ`` (``mixture_pixel_std``), scaled by ``2σ²/D`` (``D`` pixels) so that
-        it reads as a squared error: ``-(2σ²/D) log Σ_m π_m exp(-SSE_m / 2σ²)``, which tends to the error of the
-        best capsule.  Each capsule's template then has to look like a whole digit and its pose has to align it,
-        which pins all six numbers of the pose; a sum of overlapping templates can blur into an ellipse, whose
-        orientation and shape trade off (rotation inside the ellipse changes nothing).
+        ``"sum"``: the MSE of the combined image (the paper's loss).  ``"mixture"``: the negative log-likelihood of
+        a mixture in which capsule ``m`` (weight ``π_m``, the presence) renders the whole image with Gaussian pixel
+        noise ``σ`` (``mixture_pixel_std``), scaled to read as a squared error: ``-(2σ²/D) log Σ_m π_m
+        exp(-SSE_m / 2σ²)`` (``D`` pixels), which tends to the best capsule's error.  A whole-digit template aligned
+        by its pose pins all six numbers of the pose; a sum of overlapping templates can blur into an ellipse,
+        inside which a rotation changes nothing.
         """
         if self.config.combine != "mixture":
             return F.mse_loss(self.render(presence, poses)[0], targets)
@@ -417,31 +385,25 @@ def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch
     """How far the poses of two images are from being related by their known transformation: a scalar.
 
     With ``E_bm = P2_bm⁻¹ T_b P1_bm`` (the identity exactly when the capsule's pose moved with the image,
-    ``P2 = T P1``, the property the transformation is read back from), the value is
-    ``mean_b [Σ_m w_bm (‖E_bm − I‖² + ‖E_bm⁻¹ − I‖²)] / Σ_m w_bm`` (squared Frobenius norms), the mismatch
-    measured in each capsule's own template frame, both ways.  Measured on the canvas instead
-    (``‖P2 − T P1‖²``) it has a trivial minimum: a capsule whose pose shrinks to a point is consistent under every
-    ``T``; in the template frame a shrinking pose magnifies the mismatch.  Not in the paper (see the README): it
-    makes the known ``T`` matter for the recognition units, whereas the reconstruction loss alone is blind to it
-    with an exactly equivariant renderer.
+    ``P2 = T P1``), the value is ``mean_b [Σ_m w_bm (‖E_bm − I‖² + ‖E_bm⁻¹ − I‖²)] / Σ_m w_bm`` (squared Frobenius
+    norms): the mismatch in each capsule's own template frame, both ways.  On the canvas (``‖P2 − T P1‖²``) it
+    would have a trivial minimum, a pose shrunk to a point; in the template frame shrinking magnifies the
+    mismatch.  Not in the paper: with an exactly equivariant renderer the reconstruction loss alone is blind to ``T``.
 
     Args:
         pose1, pose2: ``(B, M, 3, 3)`` poses recognised in the first and the second image.
         transforms: ``(B, 3, 3)``, the second image is the first transformed by it.
         weights: ``(B, M)`` non-negative, e.g. ``p1 * p2`` (detach them to keep presences out of it).
-        cap: if ``> 0``, each capsule's mismatch ``c`` counts as ``cap · c / (cap + c)`` (about ``c`` while small,
-            at most ``cap``).  A keypoint triangle that collapses makes ``E⁻¹`` and the plain term explode (it
-            wrecked one seed's training); capped, such a capsule's gradient falls to zero instead of swamping
-            every other capsule's.
+        cap: if ``> 0``, each capsule's mismatch ``c`` counts as ``cap · c / (cap + c)`` (at most ``cap``): a
+            collapsing keypoint triangle makes ``E⁻¹`` explode, and capped its gradient falls to zero instead of
+            swamping every other capsule's.
     """
     if not cap >= 0:
         raise ValueError(f"pose_consistency: cap must be >= 0, got {cap}")
     eye = torch.eye(3, dtype=pose1.dtype, device=pose1.device)
-    T = transforms.unsqueeze(1)
-    E = compose(invert(pose2), compose(T, pose1))                            # (B, M, 3, 3)
+    E = compose(invert(pose2), compose(transforms.unsqueeze(1), pose1))      # (B, M, 3, 3)
     mismatch = (E - eye).square().sum((-1, -2)) + (invert(E) - eye).square().sum((-1, -2))  # (B, M)
     if cap > 0:
         mismatch = cap * mismatch / (cap + mismatch)
     w = weights.clamp_min(0)
-    per_image = (w * mismatch).sum(1) / w.sum(1).clamp_min(1e-8)
-    return per_image.mean()
+    return ((w * mismatch).sum(1) / w.sum(1).clamp_min(1e-8)).mean()
