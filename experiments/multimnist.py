@@ -1,16 +1,14 @@
-"""MultiMNIST with CapsNet (Sabour, Frosst & Hinton 2017; seed 001): name both of two overlapping digits and
-reconstruct each from its own digit capsule.
+"""MultiMNIST with CapsNet (Sabour, Frosst & Hinton 2017): name both of two overlapping digits and reconstruct
+each from its own digit capsule.
 
     python experiments/multimnist.py --seeds 0                      # reduced config (configs/multimnist.toml)
     python experiments/multimnist.py --config experiments/configs/multimnist_paper.toml --device cuda
     python experiments/multimnist.py --seeds 0 --resume             # continue an interrupted run
     python experiments/multimnist.py --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
-Training pairs are generated on the fly (new partners and shifts every epoch, :mod:`probcaps.data.multimnist`);
-the test set is a fixed seeded set of pairs of test digits.  Writes ``results/<name>.json`` (two-digit set
-accuracy, at-least-one accuracy, reconstruction error; per seed, mean and std), and figures of the first seed:
-``<name>_reconstructions.png`` (each digit reconstructed from one masked capsule), ``<name>_capsules.png``
-(capsule lengths), ``<name>_training.png`` (loss and test set accuracy against step).
+Training pairs are drawn afresh every epoch (:mod:`probcaps.data.multimnist`); the test pairs are fixed.  Writes
+``results/<name>.json`` (set accuracy, at-least-one accuracy, reconstruction error; per seed, mean and std) and
+figures of the first seed: ``<name>_reconstructions.png``, ``<name>_capsules.png``, ``<name>_training.png``.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from probcaps.report import fmt_mean_std, load_result, provenance_line, write_ta
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
 # anchors: a reduced numpy CapsNet reproduction and the paper (about 5% error at full scale)
-WRITEUP_SET_ACC = 0.486
+NUMPY_SET_ACC = 0.486
 PAPER_SET_ACC = 0.95
 
 
@@ -134,8 +132,7 @@ def evaluate(model: CapsNet, source: PairSource, pairs, batch_size: int, device=
 
 def _read_elapsed(out: Path) -> float:
     """Elapsed training time (s) recorded in ``out/elapsed.json`` (0 when absent)."""
-    path = out / "elapsed.json"
-    return json.loads(path.read_text())["elapsed_s"] if path.is_file() else 0.0
+    return json.loads((out / "elapsed.json").read_text())["elapsed_s"] if (out / "elapsed.json").is_file() else 0.0
 
 
 def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, data_dir, progress: bool):
@@ -191,16 +188,16 @@ def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, da
 
 
 def plot_reconstructions(model: CapsNet, test: PairSource, pairs, path: Path, n: int = 8) -> None:
-    """Rows: composite, digit A, digit B, reconstruction from capsule A alone, from capsule B alone (the true
-    classes), and from the two *predicted* capsules."""
+    """Rows: composite, digit A, digit B, and the reconstructions from each true and each predicted capsule alone."""
     x, sources, labels = test.first(pairs, n)
     with torch.no_grad():
         out = model(x)
         rec_true = model.reconstruct_each(out.digits, labels)
         pred = top_k_classes(out.lengths, 2)
         rec_pred = model.reconstruct_each(out.digits, pred)
-    rows = {"input": x[:, 0], "digit A": sources[:, 0, 0], "digit B": sources[:, 1, 0], "caps A only": rec_true[:, 0, 0],
-            "caps B only": rec_true[:, 1, 0], "pred 1 only": rec_pred[:, 0, 0], "pred 2 only": rec_pred[:, 1, 0]}
+    rows = {"input": x[:, 0], "digit A": sources[:, 0, 0], "digit B": sources[:, 1, 0],
+            "caps A only": rec_true[:, 0, 0], "caps B only": rec_true[:, 1, 0], "pred 1 only": rec_pred[:, 0, 0],
+            "pred 2 only": rec_pred[:, 1, 0]}
     cols = [f"{a}+{b} → {p}{q}" for (a, b), (p, q) in zip(labels.tolist(), pred.tolist())]
     plotting.plot_image_grid(torch.stack(list(rows.values())), path, row_labels=list(rows), col_labels=cols,
                              title="each digit reconstructed from one masked digit capsule")
@@ -212,21 +209,20 @@ def plot_capsule_lengths(model: CapsNet, test: PairSource, pairs, path: Path, n:
     with torch.no_grad():
         lengths = model(x).lengths
     pred = top_k_classes(lengths, 2).tolist()
-    plotting.plot_heatmap(
-        lengths.numpy(), path, col_labels=[str(k) for k in range(lengths.shape[1])],
-        xlabel="digit capsule (class)", ylabel="test composite",
-        title="capsule lengths ||v_k|| (red boxes: the two true digits)", vmin=0, vmax=1,
-        outlined=[(r, c) for r, pair in enumerate(labels.tolist()) for c in pair],
-        marked=[(r, c) for r, pair in enumerate(pred) for c in pair], marked_label="top-2 (predicted)",
-    )
+    plotting.plot_heatmap(lengths.numpy(), path, col_labels=[str(k) for k in range(lengths.shape[1])],
+                          xlabel="digit capsule (class)", ylabel="test composite",
+                          title="capsule lengths ||v_k|| (red boxes: the two true digits)", vmin=0, vmax=1,
+                          outlined=[(r, c) for r, pair in enumerate(labels.tolist()) for c in pair],
+                          marked=[(r, c) for r, pair in enumerate(pred) for c in pair],
+                          marked_label="top-2 (predicted)")
 
 
 def plot_training(runs: dict[str, Path], path: Path) -> None:
     """Two panels: training loss (from ``log.jsonl``) and test-subset set accuracy (``eval.jsonl``) vs step."""
 
     def curve(path: Path, key: str, scale: float = 1.0):
-        by_step = {r["step"]: r[key] for r in read_jsonl(path)}
-        return sorted(by_step), [scale * by_step[s] for s in sorted(by_step)]
+        by_step = {r["step"]: scale * r[key] for r in read_jsonl(path)}
+        return sorted(by_step), [by_step[s] for s in sorted(by_step)]
 
     loss = {label: curve(out / "log.jsonl", "loss") for label, out in runs.items()}
     acc = {label: curve(out / "eval.jsonl", "test_set_acc", 100) for label, out in runs.items()}
@@ -282,7 +278,7 @@ def main(argv=None) -> int:
             model.to(args.device)
     if args.train_only:
         return 0
-    summary = {"per_seed": runs, "writeup_set_acc": WRITEUP_SET_ACC, "paper_set_acc": PAPER_SET_ACC,
+    summary = {"per_seed": runs, "writeup_set_acc": NUMPY_SET_ACC, "paper_set_acc": PAPER_SET_ACC,
                **seed_summary(runs, ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"))}
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                       wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,

@@ -5,11 +5,10 @@
     python experiments/rotated_digits.py --n-images 20 --steps 50           # quicker
     probcaps ttvi --checkpoint checkpoints/mnist_probe.pt --rotate 90       # the same optimisation as a command
 
-For each angle: the ELBO per image (fixed-noise estimate, the same noise before and after, see
-``inference.ttvi.per_image_elbo``) and the reconstruction error per pixel, from the encoder's latents and after
-test-time VI.  Writes ``results/rotated_digits.json``, ``results/rotated_digits_elbo.png``,
-``results/rotated_digits_mse.png`` and ``results/rotated_digits_example.png`` (one digit across the angles: input,
-encoder reconstruction, test-time VI reconstruction).
+For each angle: the ELBO per image (the same fixed noise before and after, ``inference.ttvi.per_image_elbo``) and
+the reconstruction error per pixel, from the encoder's latents and after test-time VI.  Writes
+``results/<name>.json``, ``<name>_elbo.png``, ``<name>_mse.png`` and ``<name>_example.png`` (one digit across the
+angles: input, encoder and test-time VI reconstructions).
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ def reconstruct(model, latents: Latents) -> torch.Tensor:
 
 
 def _mean_sem(v: torch.Tensor) -> tuple[float, float]:
-    v = v.double()
-    return float(v.mean()), float(v.std() / max(len(v), 1) ** 0.5) if len(v) > 1 else 0.0
+    return float(v.double().mean()), float(v.double().std() / len(v) ** 0.5) if len(v) > 1 else 0.0
 
 
 def checks(rows: list[dict]) -> dict:
@@ -77,7 +75,8 @@ def readme_table(results_dir: Path, name: str = "rotated_digits") -> str | None:
     lines += ["", f"ELBO per image (nats, ± standard error over {m['n_images_per_angle']} test digits per angle); "
               f"test-time VI improves the ELBO at every angle ≥ 45°: "
               f"**{c['ttvi_improves_elbo_at_every_angle_ge_45']}**; reconstruction error at 90° reduced by "
-              f"**{100 * c.get('mse_reduction_at_90', float('nan')):.0f}%** (needed ≥ 30%); ELBO not worse at 0°: **{c.get('elbo_not_worse_at_0')}**.",
+              f"**{100 * c.get('mse_reduction_at_90', float('nan')):.0f}%** (needed ≥ 30%); ELBO not worse at 0°: "
+              f"**{c.get('elbo_not_worse_at_0')}**.",
               f"{m['steps']} Adam steps (lr {m['lr']}, {m['pose_family']} poses) on all "
               f"{m['n_images_total']} images, {m['batch_size']} at a time: {m['ttvi_wall_time_s'] / 60:.1f} min, "
               f"{m['image_steps_per_s']:.0f} image-steps/s, i.e. {m['seconds_per_1000x200'] / 60:.1f} min for 1,000 "
@@ -134,16 +133,13 @@ def main(argv=None) -> int:
                "seconds_per_1000x200": 1000 * 200 / rate, "threads": torch.get_num_threads(),
                "ttvi_cpu_time_s": result.cpu_time_s}
     results = Path(args.results_dir)
-    a = np.array(angles)
-    plotting.plot_curves({"encoder": (a, [r["elbo_encoder"] for r in rows], [r["elbo_encoder_sem"] for r in rows]),
-                          "encoder + test-time VI": (a, [r["elbo_ttvi"] for r in rows],
-                                                     [r["elbo_ttvi_sem"] for r in rows])},
-                         results / f"{args.name}_elbo.png", xlabel="rotation of the test digits (degrees)",
-                         ylabel="ELBO per image (nats)", title="rotated MNIST test digits: ELBO")
-    plotting.plot_curves({"encoder": (a, [r["mse_encoder"] for r in rows]),
-                          "encoder + test-time VI": (a, [r["mse_ttvi"] for r in rows])},
-                         results / f"{args.name}_mse.png", xlabel="rotation of the test digits (degrees)",
-                         ylabel="reconstruction MSE per pixel", title="rotated MNIST test digits: reconstruction")
+    for key, ylabel, what in (("elbo", "ELBO per image (nats)", "ELBO"),
+                              ("mse", "reconstruction MSE per pixel", "reconstruction")):
+        curves = {label: (np.array(angles), [r[f"{key}_{k}"] for r in rows],  # the ELBO with its standard errors
+                          *([[r[f"{key}_{k}_sem"] for r in rows]] if key == "elbo" else []))
+                  for label, k in (("encoder", "encoder"), ("encoder + test-time VI", "ttvi"))}
+        plotting.plot_curves(curves, results / f"{args.name}_{key}.png", xlabel="rotation of the test digits (degrees)",
+                             ylabel=ylabel, title=f"rotated MNIST test digits: {what}")
     idx = torch.arange(len(angles)) * n + args.example
     grid = torch.stack([x[idx, 0], *(reconstruct(system.model, Latents(*(t[idx] for t in lat)))[:, 0].cpu()
                                      for lat in (encoded, result.latents))])

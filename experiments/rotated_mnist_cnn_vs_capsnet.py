@@ -2,16 +2,14 @@
 
 LeNet-5 and a (reduced) CapsNet are trained on MNIST digits shifted by up to ±2 px (the numpy reproduction's
 ``RandomAffine(translate=0.0714)``) and tested on the test digits rotated by each angle (0° to 180°).  With
-``--probcaps-checkpoint`` the probabilistic capsule model (``checkpoints/mnist_probe.pt``) is scored on the same
-rotated digits: each is placed on its 40x40 canvas at its SCAE offset, encoded, and classified by a linear
-probe on object presences + poses fit on unrotated training digits.
+``--probcaps-checkpoint`` the probabilistic capsule model is scored on the same digits by a linear probe.
 
     python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --probcaps-checkpoint checkpoints/mnist_probe.pt
     python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --set data.dataset="synthetic" \\
         --set lenet_train.steps=5 --set capsnet_train.steps=5          # smoke test
 
-Writes ``results/rotated_mnist_cnn_vs_capsnet.json`` (accuracy per angle and model, per seed, mean and std) and
-``results/rotated_mnist_cnn_vs_capsnet_accuracy.png`` (accuracy against angle) and ``..._examples.png``.
+Writes ``results/<name>.json`` (accuracy per angle and model, per seed, mean and std), ``<name>_accuracy.png``
+(accuracy against angle) and ``<name>_examples.png``.
 """
 
 from __future__ import annotations
@@ -45,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "rotated_mnist_cnn_vs_capsnet"
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
 # the numpy reproduction's numbers: accuracy on the 10,000 test digits, unrotated and rotated by 35 degrees
-WRITEUP = {"lenet": {0: 0.9868, 35: 0.7605}, "capsnet": {0: 0.9937, 35: 0.8409}}
+NUMPY_REFERENCE = {"lenet": {0: 0.9868, 35: 0.7605}, "capsnet": {0: 0.9937, 35: 0.8409}}
+MODELS = {"lenet": "LeNet-5", "capsnet": "CapsNet"}
 
 
 @dataclass
@@ -87,12 +86,9 @@ def load_config(path, overrides=()) -> dict:
 
 
 def shift_digits(digits: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Shift ``(N, 28, 28)`` digits by integer ``(dx, dy)`` offsets, keeping 28x28 (ink leaving the frame is
-    cut): placed on a larger canvas, then the centre cropped."""
-    pad = int(offsets.abs().max()) if offsets.numel() else 0
-    size = digits.shape[-1]
-    placed = place_on_canvas(digits, offsets, canvas=size + 2 * pad)
-    return placed[:, pad:pad + size, pad:pad + size]
+    """Shift ``(N, 28, 28)`` digits by integer ``(dx, dy)`` offsets, keeping 28x28 (ink leaving the frame is cut)."""
+    pad, size = int(offsets.abs().max()) if offsets.numel() else 0, digits.shape[-1]
+    return place_on_canvas(digits, offsets, canvas=size + 2 * pad)[:, pad:pad + size, pad:pad + size]
 
 
 def rotated(digits: torch.Tensor, angle: float) -> torch.Tensor:
@@ -112,8 +108,8 @@ def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, r
         return model, ckpt["state"]["wall_time_s"], ckpt["state"]["step"]
 
     def batches(epoch: int, start: int):
-        shift = cfg["data"].train_shift
-        offsets = random_offsets(len(images), shift, generator=seeded_generator("shift", tcfg.seed, epoch))
+        gen = seeded_generator("shift", tcfg.seed, epoch)
+        offsets = random_offsets(len(images), cfg["data"].train_shift, generator=gen)
         yield from iterate_batches(shift_digits(images, offsets), labels, tcfg.batch_size, shuffle=True, seed=tcfg.seed,
                                    epoch=epoch, start_batch=start, drop_last=len(images) >= tcfg.batch_size,
                                    device=device)
@@ -129,11 +125,9 @@ def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, r
 
 def probe_curve(checkpoint: Path, test_digits: torch.Tensor, test_labels: torch.Tensor, angles, probe: ProbeEval,
                 data_dir, device, progress) -> dict:
-    """Linear-probe accuracy of the probabilistic capsule model on the rotated digits, per angle.
-
-    The probe (object presences + poses, and presences alone) is fit on unrotated training digits placed as the
-    model was trained; each rotated test digit is placed at its own SCAE offset on the model's canvas.
-    """
+    """Linear-probe accuracy of the probabilistic capsule model on the rotated digits, per angle: the probes (object
+    presences + poses, and presences alone) are fit on unrotated training digits placed as the model was trained;
+    each rotated test digit is placed at its own SCAE offset on the model's canvas."""
     from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
     from probcaps.data import placed_mnist
     from probcaps.metrics import LinearProbe
@@ -170,9 +164,9 @@ def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
         lines[name] = (angles, acc.mean(0), acc.std(0, ddof=1) if len(acc) > 1 else None)
         if label in model_colours:
             colours[name] = model_colours[label]
-    for key, label in (("lenet", "LeNet-5"), ("capsnet", "CapsNet")):
-        name = f"numpy reproduction, {label}"
-        references[name] = (sorted(WRITEUP[key]), [100 * WRITEUP[key][a] for a in sorted(WRITEUP[key])])
+    for kind, label in MODELS.items():
+        name, reference = f"numpy reproduction, {label}", NUMPY_REFERENCE[kind]
+        references[name] = (sorted(reference), [100 * reference[a] for a in sorted(reference)])
         colours[name] = model_colours[label]
     plotting.plot_curve_panels([{
         "curves": lines, "references": references, "colours": colours, "vlines": [35], "ylim": (0, 101),
@@ -206,7 +200,7 @@ def main(argv=None) -> int:
     runs = []
     for seed in args.seeds:
         run = {"seed": seed}
-        for kind in ("lenet", "capsnet"):
+        for kind in MODELS:
             model, wall, steps = train_model(kind, cfg, seed, Path(args.out) / f"{kind}_seed{seed}", train_images,
                                              train_labels, resume=args.resume, device=args.device,
                                              progress=not args.quiet)
@@ -220,9 +214,8 @@ def main(argv=None) -> int:
             print(f"seed {seed} {kind}: " + ", ".join(f"{a:.0f}°: {100 * v:.1f}" for a, v in
                                                      zip(angles, run[f"{kind}_acc"])))
         runs.append(run)
-    summary = {"angles": angles, "per_seed": runs, "writeup": WRITEUP, "n_test": len(test_labels)}
-    curves = {"LeNet-5": np.array([r["lenet_acc"] for r in runs]),
-              "CapsNet": np.array([r["capsnet_acc"] for r in runs])}
+    summary = {"angles": angles, "per_seed": runs, "writeup": NUMPY_REFERENCE, "n_test": len(test_labels)}
+    curves = {label: np.array([r[f"{kind}_acc"] for r in runs]) for kind, label in MODELS.items()}
     if args.probcaps_checkpoint:
         t0 = time.perf_counter()
         probe = probe_curve(Path(args.probcaps_checkpoint), test_images, test_labels, angles, cfg["probe"],
@@ -232,9 +225,8 @@ def main(argv=None) -> int:
     summary.update(seed_summary(runs, ("lenet_acc", "capsnet_acc")))
     results = Path(args.results_dir)
     prov = provenance(seed=args.seeds, steps={"lenet": runs[0]["lenet_steps"], "capsnet": runs[0]["capsnet_steps"]},
-                      device=args.device, threads=torch.get_num_threads(),
-                      wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs),
-                      configs=config_dicts(cfg))
+                      device=args.device, threads=torch.get_num_threads(), configs=config_dicts(cfg),
+                      wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs))
     write_results(results / f"{name}.json", summary, prov)
     table_writer(readme_table, name)(results)
     plot_accuracy(angles, curves, results / f"{name}_accuracy.png")

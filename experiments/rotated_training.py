@@ -9,9 +9,9 @@ and the lower the linear-probe accuracy.  This script measures the curve over se
     python experiments/rotated_training.py --resume                                   # continue interrupted runs
     python experiments/rotated_training.py --thetas 0 90 --seeds 0 --set train.steps=5 --set data.dataset="synthetic"
 
-Each (theta_max, seed) trains in ``<out>/theta<T>_seed<S>/`` (checkpoints, log) and leaves ``metrics.json`` there, so
-an interrupted sweep picks up where it stopped.  Writes ``results/rotated_training.json`` and
-``results/rotated_training.png`` (probe accuracy against theta_max, mean ± std over seeds).
+Each (theta_max, seed) trains in ``<out>/theta<T>_seed<S>/`` and leaves its ``metrics.json`` there, so an interrupted
+sweep picks up where it stopped.  Writes ``results/<name>.json`` and ``results/<name>.png`` (probe accuracy against
+theta_max, mean ± std over seeds).
 """
 
 from __future__ import annotations
@@ -60,10 +60,9 @@ def probe_rotated(checkpoint: Path, theta_max: float, data_dir=None, device: str
     for key in FEATURES:
         probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
         metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_feats[key], test_labels)
-    # how class-specific the parents are: mean over parents of the largest class share of the images where that
-    # parent is present (1 = each parent fires for one class only); the paper's "specialise less" made measurable.
-    # The same with each image weighted by the parent's expected part count (SCAE's posterior presence)
-    present = (torch.sigmoid(test_lat.parent_logits) > 0.5).float()            # (N, K)
+    # the paper's "specialise less" made measurable: how class-specific the parents are (1: each fires for one
+    # class only), by presence and weighted by each parent's expected part count (SCAE's posterior presence)
+    present = (torch.sigmoid(test_lat.parent_logits) > 0.5).float()  # (N, K)
     metrics["parent_class_purity"] = class_purity(present, test_labels)
     metrics["parent_class_purity_posterior"] = class_purity(
         posterior_part_counts(system.model, test_lat, ecfg.batch_size), test_labels)
@@ -115,13 +114,12 @@ def readme_table(results_dir: Path, name: str = "rotated_training") -> str | Non
                                 digits=1 if scale == 100.0 else 2)
         lines.append(f"| {p['theta_max']:g}° | {ms('probe_presence_pose_test_acc')} | {ms('probe_presence_test_acc')} "
                      f"| {ms('parent_class_purity', 1.0)} | {p['train_wall_time_s_mean'] / 60:.0f} |")
-    f = m.get("finding")
     lines.append("")
-    if f:
+    if f := m.get("finding"):
         verdict = "reproduced" if f["accuracy_decreases_with_rotation"] else "not reproduced"
         lines.append(f"Paper's finding (accuracy falls as θmax grows): **{verdict}** here — least-squares slope "
-                     f"{f['slope_points_per_90deg']:+.1f} points per 90°, {f['drop_first_to_last_points']:+.1f} points "
-                     f"from the smallest to the largest θmax (presences + poses).")
+                     f"{f['slope_points_per_90deg']:+.1f} points per 90°, {f['drop_first_to_last_points']:+.1f} "
+                     f"points from the smallest to the largest θmax (presences + poses).")
     lines.append(f"Seeds {prov.get('seed')}; {prov.get('steps')} steps of batch {prov.get('batch_size')} per run (the "
                  f"headline uses 2500); probe fit on {m['per_run'][0]['n_train']} training and scored on "
                  f"{m['per_run'][0]['n_test']} test digits; {provenance_line(prov)}")
@@ -147,8 +145,8 @@ def main(argv=None) -> int:
     runs = []
     for theta in thetas:
         for seed in args.seeds:
-            overrides = [*args.set, f"train.seed={seed}", f"data.train_rotation={theta}"]
-            cfg = load_experiment_config(args.config, overrides + (["train.jit=true"] if args.jit else []))
+            cfg = load_experiment_config(args.config, [*args.set, f"train.seed={seed}", f"data.train_rotation={theta}",
+                                                       *(["train.jit=true"] if args.jit else [])])
             out = Path(args.out) / f"theta{theta:g}_seed{seed}"
             final, metrics_path = out / "final.pt", out / "metrics.json"
             finished = args.resume and run_finished(out, cfg["train"].steps)
@@ -174,8 +172,7 @@ def main(argv=None) -> int:
     cfg = load_experiment_config(args.config, args.set)
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                       wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
-                      thetas=thetas, sweep_wall_time_s=time.perf_counter() - t0,
-                      configs=config_dicts(cfg))
+                      thetas=thetas, sweep_wall_time_s=time.perf_counter() - t0, configs=config_dicts(cfg))
     results = Path(args.results_dir)
     write_results(results / f"{args.name}.json", summary, prov)
     tables(results)

@@ -1,8 +1,5 @@
-"""A plain supervised CNN classifier: the "for scale" baseline of the out-of-distribution experiments.
-
-Two 5×5 conv + max-pool stages and a two-layer classifier head, for square greyscale images of any size (the
-head's input size is worked out from ``image_size``).  Trained with :func:`inference.supervised.train_classifier`.
-"""
+"""A plain supervised CNN classifier, the baseline of the out-of-distribution experiments: two 5×5 conv + max-pool
+stages and a two-layer head, for square greyscale images of side ``image_size``."""
 
 from __future__ import annotations
 

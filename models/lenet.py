@@ -23,8 +23,5 @@ class LeNet5(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H, W)`` -> class logits ``(B, num_classes)``."""
-        x = self.pool(F.relu(self.conv0(x)))
-        x = self.pool(F.relu(self.conv1(x)))
-        x = F.relu(self.fc2(x.flatten(1)))
-        x = F.relu(self.fc3(x))
-        return self.fc4(x)
+        x = self.pool(F.relu(self.conv1(self.pool(F.relu(self.conv0(x))))))
+        return self.fc4(F.relu(self.fc3(F.relu(self.fc2(x.flatten(1))))))

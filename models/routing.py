@@ -63,8 +63,7 @@ def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None,
             # v = s |s| / (1 + |s|^2), its length n^2 / (1 + n^2) capped below 1 (f <= max_length / n)
             f = torch.minimum(n / (1 + n2), max_length / torch.where(positive, n, torch.ones_like(n)))
             return s * f
-    # |s| from s / max|s_d|: the scaled vector's norm lies in [1, sqrt(D)], so neither its square overflows
-    # (|s| >~ 1e19 in float32) nor underflows; the scale is a constant, so the gradient is exact
+    # |s| from s / max|s_d|, whose norm lies in [1, sqrt(D)]: its square neither overflows nor underflows
     peak = _peak(s, dim, keepdim=True)
     peak = torch.where(peak > 0, peak, torch.ones_like(peak))  # s = 0 -> t = 0
     t = s / peak
@@ -105,14 +104,8 @@ def _coupling(logits: torch.Tensor, scale: torch.Tensor | None, dim: int) -> tor
 
 
 def capsule_predictions(u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Each child's prediction of each parent's pose: ``u_hat[b, j, i] = W[i, j] @ u[b, i]``.
-
-    Args:
-        u: ``(B, I, P)`` child capsules.
-        weight: ``(I, J, D, P)`` one transformation matrix per (child, parent) pair.
-    Returns:
-        ``(B, J, I, D)`` (parent-major, ready for :func:`dynamic_routing`).
-    """
+    """Each child's prediction of each parent's pose, ``u_hat[b, j, i] = W[i, j] @ u[b, i]``: child capsules ``u``
+    ``(B, I, P)`` and one matrix per (child, parent) pair, ``weight`` ``(I, J, D, P)`` -> ``(B, J, I, D)``."""
     I, J, D, P = weight.shape
     # one batched matmul over the children: (I, B, P) @ (I, P, J*D) -> (I, B, J*D)
     out = torch.bmm(u.transpose(0, 1), weight.reshape(I, J * D, P).transpose(1, 2))
@@ -163,10 +156,9 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
 
     Args:
         u: ``(B, I, P)`` child capsules.
-        weight: ``(J, I, P, D)``: ``weight[j, i]`` is the transpose of the paper's ``W_ij`` (``D x P``); this
-            layout makes every contraction a plain batched matrix product.
-        iterations, detach: as in :func:`dynamic_routing` (``detach`` stops the gradient through ``u`` and
-            ``weight`` in every iteration but the last).
+        weight: ``(J, I, P, D)``: ``weight[j, i]`` is the transpose of the paper's ``W_ij`` (``D x P``), so that
+            every contraction is a plain batched matrix product.
+        iterations, detach: as in :func:`dynamic_routing`.
     Returns:
         ``v`` ``(B, J, D)`` and the coupling coefficients ``c`` ``(B, J, I)`` (sum to 1 over ``J``).
 
@@ -190,8 +182,8 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
         scale = torch.exp2((e_u + e_w).clamp(max=e_max).to(dtype)).view(1, B, 1, 1)  # the votes' scale, per example
         u = u / torch.exp2(e_u.to(dtype)).view(B, 1, 1)
         weight = weight / torch.exp2(e_w.to(dtype))
-    # children-last layouts: every elementwise product below then runs over a contiguous innermost axis of
-    # length I (with P innermost, the broadcasts over 8-element rows were several times slower)
+    # children-last layouts: the elementwise products run over a contiguous axis of length I (with P innermost,
+    # the broadcasts over 8-element rows were several times slower)
     u_t = u.transpose(1, 2).contiguous()  # (B, P, I)
     w_flat = weight.permute(0, 2, 1, 3).reshape(J, P * I, D)  # rows ordered (p, i)
     u_in, w_in = (u_t.detach(), w_flat.detach()) if detach else (u_t, w_flat)
