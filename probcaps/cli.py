@@ -423,7 +423,8 @@ def _ttvi(args) -> None:
     result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                           device=args.device, progress=not args.quiet, seed=args.seed, pose_family=args.pose_family)
     before = encode_dataset(system.encoder, x, args.batch_size, args.device)
-    recon_mse = [reconstruction_error(system.model, x, z, args.batch_size, args.device) for z in (before, result.latents)]
+    recon_mse = [reconstruction_error(system.model, x, latents, args.batch_size, args.device)
+                 for latents in (before, result.latents)]
     metrics = {
         "n_images": len(x), "rotation_deg": args.rotate, "steps": args.steps, "lr": args.lr,
         "elbo_encoder_mean": float(result.elbo_start.mean()), "elbo_ttvi_mean": float(result.elbo_end.mean()),

@@ -118,17 +118,15 @@ RULES: list[tuple[tuple[str, ...], Range]] = [
     (("expected_parents_start",), Range(0, note="0: no annealing")),
     (("steps", "*batch_size", "eval_batch", "*_every", "num_*", "*_size", "iterations", "*_iterations", "*max_iter",
       "*_n_init", "kernel", "*_kernel", "*_stride", "*strides", "*channels", "*hidden", "*_capsules", "*_dim",
-      "set_heads", "set_inducing", "set_blocks", "parent_code", "part_embedding", "keypoints", "refine_glimpse",
-      "elevations", "lightings", "instances_per_split", "pairs", "*_pairs", "A", "B", "C", "D"), COUNT),
-    (("lr", "*temperature", "*_std", "*_std_*", "*_std_init", "probe_C", "var_floor", "min_scale", "max_scale",
-      "expected_parents", "dummy_affinity", "parent_pose_scale", "keypoint_radius", "grad_clip"), POSITIVE),
+      "set_heads", "set_inducing", "set_blocks", "parent_code", "part_embedding", "keypoints", "elevations",
+      "lightings", "instances_per_split", "pairs", "*_pairs", "A", "B", "C", "D"), COUNT),
+    (("lr", "*temperature", "*_std", "*_std_*", "probe_C", "var_floor", "min_scale", "max_scale", "expected_parents",
+      "dummy_affinity", "keypoint_radius", "grad_clip"), POSITIVE),
     (("dropout", "dummy_presence", "min_iou", "*_threshold", "m_plus", "m_minus", "margin_start", "margin_end",
       "*_fraction"), PROBABILITY),
-    (("*_weight", "weight_decay", "*_cap", "train_rotation", "jitter_*", "translation_px", "rotation_deg",
-      "scale", "shear", "max_translation", "max_shear", "refine_range", "keypoint_offset_gain", "margin_lambda"),
-     NON_NEGATIVE),
+    (("*_weight", "weight_decay", "*_cap", "train_rotation", "jitter_*", "translation_px", "rotation_deg", "scale",
+      "shear", "max_translation", "max_shear", "keypoint_offset_gain", "margin_lambda"), NON_NEGATIVE),
     (("angles",), Range(element=float)),
-    (("overrides",), Range(element=str)),
     (("lr_multipliers",), POSITIVE),  # the multipliers, by parameter-name prefix
 ]
 

@@ -47,10 +47,8 @@ def command_line(argv: list[str] | None = None) -> str:
     if not argv:
         return ""
     program = Path(argv[0])
-    if program.name == "probcaps" or (program.name == "__main__.py" and program.parent.name == "probcaps"):
-        head = "probcaps"
-    else:
-        head = repo_relative(argv[0])
+    cli = program.name == "probcaps" or (program.name == "__main__.py" and program.parent.name == "probcaps")
+    head = "probcaps" if cli else repo_relative(argv[0])
     return " ".join([head, *(shlex.quote(repo_relative(a)) for a in argv[1:])])
 
 

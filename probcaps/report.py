@@ -27,10 +27,8 @@ _OPENING = re.compile(r"<!-- results:([\w.-]+) -->")
 
 def write_table(results_dir: str | Path, name: str, text: str | None) -> Path | None:
     """Atomically write ``text`` (a markdown table and its notes) to ``results_dir/<name>.md``, the block that
-    ``probcaps report`` splices into the README and docs; None (no results yet) writes nothing.
-
-    Absolute paths under the repository are written relative to it, so the text reads the same on every machine.
-    """
+    ``probcaps report`` splices into the README and docs; None (no results yet) writes nothing.  Absolute paths
+    under the repository are written relative to it, so the text reads the same on every machine."""
     if text is None:
         return None
     body = repo_relative(text).rstrip("\n") + "\n"
@@ -52,12 +50,9 @@ def _table_files(path: Path, text: str, results_dir: Path) -> dict[str, Path]:
 
 
 def splice_file(path: str | Path, results_dir: str | Path = "results") -> list[str]:
-    """Replace the inside of every results marker of the markdown file ``path`` with ``results_dir/NAME.md``.
-
-    The file is rewritten only when a table changed.  Returns the marker names, in order of appearance.
-    Raises :class:`DataError` naming the file and the marker when a marker has no closing marker or no table file
-    (and then writes nothing).
-    """
+    """Replace the inside of every results marker of the markdown file ``path`` with ``results_dir/NAME.md``,
+    rewriting the file only when a table changed; returns the marker names in order.  A :class:`DataError` naming
+    the file and the marker when a marker has no closing marker or no table file (and then nothing is written)."""
     path = Path(path)
     text = path.read_text()
     files = _table_files(path, text, Path(results_dir))

@@ -76,8 +76,6 @@ def placed_mnist(split: str, data_dir: str | os.PathLike | None = None, canvas: 
 
 def num_batches(n: int, batch_size: int, drop_last: bool = False) -> int:
     """Number of batches in an epoch of ``n`` examples."""
-    if batch_size <= 0:
-        raise ValueError(f"num_batches: batch_size must be positive, got {batch_size}")
     return n // batch_size if drop_last else math.ceil(n / batch_size)
 
 
@@ -86,17 +84,12 @@ def iterate_batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int,
                     rotation: float | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield ``(x, y)`` batches of one epoch: ``x`` float32 ``(B, 1, H, W)`` in ``[0, 1]``, ``y`` int64 ``(B,)``.
 
-    Args:
-        images: uint8 ``(N, H, W)`` or ``(N, 1, H, W)`` (scaled by 1/255), or float already in ``[0, 1]``.
-        labels: ``(N,)``.
-        shuffle: visit the examples in a permutation that is a pure function of ``(seed, epoch)``.
-        start_batch: skip the first ``start_batch`` batches (resume mid-epoch); the rest are exactly the batches
-            a full epoch would yield from there.
-        drop_last: drop a final batch smaller than ``batch_size``.
-        device: where the batches are put (the data is indexed on its own device, then moved per batch).
-        rotation: ``None``, or a maximum angle in degrees: image ``i`` is rotated by an angle uniform in
-            ``[-rotation, rotation]`` (positive = counter-clockwise on screen, see :func:`rotate`), drawn per
-            example from a generator seeded by ``(seed, epoch)``.
+    ``images``: uint8 ``(N, H, W)`` or ``(N, 1, H, W)`` (scaled by 1/255), or float already in ``[0, 1]``;
+    ``labels``: ``(N,)``.  ``shuffle`` visits the examples in a permutation that is a pure function of ``(seed,
+    epoch)``; ``start_batch`` skips the first batches (resume mid-epoch: the rest are exactly those of a full epoch);
+    the data are indexed on their own device, then each batch is moved to ``device``.  ``rotation``: None, or a
+    maximum angle in degrees: image ``i`` is rotated by an angle uniform in ``[-rotation, rotation]`` (positive =
+    counter-clockwise on screen, see :func:`rotate`), drawn per example from a generator seeded by ``(seed, epoch)``.
     """
     n = images.shape[0]
     if labels.shape[0] != n:
@@ -154,13 +147,10 @@ def _stroke_table() -> tuple[torch.Tensor, torch.Tensor]:
 
 def synthetic_digits(n: int, size: int = 28, seed: int = 0,
                      chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiny stand-in "digits" for tests and smoke runs that must not need MNIST.
-
-    Ten classes of stroke shapes (box, bars, plus, X, L, T, 7, =, triangle), each drawn with random jitter
-    (endpoints, scale, position) as anti-aliased strokes about 2.5 pixels wide (at size 28).  Classes are
-    balanced (``i % 10``, shuffled).  Rendered vectorised as pixel-to-segment distances, ``chunk`` images at a
-    time to bound memory.  Returns uint8 ``(n, size, size)`` and int64 labels ``(n,)``.
-    """
+    """Tiny stand-in "digits" for tests and smoke runs that must not need MNIST: uint8 ``(n, size, size)`` and
+    int64 labels ``(n,)``, balanced (``i % 10``, shuffled).  Ten classes of stroke shapes (:func:`_stroke_table`),
+    each drawn with random jitter (endpoints, scale, position) as anti-aliased strokes about 2.5 pixels wide (at
+    size 28), rendered as pixel-to-segment distances, ``chunk`` images at a time to bound memory."""
     g = seeded_generator("synthetic_digits", seed, size)
     labels = (torch.arange(n) % 10)[torch.randperm(n, generator=g)]
     segments, mask = _stroke_table()

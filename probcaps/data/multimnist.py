@@ -69,19 +69,15 @@ def _shift_boxes(boxes: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
 def sample_pairs(first: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor, generator: torch.Generator,
                  max_shift: int = 4, min_iou: float = 0.8, draws_per_round: int = 1 << 18,
                  patience: int = 2000, max_rounds: int = 1000) -> MultiMNISTPairs:
-    """Pair each digit index in ``first`` with a partner of another class, both shifted, passing the IoU rule.
+    """Pair each digit index in ``first`` (int64 ``(N,)``) with a partner of another class, both shifted, passing
+    the IoU rule; ``labels`` ``(M,)`` and ``boxes`` ``(M, 4)`` (:func:`bounding_boxes`) are those of all source
+    digits, ``generator`` the only source of randomness.
 
-    Args:
-        first: int64 ``(N,)`` indices of the first digits.
-        labels: ``(M,)`` classes of all source digits; boxes: ``(M, 4)`` their ink boxes (:func:`bounding_boxes`).
-        generator: the only source of randomness.
-        draws_per_round: candidate (partner, shifts) triples drawn per round, shared out over the failing
-            pairs (8 to 4096 each); the first that passes is kept (the same as drawing one at a time until one
-            passes).
-        patience: a first digit that has found no partner after about this many draws (a digit whose ink box
-            is unlike that of any other class, mostly thin 1s) is itself replaced by a new uniform draw; the
-            returned ``first`` says which digits were used (about 5% of the MNIST training digits are replaced,
-            which is why 1s make up only about 6% of the digits in the pairs instead of 11%).
+    Each round draws ``draws_per_round`` candidate (partner, shifts) triples, shared out over the failing pairs (8
+    to 4096 each), and keeps the first that passes (the same as drawing one at a time until one passes).  A first
+    digit that has found no partner after about ``patience`` draws (an ink box unlike that of any other class,
+    mostly thin 1s) is itself replaced by a new uniform draw; the returned ``first`` says which digits were used
+    (about 5% of the MNIST training digits are replaced, so 1s make up about 6% of the paired digits, not 11%).
     """
     n, m = first.shape[0], labels.shape[0]
     labels, first = labels.long(), first.clone().long()

@@ -144,12 +144,10 @@ def render_views(centres: torch.Tensor, radii: torch.Tensor, mask: torch.Tensor,
                  supersample: int = 2) -> torch.Tensor:
     """Ray-cast ``B`` objects made of ellipsoids: float ``(B, size, size)`` in [0, 1].
 
-    Args:
-        centres, radii: ``(B, P, 3)`` axis-aligned ellipsoids in the object frame; mask: ``(B, P)`` parts in use.
-        albedo: ``(B,)``; azimuth, elevation: ``(B,)`` degrees; lighting: ``(B,)`` index into :data:`LIGHTS`.
-    Orthographic rays along ``-towards``; nearest hit per pixel; Lambertian shading ``albedo * max(0, n . l) +
-    ambient`` with the light fixed in camera coordinates.  Vectorised over images, parts and pixels.
-    """
+    ``centres``, ``radii``: ``(B, P, 3)`` axis-aligned ellipsoids in the object frame; ``mask``: ``(B, P)`` parts in
+    use; ``albedo``: ``(B,)``; ``azimuth``, ``elevation``: ``(B,)`` degrees; ``lighting``: ``(B,)`` index into
+    :data:`LIGHTS`.  Orthographic rays along ``-towards``, the nearest hit per pixel, Lambertian shading
+    ``albedo * max(0, n . l) + ambient`` with the light fixed in camera coordinates."""
     B = centres.shape[0]
     n = size * supersample
     right, up, towards = _camera(azimuth, elevation)
@@ -202,11 +200,9 @@ def synthetic_norb(split: str, data_dir: str | os.PathLike | None = None, seed: 
     instances x 18 azimuths x 9 elevations x 3 lightings = 12,150 images of ``size x size`` (uint8).
 
     ``instances_per_split``, ``elevations`` and ``lightings`` (the first N of each) make smaller sets for tests and
-    smoke runs.  ``variant`` picks the part tables: ``"toys"`` (nearly symmetric front to back) or ``"asymmetric"``
-    (a distinct front, back and sides).
-    The full set is cached as ``~/.cache/probcaps/synthetic_norb/<key>_<split>.pt``; every set is also kept in memory
-    for the rest of the process (``cache=False`` renders afresh and stores nothing).
-    """
+    smoke runs; ``variant``: ``"toys"`` or ``"asymmetric"`` (:data:`VARIANTS`).  The full set is cached as
+    ``<key>_<split>.pt`` (:func:`_cache_dirs`); every set is also kept in memory for the rest of the process
+    (``cache=False`` renders afresh and stores nothing)."""
     if split not in ("train", "test"):
         raise ValueError(f"synthetic_norb: split must be 'train' or 'test', got {split!r}")
     if not (1 <= instances_per_split <= 5 and 1 <= elevations <= len(ELEVATIONS_DEG) and 1 <= lightings <= 3):

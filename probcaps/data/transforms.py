@@ -16,8 +16,6 @@ __all__ = ["random_offsets", "place_on_canvas", "rotate", "to_float", "standardi
 
 def random_offsets(n: int, max_shift: int = 6, generator: torch.Generator | None = None) -> torch.Tensor:
     """``(n, 2)`` int64 offsets ``(dx, dy)``, each uniform over the integers ``[-max_shift, max_shift]``."""
-    if max_shift < 0:
-        raise ValueError(f"random_offsets: max_shift must be >= 0, got {max_shift}")
     return torch.randint(-max_shift, max_shift + 1, (n, 2), generator=generator, dtype=torch.int64)
 
 
