@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.cli import add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run
+from probcaps.cli import (
+    add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run, table_writer,
+)
 from probcaps.config import load_sections
 from probcaps.data import load_digits
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
@@ -32,10 +34,10 @@ from probcaps.errors import ConfigError
 from probcaps.inference.train import (
     TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
 )
-from probcaps.io import atomic_write
+from probcaps.io import append_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
 from probcaps.provenance import provenance, write_results
-from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
+from probcaps.report import fmt_mean_std, load_result, provenance_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
@@ -122,10 +124,8 @@ def evaluate(model: CapsNet, source: PairSource, pairs, batch_size: int, device=
     for x, sources, labels in source.batches(pairs, batch_size, device=device):
         out = model(x)
         set_ok += int(set_accuracy(out.lengths, labels).sum())
-        top2 = top_k_classes(out.lengths, 2)
-        one_ok += int((top2[:, :, None] == labels[:, None, :]).any(-1).any(-1).sum())
-        rec = model.reconstruct_each(out.digits, labels)
-        sq_err += float(((rec - sources) ** 2).mean(dim=(2, 3, 4)).sum())
+        one_ok += int((top_k_classes(out.lengths, 2)[:, :, None] == labels[:, None, :]).any(-1).any(-1).sum())
+        sq_err += float(((model.reconstruct_each(out.digits, labels) - sources) ** 2).mean(dim=(2, 3, 4)).sum())
         n += len(x)
     return {"set_acc": set_ok / n, "at_least_one_acc": one_ok / n, "recon_mse": sq_err / (2 * n), "n_pairs": n}
 
@@ -175,15 +175,14 @@ def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, da
                   **{f"train_{k}": float(np.mean(v)) if v else None for k, v in running.items()}}
         for v in running.values():
             v.clear()
-        with open(eval_log, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(eval_log, record)
 
     metadata = {"name": cfg["name"], "kind": "capsnet", "configs": config_dicts(cfg)}
     state = train_loop(model, loss_fn, batches, tcfg, out, resume=resume, metadata=metadata, progress=progress,
                        on_checkpoint=on_checkpoint)
     # elapsed time including pair generation and the curve evaluations, summed over resumed parts
     elapsed = (_read_elapsed(out) if resume else 0.0) + time.perf_counter() - t_start
-    atomic_write(out / "elapsed.json", lambda f: f.write(json.dumps({"elapsed_s": elapsed})), mode="w")
+    write_json(out / "elapsed.json", {"elapsed_s": elapsed})
     return model, dataclasses.asdict(state), test
 
 
@@ -243,10 +242,7 @@ def main(argv=None) -> int:
                  resume="continue each seed from its last checkpoint", tables="table (RESULTS_DIR/multimnist.md)",
                  threads=1)
     args = p.parse_args(argv)
-
-    def tables(results):
-        return write_table(results, TABLE, readme_table(results))
-
+    tables = table_writer(lambda results, _: readme_table(results), TABLE)
     if setup_run(args, tables):
         return 0
     cfg = load_config(args.config, args.set)

@@ -74,13 +74,8 @@ class CapsNetOutput(NamedTuple):
 
 def margin_loss(lengths: torch.Tensor, targets: torch.Tensor, m_plus: float = 0.9, m_minus: float = 0.1,
                 lam: float = 0.5) -> torch.Tensor:
-    """Paper eq. 4, summed over classes: ``T_k max(0, m+ - |v_k|)^2 + lam (1 - T_k) max(0, |v_k| - m-)^2``.
-
-    Args:
-        lengths: ``(B, K)`` capsule lengths; targets: ``(B, K)`` 0/1 (several ones for several digits).
-    Returns:
-        ``(B,)`` loss per example.
-    """
+    """Paper eq. 4, summed over classes: ``T_k max(0, m+ - |v_k|)^2 + lam (1 - T_k) max(0, |v_k| - m-)^2``, of
+    capsule lengths ``(B, K)`` and 0/1 ``targets`` ``(B, K)`` (several ones for several digits) -> ``(B,)``."""
     targets = targets.to(lengths.dtype)
     present = targets * F.relu(m_plus - lengths) ** 2
     absent = lam * (1 - targets) * F.relu(lengths - m_minus) ** 2
@@ -140,14 +135,9 @@ class CapsNet(nn.Module):
         return rec.view(B, K, *rec.shape[1:])
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor, sources: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Margin loss on the named classes + ``recon_weight`` x squared error of each digit's reconstruction.
-
-        Args:
-            x: ``(B, C, H, W)`` input; labels: int64 ``(B, K)`` the ``K`` digit classes (``K = 1`` for MNIST,
-                2 for MultiMNIST); sources: ``(B, K, C, H, W)`` each digit alone (the reconstruction targets).
-        Returns:
-            the scalar loss (mean over the batch) and a dict of float diagnostics.
-        """
+        """Margin loss on the named classes + ``recon_weight`` x squared error of each digit's reconstruction, as
+        ``(batch mean, dict of float diagnostics)``.  ``x`` ``(B, C, H, W)``; ``labels`` int64 ``(B, K)``, the ``K``
+        digit classes (1 for MNIST, 2 for MultiMNIST); ``sources`` ``(B, K, C, H, W)``, each digit alone."""
         cfg = self.config
         out = self(x)
         targets = torch.zeros_like(out.lengths).scatter_(1, labels, 1.0)
@@ -155,6 +145,5 @@ class CapsNet(nn.Module):
         rec = self.reconstruct_each(out.digits, labels)
         sse = ((rec - sources) ** 2).flatten(1).sum(1)
         loss = (margin + cfg.recon_weight * sse).mean()
-        acc = set_accuracy(out.lengths.detach(), labels).float().mean()
         return loss, {"margin": float(margin.detach().mean()), "recon_sse": float(sse.detach().mean()),
-                      "set_acc": float(acc)}
+                      "set_acc": float(set_accuracy(out.lengths.detach(), labels).float().mean())}

@@ -34,12 +34,6 @@ def _compute_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
     return dtype
 
 
-def _max_length(dim_size: int, compute: torch.dtype, out: torch.dtype) -> float:
-    """The largest length :func:`squash` returns: 1 less the rounding of the direction (about ``D + 6`` ulps of
-    ``compute``) and of the cast to ``out``, so that even the stored output has a norm below 1."""
-    return 1.0 - ((dim_size + 6) * torch.finfo(compute).eps / 2 + (torch.finfo(out).eps if out != compute else 0.0))
-
-
 def _peak(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
     """``max |x|`` over ``dim`` (all of ``x`` for ``None``), detached (``aminmax``: faster on CPU than
     ``vector_norm(ord=inf)``)."""
@@ -53,7 +47,10 @@ def _squash(s: torch.Tensor, dim: int = -1, scale: torch.Tensor | None = None,
     in the compute dtype of ``s``, with lengths short enough for a later cast to ``out_dtype``."""
     out_dtype = out_dtype or s.dtype
     s = s.to(_compute_dtype(s.dtype, "squash"))
-    max_length = _max_length(s.shape[dim], s.dtype, out_dtype)
+    # the largest length returned: 1 less the rounding of the direction (about D + 6 ulps) and of the cast to
+    # out_dtype, so that even the stored output has a norm below 1
+    rounding = torch.finfo(out_dtype).eps if out_dtype != s.dtype else 0.0
+    max_length = 1.0 - ((s.shape[dim] + 6) * torch.finfo(s.dtype).eps / 2 + rounding)
     if scale is None:
         n2 = (s * s).sum(dim, keepdim=True)
         # the plain formula while no |s|^2 overflows (checked once for the whole tensor)
@@ -81,7 +78,7 @@ def squash(s: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``v = |s|^2 / (1 + |s|^2) * s / |s|`` along ``dim`` (paper eq. 1): norms in ``[0, 1)``, direction kept.
 
     Finite for every finite input (see the module docstring); ``s = 0`` maps to 0 with gradient 0, and very long
-    inputs to unit vectors shortened by a few ulps (:func:`_max_length`).
+    inputs to unit vectors shortened by a few ulps.
     """
     return _squash(s, dim).to(s.dtype)
 
@@ -192,11 +189,9 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
         last = r == iterations - 1
         uu, ww = (u_t, w_flat) if last else (u_in, w_in)
         c = _coupling(logits, scale, dim=0)  # (J, B, 1, I)
-        weighted = (c * uu).reshape(J, B, P * I)  # c_ij u_i
-        s = torch.bmm(weighted, ww)  # (J, B, D)
+        s = torch.bmm((c * uu).reshape(J, B, P * I), ww)  # (J, B, D): sum_i W_ij (c_ij u_i)
         v = _squash(s, scale=None if scale is None else scale.view(1, B, 1), out_dtype=out_dtype)
         if not last:
             q = torch.bmm(v, ww.transpose(1, 2)).view(J, B, P, I)  # W_ij^T v_j
             logits = logits + (q * uu).sum(2, keepdim=True)
-    c = c.squeeze(2)
-    return v.transpose(0, 1).to(out_dtype), c.transpose(0, 1).to(out_dtype)
+    return v.transpose(0, 1).to(out_dtype), c.squeeze(2).transpose(0, 1).to(out_dtype)
