@@ -17,27 +17,23 @@ import argparse
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
+from probcaps.inference.supervised import accuracy, train_classifier
+from probcaps.inference.train import TrainConfig
+from probcaps.inference.ttvi import reencode_parents, ttvi_batches
+from probcaps.models.cnn_classifier import ConvClassifier
+from probcaps import plotting
+from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat
+from probcaps.cli import add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors
+from probcaps.errors import ProbcapsError
+from probcaps.experiments.mnist_probe import HEADLINE_CHECKPOINT
+from probcaps.metrics import LinearProbe
+from probcaps.provenance import provenance, write_results
+from probcaps.report import fmt_mean_std, load_result, provenance_line
 
-from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features  # noqa: E402
-from probcaps.inference.supervised import accuracy, train_classifier  # noqa: E402
-from probcaps.inference.train import TrainConfig  # noqa: E402
-from probcaps.inference.ttvi import reencode_parents, ttvi_batches  # noqa: E402
-from probcaps.models.cnn_classifier import ConvClassifier  # noqa: E402
-from probcaps import plotting  # noqa: E402
-from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors,
-)
-from probcaps.errors import ProbcapsError  # noqa: E402
-from probcaps.metrics import LinearProbe  # noqa: E402
-from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, provenance_line  # noqa: E402
-
-DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 
 
@@ -52,9 +48,8 @@ def cnn_baseline(train_images, train_labels, tests: dict, steps: int, seeds: lis
                           checkpoint_every=max(steps, 1), seed=seed)
         state = train_classifier(net, train_images, train_labels, cfg, out / f"cnn_seed{seed}", device=device,
                                  progress=progress)
-        row = {"seed": seed, "steps": state.step, "train_wall_time_s": state.wall_time_s}
-        row.update({f"{name}_acc": accuracy(net, x, y, device=device) for name, (x, y) in tests.items()})
-        runs.append(row)
+        runs.append({"seed": seed, "steps": state.step, "train_wall_time_s": state.wall_time_s,
+                     **{f"{name}_acc": accuracy(net, x, y, device=device) for name, (x, y) in tests.items()}})
     return runs
 
 
@@ -64,12 +59,7 @@ def readme_table(results_dir: Path, name: str = "affnist") -> str | None:
     if loaded is None:
         return None
     m, prov = loaded
-    cnn = m["cnn"]
-
-    def cnn_ms(key):
-        return fmt_mean_std([r[key] for r in cnn]) if cnn else "—"
-
-    ood = m["ood_name"]
+    cnn, ood = m["cnn"], m["ood_name"]
     lines = [f"| classifier (fit on MNIST train only) | MNIST test (40×40, ±6 px) (%) | {ood} (%) | published (real "
              f"affNIST) |", "| --- | --- | --- | --- |"]
     anchors = {"presence_pose": "SCAE 92.2; sparse unsupervised capsules 90", "presence": "—"}
@@ -92,15 +82,16 @@ def readme_table(results_dir: Path, name: str = "affnist") -> str | None:
                              f"| — | {100 * t[f'{reading}_probe_{key}_acc']:.1f} (encoder on the same images: "
                              f"{100 * t[f'encoder_probe_{key}_acc']:.1f}) | — |")
     if cnn:
-        lines.append(f"| supervised CNN, {len(cnn)} seed(s) | {cnn_ms('mnist_acc')} | {cnn_ms('ood_acc')} | "
-                     f"SCAE's CNN baseline 71.5 (real affNIST) |")
+        lines.append(f"| supervised CNN, {len(cnn)} seed(s) | {fmt_mean_std([r['mnist_acc'] for r in cnn])} | "
+                     f"{fmt_mean_std([r['ood_acc'] for r in cnn])} | SCAE's CNN baseline 71.5 (real affNIST) |")
     seeds = [r["seed"] for r in cnn]
     lines += ["", f"{ood}: the 10,000 MNIST test digits under Tieleman's recipe (rotation ±"
               f"{AFFNIST_RECIPE['rotation_deg']:g}°, shear ±{AFFNIST_RECIPE['shear']}, scales in "
               f"[{AFFNIST_RECIPE['scale_min']}, {AFFNIST_RECIPE['scale_max']}], random translation inside the 40×40 "
               f"canvas; seed {m['recipe_seed']}) — a stand-in generated here, not the real affNIST. Probes fit on "
               f"{m['n_probe_train']} MNIST training images with the checkpoint `{prov.get('checkpoint')}`; "
-              + (f"CNN seeds {seeds}, {cnn[0]['steps']} steps of batch 128; " if cnn else "no CNN baseline in this run; ")
+              + (f"CNN seeds {seeds}, {cnn[0]['steps']} steps of batch 128; " if cnn else
+                 "no CNN baseline in this run; ")
               + provenance_line(prov)]
     return "\n".join(lines)
 
@@ -108,13 +99,14 @@ def readme_table(results_dir: Path, name: str = "affnist") -> str | None:
 @one_line_errors("affnist")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT))
     p.add_argument("--affnist-mat", default=None, help="score on an original affNIST .mat file instead of the recipe")
     p.add_argument("--recipe-seed", type=non_negative_int, default=0)
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N out-of-distribution images")
     p.add_argument("--probe-train-limit", type=non_negative_int, default=None,
                    help="fit the probe on the first N MNIST training images (default: the checkpoint's eval config)")
-    p.add_argument("--ttvi-limit", type=non_negative_int, default=0, help="also probe after test-time VI on the first N images")
+    p.add_argument("--ttvi-limit", type=non_negative_int, default=0,
+                   help="also probe after test-time VI on the first N images")
     p.add_argument("--ttvi-steps", type=positive_int, default=200)
     p.add_argument("--cnn-steps", type=positive_int, default=1500)
     p.add_argument("--cnn-seeds", type=non_negative_int, nargs="*", default=[0])
@@ -132,13 +124,10 @@ def main(argv=None) -> int:
     limit = args.probe_train_limit if args.probe_train_limit is not None else cfg["eval"].probe_train_limit
     train_images, train_labels = load_images(cfg["data"], "train", args.data_dir, limit=limit or None)
     mnist_images, mnist_labels = load_images(cfg["data"], "test", args.data_dir)
-    if args.affnist_mat:
-        ood_images, ood_labels = load_affnist_mat(args.affnist_mat)
-        ood_name = "affNIST"
-    else:
-        verify = cfg["data"].dataset == "mnist"
-        ood_images, ood_labels = affnist_recipe_test(args.data_dir, seed=args.recipe_seed, verify=verify)
-        ood_name = "affNIST-recipe"
+    ood_name = "affNIST" if args.affnist_mat else "affNIST-recipe"
+    ood_images, ood_labels = (load_affnist_mat(args.affnist_mat) if args.affnist_mat else
+                              affnist_recipe_test(args.data_dir, seed=args.recipe_seed,
+                                                  verify=cfg["data"].dataset == "mnist"))
     if args.limit:
         ood_images, ood_labels = ood_images[:args.limit], ood_labels[:args.limit]
     enc = system.encoder

@@ -19,19 +19,17 @@ import functools
 import json
 from pathlib import Path
 
+from probcaps.inference.capsule_svi import (REMOVED_AFTER, REMOVED_OPTIONS, SCHEMA, load_experiment_config,
+                                            train_capsules)
+from probcaps.inference.evaluate import evaluate_checkpoint
+from probcaps.inference.train import load_checkpoint, run_finished
+from probcaps import plotting
+from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
+from probcaps.io import atomic_torch_save
+from probcaps.provenance import device_description, provenance, write_results
+from probcaps.report import fmt_mean_std, load_result, results_in, write_table
+
 ROOT = Path(__file__).resolve().parent.parent
-
-from probcaps.inference.capsule_svi import REMOVED_AFTER, REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules  # noqa: E402
-from probcaps.inference.evaluate import evaluate_checkpoint  # noqa: E402
-from probcaps.inference.train import load_checkpoint, run_finished  # noqa: E402
-from probcaps import plotting  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors,
-)
-from probcaps.io import atomic_torch_save  # noqa: E402
-from probcaps.provenance import device_description, provenance, write_results  # noqa: E402
-from probcaps.report import fmt_mean_std, load_result, results_in, write_table  # noqa: E402
-
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
 HEADLINE = "mnist_probe"  # the package's first full run, which the ablations changed one key at a time
 HEADLINE_CHECKPOINT = ROOT / "checkpoints" / f"{HEADLINE}.pt"  # where the other MNIST experiments start from
@@ -113,7 +111,8 @@ def readme_table(metrics: dict, prov: dict) -> str:
     return "\n".join(lines)
 
 
-#: one-seed tries of the headline config with one change each: ``results/mnist_ablations/*.json``, table ``results/mnist_ablations.md``
+#: one-seed tries of the headline config with one change each: ``results/mnist_ablations/*.json``, table
+#: ``results/mnist_ablations.md``
 ABLATIONS = "mnist_ablations"
 
 
@@ -160,8 +159,8 @@ def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
 
 
 def write_tables(results_dir: Path, name: str) -> list[Path]:
-    """Write ``results_dir/<name>.md`` and, when ``results_dir/mnist_ablations/`` holds tries, ``results_dir/mnist_ablations.md``
-    from the results JSON there; returns the files written."""
+    """Write ``results_dir/<name>.md`` and, when ``results_dir/mnist_ablations/`` holds tries,
+    ``results_dir/mnist_ablations.md`` from the results JSON there; returns the files written."""
     written = [write_table(results_dir, name, readme_table(results_dir, name)),
                write_table(results_dir, ABLATIONS, ablations_table(results_dir))]
     return [path for path in written if path is not None]
@@ -172,7 +171,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, DEFAULT_CONFIG, [0, 1, 2])
     p.add_argument("--jit", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile the alpha compositing and the part CNN (faster steps)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--reuse-results", action="store_true",
                    help="take a seed's metrics from its results JSON when that is newer than its final checkpoint")
     p.add_argument("--train-only", action="store_true",
@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         return 0
     runs = []
     for seed in args.seeds:
-        overrides = [*args.set, f"train.seed={seed}"] + [f"train.{k}=true" for k in ("jit", "compile") if getattr(args, k)]
+        flags = [f"train.{key}=true" for key in ("jit", "compile") if getattr(args, key)]
+        overrides = [*args.set, f"train.seed={seed}", *flags]
         cfg = load_experiment_config(args.config, overrides)
         out = Path(args.out) / f"seed{seed}"
         final = out / "final.pt"

@@ -17,24 +17,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import torch
 
-import torch  # noqa: E402
-
-from probcaps.experiments.mnist_probe import checkpoint_out_path, export_checkpoint, plot_training_curves  # noqa: E402
-from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules  # noqa: E402
-from probcaps.inference.evaluate import test_elbo  # noqa: E402
-from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_run_args, finite_positive_float, setup_run, table_writer, non_negative_int, positive_int, launch,
-    one_line_errors,
-)
-from probcaps.errors import ProbcapsError  # noqa: E402
-from probcaps.metrics import LinearProbe  # noqa: E402
-from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.report import load_result, provenance_line  # noqa: E402
-
-DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "mnist_probe.pt"
+from probcaps.experiments.mnist_probe import (HEADLINE_CHECKPOINT, checkpoint_out_path, export_checkpoint,
+                                             plot_training_curves, results_table)
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules
+from probcaps.inference.evaluate import test_elbo
+from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished
+from probcaps.cli import (add_run_args, finite_positive_float, setup_run, table_writer, non_negative_int,
+                          positive_int, launch, one_line_errors)
+from probcaps.errors import ProbcapsError
+from probcaps.metrics import LinearProbe
+from probcaps.provenance import provenance, write_results
+from probcaps.report import provenance_line
 
 
 def evaluate(system, cfg: dict, train, test, elbo_images: torch.Tensor, elbo_samples: int, device: str,
@@ -52,12 +47,9 @@ def evaluate(system, cfg: dict, train, test, elbo_images: torch.Tensor, elbo_sam
     return out
 
 
-def readme_table(results_dir: Path, name: str = "normal_guide") -> str | None:
+@results_table("normal_guide")
+def readme_table(m: dict, prov: dict) -> str:
     """The README table of ``results_dir/<name>.json``: the delta and the Normal pose guide side by side."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
-        return None
-    m, prov = loaded
     lines = ["| guide | test ELBO per image (nats) | probe, presences + poses (%) | probe, presences (%) |",
              "| --- | --- | --- | --- |"]
     for key, label in (("delta", "delta poses (MAP), the starting checkpoint"),
@@ -67,21 +59,22 @@ def readme_table(results_dir: Path, name: str = "normal_guide") -> str | None:
                      f"{100 * r['probe_presence_test_acc']:.1f} |")
     lines += ["", f"ELBO on the first {m['n_elbo_images']} MNIST test images, averaged over {m['elbo_samples']} guide "
               f"samples; the delta guide's value is its MAP objective (point-mass poses, no entropy), the Normal "
-              f"guide's a bound on log p(x). Learned pose scales (mean): parts {m['mean_part_pose_scale']:.3f}, objects "
-              f"{m['mean_object_pose_scale']:.3f}. Probes fit on {m['n_probe_train']} training images. Training "
-              f"{m['train_wall_time_s'] / 60:.0f} min; {provenance_line(prov)}"]
+              f"guide's a bound on log p(x). Learned pose scales (mean): parts {m['mean_part_pose_scale']:.3f}, "
+              f"objects {m['mean_object_pose_scale']:.3f}. Probes fit on {m['n_probe_train']} training images. "
+              f"Training {m['train_wall_time_s'] / 60:.0f} min; {provenance_line(prov)}"]
     return "\n".join(lines)
 
 
 @one_line_errors("normal_guide")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="the delta-trained starting point")
+    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT), help="the delta-trained starting point")
     p.add_argument("--steps", type=positive_int, default=400)
     p.add_argument("--lr", type=finite_positive_float, default=3e-4)
     p.add_argument("--init-scale", type=finite_positive_float, default=0.02, help="starting pose scale")
     p.add_argument("--min-scale", type=finite_positive_float, default=1e-3, help="floor on the pose scales")
-    p.add_argument("--scale-lr-multiplier", type=finite_positive_float, default=30.0, help="learning-rate multiplier of the scales")
+    p.add_argument("--scale-lr-multiplier", type=finite_positive_float, default=30.0,
+                   help="learning-rate multiplier of the scales")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--n-elbo-images", type=positive_int, default=2000)
     p.add_argument("--elbo-samples", type=positive_int, default=3)

@@ -1,26 +1,20 @@
 """Classification after test-time VI (paper §2.4: "a modest improvement"): the linear probe, fit on the encoder's
-features of MNIST training images, scored on test images with latents from the encoder and after test-time VI.
+features of MNIST training images, scored on test latents from the encoder and after test-time VI, read two ways:
+the free-form objects, and the objects re-encoded by the set transformer from the optimised parts (the parts are
+what the image constrains; re-encoding keeps the objects in the distribution the probe was fit on).  Writes
+``results/ttvi_classification.json`` and ``results/ttvi_classification_elbo.png`` (the ELBO trace).
 
     python experiments/ttvi_classification.py                        # the committed run (1000 test digits)
     python experiments/ttvi_classification.py --rotate 45            # on rotated test digits
-
-Two readings of "latents after test-time VI" are scored: the free-form object latents themselves, and the object
-capsules re-encoded by the set transformer from the optimised part capsules (the parts are what the image
-constrains; re-encoding keeps the object features in the distribution the probe was fit on).  Writes
-``results/ttvi_classification.json`` and ``results/ttvi_classification_elbo.png`` (the ELBO trace).
-
-**The fair protocol** (``--n-train-ttvi N``, default 500; 0: off): a probe fit on the encoder's features of training
-images and scored on test-time-VI'd test features compares two distributions.  Here the same test-time VI is also
-applied to the first ``N`` training images and the probe is refit on them, for every reading: VI → VI.  Beside
-the two readings above, a third test-time VI keeps the objects' meaning throughout: only the parts are free, and the
-objects are inferred from the sampled parts by the amortised encoder (the set transformer) at every step
-(:class:`PartsGuide`).  Every reading is also scored on its posterior presences, the expected number of parts
-each object explains under the exact posterior over the parts' parents
-(:func:`probcaps.inference.evaluate.posterior_part_counts`).  The encoder → encoder probe is given twice: fit on all
-training images and on the same ``N``.
-
     python experiments/ttvi_classification.py --checkpoint checkpoints/mnist.pt \
         --name ttvi_classification_fair --threads 1                 # the fair protocol's committed run
+
+**The fair protocol** (``--n-train-ttvi N``, default 500; 0: off): a probe fit on encoder features and scored on
+test-time VI's compares two distributions, so the same test-time VI also runs on the first ``N`` training images and
+the probes are refit on them (VI → VI; the encoder → encoder probe is fit on all and on those ``N``).  A third
+reading keeps the objects' meaning throughout: test-time VI of the parts alone, the objects inferred from them by
+the encoder at every step (:class:`PartsGuide`).  Every reading is also scored on its posterior presences, the
+expected number of parts each object explains (:func:`probcaps.inference.evaluate.posterior_part_counts`).
 """
 
 from __future__ import annotations
@@ -115,10 +109,10 @@ def fair_table(m: dict, prov: dict) -> str | None:
     parts = (f", one-sample estimate {m['elbo_trace_parts_start']:.0f} → {m['elbo_trace_parts_end']:.0f} for the "
              f"parts alone" if "elbo_trace_parts_start" in m else "")
     lines += ["", f"{m['n_test']} MNIST test digits and the first {n} training digits (rotated "
-              f"{m['rotation_deg']:g}°), {m['steps']} steps of test-time VI (lr {m['lr']:g}; ELBO per test image {m['elbo_encoder']:.0f} → "
-              f"{m['elbo_ttvi']:.0f} free-form{parts}); posterior presences: the expected number of parts each object "
-              f"explains under the exact posterior over the parts' parents; checkpoint `{prov.get('checkpoint')}`; "
-              f"{provenance_line(prov)}"]
+              f"{m['rotation_deg']:g}°), {m['steps']} steps of test-time VI (lr {m['lr']:g}; ELBO per test image "
+              f"{m['elbo_encoder']:.0f} → {m['elbo_ttvi']:.0f} free-form{parts}); posterior presences: the expected "
+              f"number of parts each object explains under the exact posterior over the parts' parents; checkpoint "
+              f"`{prov.get('checkpoint')}`; {provenance_line(prov)}"]
     return "\n".join(lines)
 
 
@@ -180,10 +174,9 @@ def ttvi_parts_batches(model, encoder, images: torch.Tensor, batch_size: int = 2
             with torch.random.fork_rng(devices=[]), pyro.settings.context(module_local_params=True):
                 torch.manual_seed(seed + i)
                 guide = PartsGuide(encoder, encoder.encode(x), temperature=model.config.temperature)
-                trace = fit_guide(model, guide, [guide.part_logits, guide.part_locs], x, steps, lr, bar,
-                                  what="test-time VI of the parts")
+                traces.append(fit_guide(model, guide, [guide.part_logits, guide.part_locs], x, steps, lr, bar,
+                                        what="test-time VI of the parts"))
                 chunks.append([t.cpu() for t in guide.latents()])
-                traces.append(trace)
                 sizes.append(len(x))
     finally:
         bar.close()
