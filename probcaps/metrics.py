@@ -28,18 +28,15 @@ def _to_numpy(x: Any, name: str) -> np.ndarray:
 
 
 def _features(x: Any, name: str) -> np.ndarray:
+    """``x`` as float64 features ``(N, D)``: a 1-D input is one column, more dims are flattened into ``D``."""
     arr = _to_numpy(x, name)
-    if arr.ndim == 1:
-        arr = arr[:, None]
-    elif arr.ndim > 2:
-        arr = arr.reshape(arr.shape[0], -1)
-    elif arr.ndim == 0:
+    if arr.ndim == 0:
         raise ValueError(f"{name} must be a 2-D (N, D) array, got a scalar")
     if not np.issubdtype(arr.dtype, np.number) and arr.dtype != np.bool_:
         raise ValueError(f"{name} must be numeric, got dtype={arr.dtype}")
-    arr = arr.astype(np.float64, copy=False)
     if arr.shape[0] == 0:
         raise ValueError(f"{name} is empty (0 rows)")
+    arr = arr.reshape(len(arr), int(np.prod(arr.shape[1:]))).astype(np.float64, copy=False)
     if not np.all(np.isfinite(arr)):
         raise ValueError(f"{name} contains {int((~np.isfinite(arr)).sum())} NaN/Inf value(s)")
     return arr
@@ -82,10 +79,7 @@ class LinearProbe:
             raise ValueError(f"C must be > 0, got {C}")
         if int(max_iter) < 1:
             raise ValueError(f"max_iter must be >= 1, got {max_iter}")
-        self.C = float(C)
-        self.max_iter = int(max_iter)
-        self.tol = float(tol)
-        self.seed = seed
+        self.C, self.max_iter, self.tol, self.seed = float(C), int(max_iter), float(tol), seed
         self.pipeline_ = None
 
     def fit(self, features: Any, labels: Any) -> "LinearProbe":
@@ -192,14 +186,9 @@ def classification_summary(true_labels: Any, predicted: Any, classes: Any = None
         raise ValueError("classes must hold every value of true_labels and predicted")
     matrix = confusion_matrix(y, p, labels=values)
     report = classification_report(y, p, labels=values, output_dict=True, zero_division=0)
-    present = matrix.sum(1) > 0
-    return {
-        "classes": [v.item() for v in values],
-        "accuracy": float(np.mean(y == p)),
-        "per_class_accuracy": {str(v.item()): float(report[str(v.item())]["recall"])
-                               for v, ok in zip(values, present) if ok},
-        "confusion": matrix.tolist(),
-    }
+    recall = {str(v.item()): float(report[str(v.item())]["recall"]) for v, n in zip(values, matrix.sum(1)) if n > 0}
+    return {"classes": [v.item() for v in values], "accuracy": float(np.mean(y == p)), "per_class_accuracy": recall,
+            "confusion": matrix.tolist()}
 
 
 def _class_sums(weights: Any, labels: Any):

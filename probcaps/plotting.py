@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from .io import atomic_write
+from .metrics import _to_numpy as _array
 
 __all__ = ["PART_PALETTE", "plot_templates", "colour_parts", "plot_reconstructions", "plot_curves",
            "plot_curve_panels", "plot_predicted_vs_true", "plot_heatmap", "plot_confusion_matrix",
@@ -34,12 +35,9 @@ _MAX_FIG_IN = 40.0  # cap on either figure dimension
 
 
 def _to_numpy(x: Any, name: str) -> np.ndarray:
-    if x is None:
-        raise ValueError(f"{name} must not be None")
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+    """``x`` (an array-like or a torch tensor) as a float64 numpy array."""
+    arr = _array(x, name)
+    if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
         raise ValueError(f"{name} must be numeric, got dtype={arr.dtype}")
     return arr.astype(np.float64, copy=False)
 
