@@ -46,8 +46,7 @@ def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
 def export_checkpoint(src: Path, dst: Path) -> Path:
     """The model and its config without optimiser state: what a user needs to evaluate (a few MB)."""
     ckpt = load_checkpoint(src)
-    slim = {k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}
-    return atomic_torch_save(slim, dst)
+    return atomic_torch_save({k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}, dst)
 
 
 def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
@@ -57,8 +56,7 @@ def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
         if log.is_file():
             # last record per step wins: a run resumed by an older version appended after its stale records
             by_step = {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, log.read_text().splitlines()))}
-            steps = sorted(by_step)
-            curves[label] = (steps, [by_step[s] for s in steps])
+            curves[label] = (sorted(by_step), [by_step[s] for s in sorted(by_step)])
     if curves:
         plotting.plot_curves(curves, path, xlabel="step", ylabel="negative ELBO per image (nats)",
                              title="training (SVI, TraceEnum_ELBO)")

@@ -69,11 +69,11 @@ class CapsuleModelConfig:
         return asdict(self)
 
 
-def _orthogonal_logits(n: int, size: int, gen: torch.Generator, gain: float) -> torch.Tensor:
+def _orthogonal_logits(n: int, size: int, gen: torch.Generator) -> torch.Tensor:
     # SCAE: templates start mutually orthogonal, so that each part starts with its own shape.
     a = torch.randn(max(n, size * size), size * size, generator=gen)
     q, _ = torch.linalg.qr(a.T)  # (t², ·) orthonormal columns
-    return (q.T[:n] * gain * size).reshape(n, 1, size, size)
+    return (q.T[:n] * size).reshape(n, 1, size, size)
 
 
 def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> torch.Tensor:
@@ -87,15 +87,14 @@ def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> 
     if s.dim() - 1 >= cand and s.numel() == table.shape[cand] == s.shape[0] and all(d == 1 for d in s.shape[1:]):
         if torch.equal(s.reshape(-1), torch.arange(s.shape[0], device=s.device)):
             moved = table.movedim(cand, 0)
-            n_batch = cand  # batch dims of the table, M included
-            pad = s.dim() - 1 - n_batch
+            pad = s.dim() - 1 - cand  # the enumeration's dims left of the table's batch dims (M included)
             return moved.reshape(moved.shape[:1] + (1,) * pad + moved.shape[1:])
     index = (Ellipsis, s) + (slice(None),) * event_dims
     return Vindex(table)[index]
 
 
 class CapsuleModel(PyroModule):
-    """Pyro generative model of Smith et al. 2020, §2.  Call as ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``.
+    """Pyro generative model of Smith et al. 2020, §2: ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``.
 
     ``footprint``: render each template only over the canvas window it can touch (the default; the same images
     and gradients as rendering over the whole canvas, ``footprint=False``, see :func:`probcaps.render.render_over`).
@@ -113,8 +112,8 @@ class CapsuleModel(PyroModule):
         # a useful gradient from the first step; orthogonal noise (SCAE's template init) breaks the parts' symmetry
         r = torch.linspace(-1, 1, t)
         blob = 6.0 * torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * 0.35**2)) - 3.0
-        self.template_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen, gain=1.0))
-        self.alpha_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen, gain=1.0))
+        self.template_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen))
+        self.alpha_logits = nn.Parameter(blob + 0.5 * _orthogonal_logits(M, t, gen))
         self.log_affinity = nn.Parameter(torch.zeros(K, M))                  # log ρ_km
         self.presence_logits = nn.Parameter(torch.zeros(K, M))               # logit γ_km
         offsets = torch.zeros(K, M, 6)
@@ -125,13 +124,13 @@ class CapsuleModel(PyroModule):
                 raise ValueError("CapsuleModelConfig: need part_pose_std_min < part_pose_std_init < part_pose_std_max, "
                                  f"got {cfg.part_pose_std_min}, {cfg.part_pose_std_init}, {cfg.part_pose_std_max}")
             frac = (cfg.part_pose_std_init - cfg.part_pose_std_min) / (cfg.part_pose_std_max - cfg.part_pose_std_min)
-            raw = math.log(frac / (1 - frac))                                  # σ_km = σ_min + (σ_max − σ_min) sigmoid(·)
+            raw = math.log(frac / (1 - frac))  # σ_km = σ_min + (σ_max − σ_min) sigmoid(·)
         else:
             raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
         if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
-            raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0, "
-                             f"got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
+            raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0,"
+                             f" got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
 
     # ---------------------------------------------------------------- parameters in their natural units
     def templates(self) -> torch.Tensor:
@@ -145,11 +144,9 @@ class CapsuleModel(PyroModule):
         return self.log_affinity
 
     def part_pose_std(self) -> torch.Tensor:
-        """``(K, M, 6)`` learned σ_km, floored at ``part_pose_std_min`` (and capped at ``part_pose_std_max`` if set)."""
-        cfg = self.config
-        if cfg.part_pose_std_max:
-            return cfg.part_pose_std_min + (cfg.part_pose_std_max - cfg.part_pose_std_min) * torch.sigmoid(self.pose_std_raw)
-        return cfg.part_pose_std_min + F.softplus(self.pose_std_raw)
+        """``(K, M, 6)`` learned σ_km, floored at ``part_pose_std_min`` (capped at ``part_pose_std_max`` if set)."""
+        lo, hi = self.config.part_pose_std_min, self.config.part_pose_std_max
+        return lo + ((hi - lo) * torch.sigmoid(self.pose_std_raw) if hi else F.softplus(self.pose_std_raw))
 
     # ---------------------------------------------------------------- the shared computations
     def child_tables(self, z1: torch.Tensor, y1: torch.Tensor):

@@ -145,12 +145,10 @@ def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
     surplus clusters are unmatched (their points count as errors), and vice versa.
     """
     from scipy.optimize import linear_sum_assignment
+    from sklearn.metrics.cluster import contingency_matrix
 
     c, y = _rows(cluster_ids, "cluster_ids", labels, "labels", x_as=_labels)
-    c_vals, c_idx = np.unique(c, return_inverse=True)
-    y_vals, y_idx = np.unique(y, return_inverse=True)
-    counts = np.zeros((c_vals.size, y_vals.size), dtype=np.int64)
-    np.add.at(counts, (c_idx.ravel(), y_idx.ravel()), 1)
+    counts = contingency_matrix(c, y)  # (n_clusters, n_labels)
     rows, cols = linear_sum_assignment(counts, maximize=True)
     return float(counts[rows, cols].sum() / c.shape[0])
 
@@ -237,10 +235,9 @@ def _pair(pred: Any, true: Any, pred_name: str = "pred", true_name: str = "true"
         raise ValueError(f"{pred_name} has shape {p.shape} but {true_name} has shape {t.shape}")
     if p.size == 0:
         raise ValueError(f"{pred_name} is empty")
-    if not np.all(np.isfinite(p)):
-        raise ValueError(f"{pred_name} contains NaN/Inf")
-    if not np.all(np.isfinite(t)):
-        raise ValueError(f"{true_name} contains NaN/Inf")
+    for a, name in ((p, pred_name), (t, true_name)):
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"{name} contains NaN/Inf")
     return p, t
 
 
