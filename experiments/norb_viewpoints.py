@@ -38,6 +38,7 @@ from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnor
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb
 from probcaps.data.transforms import standardise_per_image
 from probcaps.errors import ConfigError
+from probcaps.io import append_jsonl
 from probcaps.inference.supervised import predict
 from probcaps.inference.train import (TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished,
                                       train_loop, truncate_log)
@@ -115,15 +116,13 @@ def load_sets(data: NorbDataConfig, data_dir=None) -> dict[str, NorbSet]:
     ``data.train_views = "all"``), fixed subsets of the test instances at familiar and at novel views, and a fixed
     subset of the training images."""
     train, test = load_split(data, "train", data_dir), load_split(data, "test", data_dir)
-    trained_on, _ = viewpoint_split(train, data.split)
-    if data.train_views == "all":
-        trained_on = torch.ones_like(trained_on)
+    trained_on = viewpoint_split(train, data.split)[0] | (data.train_views == "all")
     familiar_test, novel_test = viewpoint_split(test, data.split)
-    sets = {"train": fixed_subset(train.subset(trained_on), data.train_limit, "norb_train_limit", data.seed)}
-    sets["familiar"] = fixed_subset(test.subset(familiar_test), data.familiar_eval, "norb_eval", "familiar")
-    sets["novel"] = fixed_subset(test.subset(novel_test), data.novel_eval, "norb_eval", "novel")
-    sets["train_eval"] = fixed_subset(sets["train"], data.train_eval, "norb_eval", "train")
-    return sets
+    train = fixed_subset(train.subset(trained_on), data.train_limit, "norb_train_limit", data.seed)
+    return {"train": train,
+            "familiar": fixed_subset(test.subset(familiar_test), data.familiar_eval, "norb_eval", "familiar"),
+            "novel": fixed_subset(test.subset(novel_test), data.novel_eval, "norb_eval", "novel"),
+            "train_eval": fixed_subset(train, data.train_eval, "norb_eval", "train")}
 
 
 def fixed_subset(part: NorbSet, n: int, *key) -> NorbSet:
@@ -188,8 +187,8 @@ def make_loss(kind: str, model: torch.nn.Module, cfg: dict):
     return loss_fn
 
 
-def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, resume: bool, progress: bool) -> dict:
-    """Train one model on one seed, evaluating at every checkpoint; returns the training state."""
+def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, resume: bool, progress: bool) -> None:
+    """Train one model on one seed, evaluating at every checkpoint (``out/eval.jsonl``)."""
     torch.manual_seed(seed)
     model = build_model(kind, cfg).to(device)
     tcfg = dataclasses.replace(cfg[f"{kind}_train"], seed=seed)
@@ -204,22 +203,19 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
     def evaluate(state) -> None:
         record = {"step": state.step, "epoch": state.epoch, "wall_time_s": state.wall_time_s}
         for name in ("familiar", "novel"):
-            part = sets[name]
-            correct = correct_on(model, part, data_cfg, device)
+            correct = correct_on(model, sets[name], data_cfg, device)
             record[f"{name}_acc"] = float(correct.float().mean())
-            record[f"{name}_by_azimuth"] = accuracy_by(correct, part.azimuth)
-            record[f"{name}_by_elevation"] = accuracy_by(correct, part.elevation)
-        with open(eval_log, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            record.update({f"{name}_by_{key}": accuracy_by(correct, getattr(sets[name], key))
+                           for key in ("azimuth", "elevation")})
+        append_jsonl(eval_log, record)
 
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         evaluate(type("S", (), {"step": 0, "epoch": 0, "wall_time_s": 0.0})())
     batches = train_batches(sets["train"], tcfg.batch_size, seed, device, data_cfg.standardise_images)
     meta = {"kind": kind, "model_config": cfg[kind].to_dict(), "data": data_cfg.to_dict()}
-    state = train_loop(model, make_loss(kind, model, cfg), batches, tcfg, out, resume=resume, metadata=meta,
-                       progress=progress, on_checkpoint=evaluate)
-    return asdict(state)
+    train_loop(model, make_loss(kind, model, cfg), batches, tcfg, out, resume=resume, metadata=meta,
+               progress=progress, on_checkpoint=evaluate)
 
 
 # --------------------------------------------------------------------------- the matched comparison

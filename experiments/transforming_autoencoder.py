@@ -27,31 +27,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from probcaps import plotting
+from probcaps.cli import add_config_args, add_run_args, launch, one_line_errors, seed_summary, setup_run
+from probcaps.config import load_sections
+from probcaps.data import iterate_batches, load_digits as data_digits, seeded_generator
+from probcaps.errors import ConfigError
+from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised
+from probcaps.inference.train import (TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished,
+                                      train_loop, truncate_log)
+from probcaps.io import append_jsonl, write_json
+from probcaps.metrics import r2_scores
+from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder, TransformingAutoencoderConfig,
+                                                      estimate_transform, pose_consistency, transform_components)
+from probcaps.provenance import provenance, write_results
+from probcaps.render import warp
+
 ROOT = Path(__file__).resolve().parent.parent
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from probcaps.inference.train import (  # noqa: E402
-    TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
-)
-from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder,  # noqa: E402
-                                                      TransformingAutoencoderConfig, estimate_transform,
-                                                      pose_consistency, transform_components)
-from probcaps import plotting  # noqa: E402
-from probcaps.config import load_sections  # noqa: E402
-from probcaps.data import iterate_batches, seeded_generator  # noqa: E402
-from probcaps.data import load_digits as data_digits  # noqa: E402
-from probcaps.cli import (  # noqa: E402
-    add_config_args, seed_summary, add_run_args, setup_run, launch, one_line_errors,
-)
-from probcaps.errors import ConfigError  # noqa: E402
-from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised  # noqa: E402
-from probcaps.io import write_json  # noqa: E402
-from probcaps.metrics import r2_scores  # noqa: E402
-from probcaps.provenance import provenance, write_results  # noqa: E402
-from probcaps.render import warp  # noqa: E402
-
 NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams
 RECIPES = [ROOT / "experiments" / "configs" / f"{NAME}_{mode}.toml" for mode in MODES]
 DIGIT_WINDOW = 22  # the numpy reproduction scores its MSE on a 22x22 crop: the same window, centred on the target digit
@@ -151,8 +145,7 @@ def sample_transforms(n: int, rng: TransformRange, canvas: int, generator: torch
     """
     prefix = "jitter_" if jitter else ""
     u = torch.rand(n, 6, generator=generator, dtype=torch.float64) * 2 - 1
-    scale, rot = getattr(rng, prefix + "scale"), getattr(rng, prefix + "rotation_deg")
-    shear, trans = getattr(rng, prefix + "shear"), getattr(rng, prefix + "translation_px")
+    scale, rot, shear, trans = (getattr(rng, prefix + k) for k in ("scale", "rotation_deg", "shear", "translation_px"))
     T = affine_matrix(1 + scale * u[:, 0], 1 + scale * u[:, 1], degrees(rot * u[:, 2]), shear * u[:, 3],
                       pixels_to_normalised(trans * u[:, 4], canvas), pixels_to_normalised(trans * u[:, 5], canvas))
     return T.float()
@@ -175,11 +168,9 @@ def make_pairs(digits: torch.Tensor, rng: TransformRange, canvas: int, generator
     placement = compose(T, A)
     x1, x2 = warp(digits, A, canvas), warp(digits, placement, canvas)
     if swap:
-        flip = (torch.rand(B, generator=generator) < 0.5).to(device)
-        f4 = flip.view(B, 1, 1, 1)
-        x1, x2 = torch.where(f4, x2, x1), torch.where(f4, x1, x2)
-        T = torch.where(flip.view(B, 1, 1), invert(T), T)
-        placement = torch.where(flip.view(B, 1, 1), A, placement)
+        flip = (torch.rand(B, generator=generator) < 0.5).to(device).view(B, 1, 1, 1)
+        x1, x2 = torch.where(flip, x2, x1), torch.where(flip, x1, x2)
+        T, placement = torch.where(flip[..., 0], invert(T), T), torch.where(flip[..., 0], A, placement)
     return {"input": x1, "transform": T, "target": x2, "placement": placement}
 
 
@@ -255,9 +246,8 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
         model.eval()
         scores = score_pairs(model, curve_set, cfg["eval"].batch_size)
         model.train()
-        with open(curve_path, "a") as f:
-            f.write(json.dumps({"step": state.step, **{f"r2_{k}": v for k, v in scores["r2"].items()},
-                                "recon_mse": scores["recon_mse"]}) + "\n")
+        append_jsonl(curve_path, {"step": state.step, **{f"r2_{k}": v for k, v in scores["r2"].items()},
+                                  "recon_mse": scores["recon_mse"]})
         curve_time[0] += time.perf_counter() - t0
 
     if resume:
@@ -379,10 +369,9 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
                     ecfg.batch_size, warps)
     # the linear readout: a least-squares map (with intercept) from the raw estimate's components to the true ones
     readout = LinearRegression().fit(fit["pred"].double().numpy(), fit["true"].double().numpy())
-    pred_linear = torch.from_numpy(readout.predict(res["pred"].double().numpy()))
-    names = transform_components(pairs["transform"][:1], mode, canvas)[1]
     r2_raw = r2_scores(res["pred"], res["true"])
-    r2_lin = r2_scores(pred_linear, res["true"])
+    r2_lin = r2_scores(torch.from_numpy(readout.predict(res["pred"].double().numpy())), res["true"])
+    names = transform_components(pairs["transform"][:1], mode, canvas)[1]
     active = (res["p1"] > ecfg.presence_threshold).sum(1).double()
     keypoints = {}
     if model.config.recognition == "conv":
@@ -392,23 +381,16 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
         keypoints = {"keypoint_spread_px": float(torch.cat([k for k, _ in spreads]).mean()) * px,
                      "attention_centre_spread_px": float(torch.cat([c for _, c in spreads]).mean()) * px}
     metrics = {
-        "components": names,
-        **{f"r2_{k}": float(v) for k, v in zip(names, r2_raw)},
+        "components": names, **{f"r2_{k}": float(v) for k, v in zip(names, r2_raw)},
         **{f"r2_linear_{k}": float(v) for k, v in zip(names, r2_lin)},
-        "r2_min": float(r2_raw.min()),
-        "r2_linear_min": float(r2_lin.min()),
-        "recon_mse": float(res["sq_err"].mean()),
-        "recon_mse_window": float(res["win_err"].mean()),
+        "r2_min": float(r2_raw.min()), "r2_linear_min": float(r2_lin.min()),
+        "recon_mse": float(res["sq_err"].mean()), "recon_mse_window": float(res["win_err"].mean()),
         "zero_image_mse_window": float(res["win_zero"].mean()),
-        "active_capsules_mean": float(active.mean()),
-        "active_capsules_median": float(active.median()),
-        "heldout_pairs": int(ecfg.pairs),
-        "test_time_warps": int(ecfg.test_time_warps),
-        **keypoints,
+        "active_capsules_mean": float(active.mean()), "active_capsules_median": float(active.median()),
+        "heldout_pairs": int(ecfg.pairs), "test_time_warps": int(ecfg.test_time_warps), **keypoints,
         "error_breakdown": error_breakdown(res["pred"], res["true"], test_labels[pairs["index"]], names),
     }
-    arrays = {"pairs": pairs, "res": res, "pred_linear": pred_linear, "names": names}
-    return metrics, arrays
+    return metrics, {"pairs": pairs, "res": res, "names": names}
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -436,12 +418,10 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
     plotting.plot_templates(model.templates().detach().cpu(), results_dir / f"{prefix}_templates.png",
                             title=f"{mode}: learned templates")
     losses, r2s = {}, {}
-    for run in runs:
-        if (run / "log.jsonl").is_file():
-            recs = read_jsonl(run / "log.jsonl")
+    for run in runs:  # (read_jsonl: [] for a missing log)
+        if recs := read_jsonl(run / "log.jsonl"):
             losses[run.name] = ([r["step"] for r in recs], [r["loss"] for r in recs])
-        if (run / "r2_curve.jsonl").is_file():
-            recs = read_jsonl(run / "r2_curve.jsonl")
+        if recs := read_jsonl(run / "r2_curve.jsonl"):
             r2s.update({f"{run.name} {c}": ([r["step"] for r in recs], [r[f"r2_{c}"] for r in recs]) for c in names})
     if losses:
         plotting.plot_curves(losses, results_dir / f"{prefix}_training.png", xlabel="step",

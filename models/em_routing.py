@@ -40,7 +40,6 @@ __all__ = ["EMConfig", "em_routing", "em_routing_conv", "votes_cache", "conv_vot
            "log_softmax_parents", "weighted_moments", "pose_transform_matrix"]
 
 _LOG_2PI = math.log(2 * math.pi)
-_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -225,8 +224,7 @@ def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_flo
         # inputs better than the others do, whatever the cost's overall scale
         centred = cost - cost.mean(-1, keepdim=True)
         cost = centred / (centred.pow(2).mean(-1, keepdim=True) + 1e-12).sqrt()
-    log_a = F.logsigmoid(lam * (beta_a - cost))
-    return mu, var, log_a
+    return mu, var, F.logsigmoid(lam * (beta_a - cost))
 
 
 def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor, cfg: EMConfig,
@@ -246,20 +244,17 @@ def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_
         var_floor = cfg.var_floor * torch.exp2(-2 * e)
         log_scale2 = (2 * math.log(2)) * e
     log_a_in = log_a_in.clamp_min(cfg.log_a_floor)
-    bv, ba = beta_v.view(1, J, 1), beta_a.view(1, J)
-    T = cfg.iterations
+    bv, ba, T = beta_v.view(1, J, 1), beta_a.view(1, J), cfg.iterations
     with torch.no_grad():
         log_R = normalise(log_a_in.new_zeros(N, J, I))     # uniform over each input's parents
         for t in range(T - 1):
-            log_w = log_R + log_a_in[:, None, :]
-            mu, var, log_a = _m_step(log_w, lambda wn: _moments(wn, cache), bv.detach(), ba.detach(),
-                                     cfg.inverse_temperature * (t + 1) / T, var_floor, cfg.standardise_cost,
-                                     log_scale2)
+            mu, var, log_a = _m_step(log_R + log_a_in[:, None, :], lambda wn: _moments(wn, cache), bv.detach(),
+                                     ba.detach(), cfg.inverse_temperature * (t + 1) / T, var_floor,
+                                     cfg.standardise_cost, log_scale2)
             log_R = normalise(_log_gaussian(cache, mu, var, log_scale2) + log_a[..., None])
     # the last M-step carries the gradient (the assignments log_R are constants here)
-    log_w = log_R + log_a_in[:, None, :]
-    mu, var, log_a = _m_step(log_w, lambda wn: weighted_moments(wn, cache), bv, ba, cfg.inverse_temperature,
-                             var_floor, cfg.standardise_cost, log_scale2)
+    mu, var, log_a = _m_step(log_R + log_a_in[:, None, :], lambda wn: weighted_moments(wn, cache), bv, ba,
+                             cfg.inverse_temperature, var_floor, cfg.standardise_cost, log_scale2)
     return mu + cache.center, var, log_a, log_R
 
 
@@ -267,8 +262,7 @@ def _scale_exponent(x: torch.Tensor, above: float) -> torch.Tensor:
     """``(N,)`` per row of ``x`` ``(N, ...)``: the ``e`` with ``2^e <= max |x_n| < 2^(e + 1)`` where that maximum
     exceeds ``2^above``, else 0 (rows of ordinary magnitude are left exactly as they are)."""
     lo, hi = torch.aminmax(x.detach().reshape(x.shape[0], -1), dim=1)  # (faster than vector_norm(ord=inf))
-    peak = torch.maximum(-lo, hi)
-    e = torch.frexp(peak)[1] - 1
+    e = torch.frexp(torch.maximum(-lo, hi))[1] - 1
     return torch.where(e >= above, e, torch.zeros_like(e))
 
 
@@ -298,14 +292,13 @@ def _unscaled(outputs, scale_exp: torch.Tensor | None, out_dtype: torch.dtype):
     return tuple(t.clamp(finfo.min, finfo.max).to(out_dtype) for t in (mu, var, log_a, log_R))
 
 
-def _compute_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
-    """Half precision is routed in float32 (squared votes leave float16's range near 256); float32 and float64
-    in their own dtype; any other dtype is refused."""
-    if dtype in _HALF:
-        return torch.float32
+def _in_compute_dtype(where: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` in the dtype of the first's routing: half precision in float32 (squared votes leave float16's
+    range near 256), float32 and float64 in their own dtype; any other dtype is refused."""
+    dtype = torch.float32 if tensors[0].dtype in (torch.float16, torch.bfloat16) else tensors[0].dtype
     if dtype not in (torch.float32, torch.float64):
         raise ConfigError(f"{where}: dtype {dtype} is not supported (float16, bfloat16, float32 or float64)")
-    return dtype
+    return [t.to(dtype) for t in tensors]
 
 
 def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor,
@@ -322,11 +315,10 @@ def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor
         ``votes``' dtype (computed in float32 for half-precision votes).
     """
     out_dtype = votes.dtype
-    dtype = _compute_dtype(votes.dtype, "em_routing")
-    votes, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (votes, log_a_in, beta_v, beta_a))
-    scale_exp = _scale_exponent(votes, _max_exponent(dtype) / 4)
+    votes, log_a_in, beta_v, beta_a = _in_compute_dtype("em_routing", votes, log_a_in, beta_v, beta_a)
+    scale_exp = _scale_exponent(votes, _max_exponent(votes.dtype) / 4)
     if bool((scale_exp != 0).any()):
-        votes = votes / torch.exp2(scale_exp.to(dtype)).view(-1, 1, 1, 1)
+        votes = votes / torch.exp2(scale_exp.to(votes.dtype)).view(-1, 1, 1, 1)
     else:
         scale_exp = None
     return _unscaled(_route(votes_cache(votes), log_a_in, beta_v, beta_a, cfg, normalise, scale_exp),
@@ -342,8 +334,8 @@ def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, be
         M: ``(N, I, 4, 4)`` input poses per output position; W: ``(I, J, 4, 4)``. Otherwise as :func:`em_routing`.
     """
     out_dtype = M.dtype
-    dtype = _compute_dtype(M.dtype, "em_routing_conv")
-    M, W, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (M, W, log_a_in, beta_v, beta_a))
+    M, W, log_a_in, beta_v, beta_a = _in_compute_dtype("em_routing_conv", M, W, log_a_in, beta_v, beta_a)
+    dtype = M.dtype
     above = _max_exponent(dtype) / 8
     e_M = _scale_exponent(M, above)                                     # (N,)
     e_W = _scale_exponent(W.reshape(1, -1), above)                      # (1,)

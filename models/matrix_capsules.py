@@ -1,24 +1,21 @@
 """Matrix capsules with EM routing (Hinton, Sabour & Frosst 2018): the smallNORB network and the spread loss.
 
-Every capsule has a 4x4 pose matrix ``M`` and an activation ``a`` (held as ``log a``).  Layers:
+Every capsule has a 4x4 pose matrix ``M`` and an activation ``a`` (held as ``log a``).  Layers: ``ReLU Conv1``
+(``A`` channels, 5x5, stride 2: 32x32 -> 14x14); ``PrimaryCaps`` (a 1x1 convolution to ``B`` capsule types);
+``ConvCaps1`` (``C`` types, 3x3, stride 2: 14 -> 6) and ``ConvCaps2`` (``D`` types, 3x3, stride 1: 6 -> 4), whose
+votes ``M_i W_ij`` (one learned 4x4 transform per kernel position, input type and output type, shared over
+positions) are routed by EM (``probcaps.models.em_routing``), an input's assignments normalised over every parent
+in every overlapping patch it belongs to; ``ClassCaps`` (one capsule per class, transforms shared over positions,
+with *coordinate addition*: the scaled (x, y) centre of each input's receptive field added to its vote's
+translation entries).
 
-- ``ReLU Conv1``: ``A`` channels, 5x5, stride 2 (32x32 -> 14x14);
-- ``PrimaryCaps``: a 1x1 convolution to ``B`` capsule types (16 pose entries + a sigmoid activation each);
-- ``ConvCaps1`` (``C`` types, 3x3, stride 2: 14 -> 6) and ``ConvCaps2`` (``D`` types, 3x3, stride 1: 6 -> 4):
-  each output capsule type has one learned 4x4 transform per kernel position and input type, shared over
-  positions; votes ``M_i W_ij`` are routed by EM (``probcaps.models.em_routing``).  An input capsule sits in several
-  overlapping patches; its assignments are normalised over every parent in every patch it belongs to.
-- ``ClassCaps``: one capsule per class; transforms shared over positions (one per input type and class), with
-  *coordinate addition*: the scaled (x, y) centre of each input's receptive field is added to the first two
-  entries of the right-hand column of its vote.
-
-The paper's smallNORB network is ``A, B, C, D = 32, 32, 32, 32``; the benchmark network here is
-``64, 8, 16, 16`` (``MatrixCapsConfig()`` defaults).  Shapes: poses ``(batch, types, 16, H, W)``, log activations
-``(batch, types, H, W)``.
+The paper's network is ``A, B, C, D = 32, 32, 32, 32``; ``MatrixCapsConfig()`` defaults to ``64, 8, 16, 16``.
+Shapes: poses ``(batch, types, 16, H, W)``, log activations ``(batch, types, H, W)``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -79,13 +76,12 @@ class PrimaryCaps(nn.Module):
         return self.pose(x).view(b, self.types, 16, h, w), F.logsigmoid(self.activation(x))
 
 
-def _patch_index(size: int, kernel: int, stride: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _patch_index(size: int, kernel: int, stride: int, device=None) -> torch.Tensor:
     """``(P * K * K,)`` flat input location of each (output position, kernel offset), in ``F.unfold``'s order."""
-    out = (size - kernel) // stride + 1
-    o = torch.arange(out) * stride
-    k = torch.arange(kernel)
-    rows = (o[:, None, None, None] + k[None, None, :, None])  # (oy, ox, ky, kx) broadcast
-    cols = (o[None, :, None, None] + k[None, None, None, :])
+    o, k = torch.arange((size - kernel) // stride + 1, device=device) * stride, torch.arange(kernel, device=device)
+    rows = o[:, None, None, None] + k[None, None, :, None]  # (oy, ox, ky, kx) broadcast
+    cols = o[None, :, None, None] + k[None, None, None, :]
     return (rows * size + cols).reshape(-1)
 
 
@@ -124,29 +120,20 @@ class ConvCaps(nn.Module):
         self.W = _init_transforms(kernel * kernel * in_types, out_types, std=init_std)
         self.beta_v = nn.Parameter(torch.zeros(out_types))
         self.beta_a = nn.Parameter(torch.zeros(out_types))
-        self._index_cache: dict = {}
-
-    def _index(self, size: int, device) -> torch.Tensor:
-        key = (size, device)
-        if key not in self._index_cache:
-            self._index_cache[key] = _patch_index(size, self.kernel, self.stride).to(device)
-        return self._index_cache[key]
 
     def forward(self, pose: torch.Tensor, log_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _, h, w = pose.shape
         if h != w:
             raise ValueError(f"ConvCaps: square inputs only, got {h}x{w}")
-        k, s = self.kernel, self.stride
+        k, s, J = self.kernel, self.stride, self.out_types
         out = (h - k) // s + 1
         P, KK = out * out, k * k
-        stacked = torch.cat([pose, log_a[:, :, None]], 2)                       # (b, t, 17, h, w)
-        patches = stacked.unfold(3, k, s).unfold(4, k, s)                        # (b, t, 17, oy, ox, ky, kx): a view
+        # (b, t, 17, h, w) -> (b, t, 17, oy, ox, ky, kx), a view, -> (b * P, K * K * t, 17)
+        patches = torch.cat([pose, log_a[:, :, None]], 2).unfold(3, k, s).unfold(4, k, s)
         patches = patches.permute(0, 3, 4, 5, 6, 1, 2).reshape(b * P, KK * t, 17)
         M = patches[..., :16].reshape(b * P, KK * t, 4, 4)
-        log_a_in = patches[..., 16]
-        normalise = patch_normaliser(self._index(h, pose.device), b, P, KK, t, self.out_types, h * w)
-        mu, _, log_a_out, _ = em_routing_conv(M, self.W, log_a_in, self.beta_v, self.beta_a, self.em, normalise)
-        J = self.out_types
+        normalise = patch_normaliser(_patch_index(h, k, s, pose.device), b, P, KK, t, J, h * w)
+        mu, _, log_a_out, _ = em_routing_conv(M, self.W, patches[..., 16], self.beta_v, self.beta_a, self.em, normalise)
         return (mu.view(b, out, out, J, 16).permute(0, 3, 4, 1, 2),
                 log_a_out.view(b, out, out, J).permute(0, 3, 1, 2))
 
@@ -174,8 +161,7 @@ class ClassCaps(nn.Module):
             coords = pose.new_zeros(h * w, 4, 4)
             coords[:, 0, 3], coords[:, 1, 3] = xs.reshape(-1), ys.reshape(-1)
             votes = votes + coords[None, None, :, None]
-        E = votes.shape[1]
-        votes = votes.reshape(b, E, h * w * t, 16)
+        votes = votes.reshape(b, votes.shape[1], h * w * t, 16)
         log_a_in = log_a.permute(0, 2, 3, 1).reshape(b, h * w * t)
         mu, _, log_a_out, log_R = em_routing(votes, log_a_in, self.beta_v, self.beta_a, self.em)
         return mu, log_a_out, log_R

@@ -36,12 +36,11 @@ class NorbCNN(nn.Module):
     def __init__(self, cfg: NorbCNNConfig = NorbCNNConfig()):
         super().__init__()
         self.cfg = cfg
-        convs, c_in, size = [], cfg.in_channels, cfg.input_size
-        for c_out in cfg.channels:
-            convs.append(nn.Conv2d(c_in, c_out, cfg.kernel, padding=cfg.kernel // 2))
-            c_in, size = c_out, size // 2
-        self.convs = nn.ModuleList(convs)
-        self.hidden = nn.Linear(c_in * size * size, cfg.hidden)
+        widths = [cfg.in_channels, *cfg.channels]
+        self.convs = nn.ModuleList(nn.Conv2d(c_in, c_out, cfg.kernel, padding=cfg.kernel // 2)
+                                   for c_in, c_out in zip(widths, widths[1:]))
+        size = cfg.input_size // 2 ** len(cfg.channels)  # each conv is followed by a 2x2 max pooling
+        self.hidden = nn.Linear(widths[-1] * size * size, cfg.hidden)
         self.out = nn.Linear(cfg.hidden, cfg.num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
