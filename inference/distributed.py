@@ -36,9 +36,7 @@ class World:
     def seed(self, seed: int) -> int:
         """This process's seed: ``seed`` itself on rank 0 (a one-process run is unchanged), a stream derived from
         ``(seed, rank)`` elsewhere."""
-        if self.rank == 0:
-            return seed
-        return int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
+        return seed if self.rank == 0 else int(np.random.SeedSequence([seed, self.rank]).generate_state(1)[0])
 
     def wrap(self, loss_module: nn.Module) -> nn.Module:
         """``DistributedDataParallel`` around the module whose forward computes the loss."""
@@ -63,10 +61,9 @@ class World:
         """One collective a step: the global mean loss (the sum of the processes' ``loss_share``), the global means
         of the extra loss terms (weighed by each process's ``share`` of the items) and the agreed stop signal."""
         keys = sorted(terms)
-        vec = torch.cat([loss_share.reshape(1).to(torch.float64),
-                         torch.tensor([terms[k] * share for k in keys] + _one_hot(signum), dtype=torch.float64,
-                                      device=loss_share.device)])
-        vec = self._all_sum(vec)
+        vec = self._all_sum(torch.cat([loss_share.reshape(1).to(torch.float64),
+                                       torch.tensor([terms[k] * share for k in keys] + _one_hot(signum),
+                                                    dtype=torch.float64, device=loss_share.device)]))
         return vec[0], {k: float(v) for k, v in zip(keys, vec[1:1 + len(keys)])}, _signal_of(vec[1 + len(keys):])
 
     def _all_sum(self, t: torch.Tensor) -> torch.Tensor:

@@ -138,18 +138,16 @@ def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
                         data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
                         figures: bool | None = None) -> dict:
-    """Probe and k-means accuracies on every readout of :data:`READOUTS` (train and test), the objects' class
-    purity, per-class accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a
-    checkpoint.
+    """Probe and k-means accuracies on every readout of :data:`READOUTS`, the objects' class purity, per-class
+    accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a checkpoint.
 
     The probes are fit on the training images' features and scored on both splits; k-means (10 clusters, matched to
     the classes by the Hungarian algorithm) is fit on each split on its own.  Keys: ``probe_<readout>_<split>_acc``,
     ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` (per-class accuracy and confusion matrix),
     ``object_class_purity`` (objects weighted by their expected part counts) and ``object_class_purity_presence``
     (by their prior presences), ``published_scae``.  Writes ``results_dir/<name>.json`` (metrics + provenance) and,
-    with figures, ``<name>_*.png``: templates, reconstructions, presence by class, objects by class
-    (``<name>_objects_by_class.png``) and the probes' confusion matrices (``<name>_confusion_<readout>.png``).
-    Returns the metrics.
+    with figures, ``<name>_*.png`` (templates, reconstructions, presence and objects by class, the probes' confusion
+    matrices); returns the metrics.
     """
     t0 = time.perf_counter()
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
@@ -219,11 +217,9 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
     """The table of ``results_dir/<name>.json`` written by :func:`evaluate_checkpoint`: probe and k-means on every
     readout (train / test), beside SCAE's; None when the file does not exist."""
     loaded = load_result(results_dir, name)
-    if loaded is None:
+    if loaded is None or "probe_posterior_counts_test_acc" not in loaded[0]:
         return None
     m, prov = loaded
-    if "probe_posterior_counts_test_acc" not in m:
-        return None
 
     def pct(key: str) -> str:
         return f"{100 * m[f'{key}_train_acc']:.1f} / {100 * m[f'{key}_test_acc']:.1f}"

@@ -85,13 +85,11 @@ class CapsuleEncoder(nn.Module):
         self.parts = PartEncoder(
             num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides), feature_dim=cfg.part_features,
             pose_kwargs=dict(min_scale=cfg.min_scale, max_scale=cfg.max_scale, max_translation=cfg.max_translation),
-            bf16=cfg.bf16, compile=compile,
-        )
+            bf16=cfg.bf16, compile=compile)
         self.part_embedding = nn.Parameter(0.1 * torch.randn(num_parts, cfg.part_embedding))
-        self.set_transformer = SetTransformer(
-            7 + cfg.part_embedding, num_parents, cfg.parent_code, dim_hidden=cfg.set_hidden,
-            num_heads=cfg.set_heads, num_inds=cfg.set_inducing, num_isab=cfg.set_blocks,
-        )
+        self.set_transformer = SetTransformer(7 + cfg.part_embedding, num_parents, cfg.parent_code,
+                                              dim_hidden=cfg.set_hidden, num_heads=cfg.set_heads,
+                                              num_inds=cfg.set_inducing, num_isab=cfg.set_blocks)
         self.presence_head = _head(cfg.parent_code, cfg.head_hidden, 1)
         self.pose_head = _head(cfg.parent_code, cfg.head_hidden, 6)
 
@@ -105,8 +103,7 @@ class CapsuleEncoder(nn.Module):
 
         Absent parts are masked out of the attention by their presence.
         """
-        B = part_poses.shape[0]
-        emb = self.part_embedding.expand(B, *self.part_embedding.shape)
+        emb = self.part_embedding.expand(part_poses.shape[0], *self.part_embedding.shape)
         tokens = torch.cat([part_poses, part_presences.unsqueeze(-1), emb], -1)
         code = self.set_transformer(tokens, key_weights=part_presences)
         return self.presence_head(code).squeeze(-1), self.pose_head(code)
@@ -124,8 +121,7 @@ class DeltaGuide(PyroModule):
 
     def __init__(self, encoder: CapsuleEncoder, temperature: float):
         super().__init__()
-        self.encoder = encoder
-        self.temperature = temperature
+        self.encoder, self.temperature = encoder, temperature
 
     def pose_distribution(self, loc: torch.Tensor, name: str):
         """The variational family of the poses ``name`` (here a point mass)."""
@@ -136,10 +132,9 @@ class DeltaGuide(PyroModule):
         unused here.  Returns ``(z1 (B, K), y1 (B, K, 6), z0 (B, M), y0 (B, M, 6))``."""
         if x.dim() == 3:
             x = x.unsqueeze(1)
-        B = x.shape[0]
         tau = x.new_tensor(self.temperature)
         part_logits, part_poses = self.encoder.encode_parts(x)
-        data = pyro.plate("data", B, dim=-2)
+        data = pyro.plate("data", x.shape[0], dim=-2)
         with data, pyro.plate("children", part_logits.shape[-1], dim=-1):
             z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=part_logits))
             y0 = pyro.sample("y0", self.pose_distribution(part_poses, "y0"))

@@ -527,8 +527,7 @@ class _Run:
         callback_pending = self._start(resume, force, started)
         if tensorboard and self.is_main:
             self._open_tensorboard()
-        cfg, state = self.cfg, self.state
-        self.bar = tqdm(total=cfg.steps, initial=state.step, disable=not self.progress or not self.is_main,
+        self.bar = tqdm(total=self.cfg.steps, initial=self.state.step, disable=not self.progress or not self.is_main,
                         desc="train", unit="step", dynamic_ncols=True)
         try:
             self._loop(callback_pending)
@@ -541,12 +540,11 @@ class _Run:
             self.bar.close()
             if self.writer is not None:
                 self.writer.close()
-        return state
+        return self.state
 
     def _loop(self, callback_pending: bool) -> None:
         cfg, state, world = self.cfg, self.state, self.world
-        iterator = None
-        window_t = time.perf_counter()
+        iterator, window_t = None, time.perf_counter()
         signum = world.agree_stop(self.stop.signum)
         if callback_pending and not signum:  # cut by Ctrl-C inside the callback of the step we resume from
             self._checkpoint()
