@@ -368,10 +368,8 @@ class _Run:
     # ------------------------------------------------------------------------------------------ start-up
 
     def _start(self, resume: bool, force: bool, started: bool) -> bool:
-        """Decide between resuming, starting afresh and refusing (before any slow work, so that a kill during the
-        rest of the start-up leaves a folder that ``resume`` continues), build the optimiser and scheduler, then
-        load the checkpoint or seed; returns whether the checkpoint we resume from still owes its
-        ``on_checkpoint`` call."""
+        """Resume, start afresh or refuse (before any slow work: a kill during the rest leaves a folder that
+        ``resume`` continues); returns whether the checkpoint resumed from still owes its ``on_checkpoint`` call."""
         cfg = self.cfg
         files = (self.ckpt_path, self.final_path, self.log_path)
         for path in files if self.is_main else ():  # temporary files of writes a kill -9 cut short (we hold the lock)
