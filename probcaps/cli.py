@@ -379,9 +379,8 @@ def _evaluate(args) -> None:
 def _print_metrics(metrics: dict) -> None:
     """The scalar metrics, one a line (per-class reports and confusion matrices stay in the results JSON)."""
     for key, value in metrics.items():
-        if isinstance(value, (dict, list)):
-            continue
-        print(f"  {key:34s} {value:.4f}" if isinstance(value, float) else f"  {key:34s} {value}")
+        if not isinstance(value, (dict, list)):
+            print(f"  {key:34s} {value:.4f}" if isinstance(value, float) else f"  {key:34s} {value}")
 
 
 def _demo(args) -> None:

@@ -271,11 +271,9 @@ def read_toml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if not isinstance(base, str):
         raise ConfigError(f"{path}: 'base' must be a path to another config, got {base!r}")
     merged = read_toml(path.parent / base, _chain + (path.resolve(),))
-    for key, value in raw.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
-        else:
-            merged[key] = value
+    for key, value in raw.items():  # a section merged key by key, anything else replaced
+        both = isinstance(value, dict) and isinstance(merged.get(key), dict)
+        merged[key] = {**merged[key], **value} if both else value
     return merged
 
 

@@ -135,11 +135,6 @@ def affnist_recipe(digits: torch.Tensor, seed: int = 0, recipe: dict = AFFNIST_R
     return out, params
 
 
-def _recipe_key(seed: int, recipe: dict) -> str:
-    text = repr((seed, sorted(recipe.items()), "v1"))
-    return hashlib.sha1(text.encode()).hexdigest()[:10]
-
-
 def affnist_recipe_test(data_dir: str | os.PathLike | None = None, seed: int = 0, cache_dir=None,
                         limit: int | None = None, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The affNIST-recipe stand-in of the 10,000 MNIST test digits: ``(images uint8 (N, 40, 40), labels (N,))``.
@@ -150,7 +145,8 @@ def affnist_recipe_test(data_dir: str | os.PathLike | None = None, seed: int = 0
     """
     digits, labels = load_mnist("test", data_dir, verify=verify)
     cache = Path(cache_dir) if cache_dir is not None else user_cache_dir() / "affnist_recipe"
-    path = cache / f"affnist_recipe_test_{_recipe_key(seed, AFFNIST_RECIPE)}.npz"
+    key = hashlib.sha1(repr((seed, sorted(AFFNIST_RECIPE.items()), "v1")).encode()).hexdigest()[:10]
+    path = cache / f"affnist_recipe_test_{key}.npz"
     images = None
     with contextlib.suppress(Exception):  # no cache yet, or an unreadable one: generate below
         with np.load(path) as f:

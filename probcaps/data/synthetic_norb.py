@@ -213,43 +213,37 @@ def synthetic_norb(split: str, data_dir: str | os.PathLike | None = None, seed: 
     memo_key = (split, seed, size, instances_per_split, elevations, lightings, variant)
     if cache and memo_key in _MEMO:
         return _MEMO[memo_key]
-    data = _load_or_render(split, data_dir, seed, size, cache and full, chunk, instances_per_split, elevations,
-                           lightings, variant)
+    name = f"{_cache_key(seed, size, variant)}_{split}.pt"
+    path = next((p / name for p in _cache_dirs(data_dir) if (p / name).is_file()), None)
+    if cache and full and path is not None:
+        try:
+            data = NorbSet(**torch.load(path, weights_only=True))
+        except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
+            raise DataError(f"{path}: unreadable synthetic_norb cache ({type(e).__name__}); delete it") from None
+    else:
+        centres, radii, mask, albedo = _instances(seed, variant=variant)
+        first = 0 if split == "train" else 5
+        grid = torch.meshgrid(torch.arange(5), torch.arange(first, first + instances_per_split),
+                              torch.tensor(AZIMUTHS), torch.tensor(ELEVATIONS_DEG[:elevations]),
+                              torch.arange(lightings), indexing="ij")
+        cls, inst, az, el, light = (g.reshape(-1) for g in grid)
+        images = torch.empty(cls.shape[0], size, size, dtype=torch.uint8)
+        for start in range(0, cls.shape[0], chunk):  # chunks of images (bounded memory), vectorised within
+            s = slice(start, start + chunk)
+            obj = (cls[s], inst[s])
+            img = render_views(centres[obj], radii[obj], mask[obj], albedo[obj], az[s], el[s], light[s], size=size)
+            images[s] = (img * 255).round().to(torch.uint8)
+        data = NorbSet(images, cls, inst, az, el, light)
+        for folder in _cache_dirs(data_dir) if cache and full else ():
+            with contextlib.suppress(OSError):  # a read-only data root: try the user cache
+                atomic_torch_save(vars(data), folder / name)
+                break
     if cache:  # the same process asking again (e.g. an experiment's report) gets the same tensors
         _MEMO[memo_key] = data
     return data
 
 
 _MEMO: dict[tuple, NorbSet] = {}
-
-
-def _load_or_render(split, data_dir, seed, size, cache, chunk, instances_per_split, elevations,
-                    lightings, variant) -> NorbSet:
-    name = f"{_cache_key(seed, size, variant)}_{split}.pt"
-    path = next((p / name for p in _cache_dirs(data_dir) if (p / name).is_file()), None)
-    if cache and path is not None:
-        try:
-            return NorbSet(**torch.load(path, weights_only=True))
-        except Exception as e:  # noqa: BLE001 - any unreadable cache is re-rendered
-            raise DataError(f"{path}: unreadable synthetic_norb cache ({type(e).__name__}); delete it") from None
-    centres, radii, mask, albedo = _instances(seed, variant=variant)
-    first = 0 if split == "train" else 5
-    grid = torch.meshgrid(torch.arange(5), torch.arange(first, first + instances_per_split),
-                          torch.tensor(AZIMUTHS), torch.tensor(ELEVATIONS_DEG[:elevations]),
-                          torch.arange(lightings), indexing="ij")
-    cls, inst, az, el, light = (g.reshape(-1) for g in grid)
-    images = torch.empty(cls.shape[0], size, size, dtype=torch.uint8)
-    for start in range(0, cls.shape[0], chunk):  # chunks of images (bounded memory), vectorised within
-        s = slice(start, start + chunk)
-        img = render_views(centres[cls[s], inst[s]], radii[cls[s], inst[s]], mask[cls[s], inst[s]],
-                           albedo[cls[s], inst[s]], az[s], el[s], light[s], size=size)
-        images[s] = (img * 255).round().to(torch.uint8)
-    data = NorbSet(images, cls, inst, az, el, light)
-    for folder in _cache_dirs(data_dir) if cache else ():
-        with contextlib.suppress(OSError):  # a read-only data root: try the user cache
-            atomic_torch_save(vars(data), folder / name)
-            break
-    return data
 
 
 def _cache_dirs(data_dir) -> list[Path]:
