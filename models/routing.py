@@ -24,6 +24,7 @@ from probcaps.errors import ConfigError
 
 __all__ = ["squash", "capsule_predictions", "dynamic_routing", "linear_dynamic_routing"]
 
+
 def _compute_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
     """float32 for half precision (its squared norms overflow near ``|x| ~ 256``), float32 and float64 as they
     are; any other dtype is refused."""
