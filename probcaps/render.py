@@ -320,46 +320,84 @@ def _window_cost(extents: torch.Tensor, sides: list[int], out_size: tuple[int, i
     return sum(c * min(s, H) * min(s, W) for c, s in zip(counts, sides))
 
 
+def _layer_cumsum_(buffer: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """Cumulative sum in place over the layers of a ``(B, M, HW)`` buffer, from the front (``reverse``) or the back.
+
+    One add of two ``(B, HW)`` slices a layer: on CPU several times faster than ``torch.cumsum`` over a dimension
+    that is not the last, which walks each pixel's layers ``HW`` elements apart.
+    """
+    M = buffer.shape[1]
+    for m in range(M - 2, -1, -1) if reverse else range(1, M):
+        buffer[:, m].add_(buffer[:, m + 1 if reverse else m - 1])
+    return buffer
+
+
+#: The footprint compositing sums over the layers ``chunk`` images at a time, in a ``(chunk, M, H W)`` buffer of
+#: about this many elements: small enough to stay in cache between its passes.
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _layer_sums(values, entries, layout, reverse: bool, base=None):
+    """Each footprint pixel's sum over the layers at or in front of (``reverse``) or at or behind its own.
+
+    ``values`` are the groups' ``(n, h, w)`` footprints, scattered chunk by chunk into a zeroed ``(chunk, M, H W)``
+    buffer at their ``entries``, summed there (``base`` ``(B, H W)`` added to the back layer first) and read back.
+    Returns the sums, shaped as ``values``, and ``(B, H W)``: each pixel's sum over all the layers.
+    """
+    B, M, HW, chunk, bounds = layout
+    buffer = values[0].new_empty(min(chunk, B) * M * HW)
+    sums = [torch.empty_like(v) for v in values]
+    total = values[0].new_empty(B, HW)
+    for c, b0 in enumerate(range(0, B, chunk)):
+        nb = min(chunk, B - b0)
+        flat = buffer[:nb * M * HW].zero_()
+        cuts = [(bound[c] * v[0].numel(), bound[c + 1] * v[0].numel()) for bound, v in zip(bounds, values)]
+        for v, entry, (lo, hi) in zip(values, entries, cuts):
+            flat.index_copy_(0, entry[lo:hi], v.view(-1)[lo:hi])
+        layers = flat.view(nb, M, HW)
+        if base is not None:
+            layers[:, 0] += base[b0:b0 + nb]
+        _layer_cumsum_(layers, reverse)
+        for s, entry, (lo, hi) in zip(sums, entries, cuts):
+            torch.index_select(flat, 0, entry[lo:hi], out=s.view(-1)[lo:hi])
+        total[b0:b0 + nb] = layers[:, 0 if reverse else M - 1]
+    return sums, total
+
+
 class _FootprintOver(torch.autograd.Function):
     """:class:`_OverComposite` for layers given only where they can be non-zero: their footprints.
 
-    A layer is zero outside its footprint, so its log-clearance ``log(1 − α)`` is zero there, and the prefix sums
-    over layers that the dense form takes at each pixel are sums over the layers whose footprints cover the pixel.
-    The log-clearances of the footprints are scattered into one ``(B, H W, M)`` buffer (one channel; the layers
-    last, so the cumulative sum runs along contiguous memory), summed cumulatively over the layers and read back
-    at the footprints; the image is the footprints' weighted colours added into ``(B, H W)``.  The backward does
-    the same with ``w q`` (the formulas are :class:`_OverComposite`'s).
+    A layer is zero outside its footprint, so its log-clearance ``log(1 − α)`` is zero there, and the sums over
+    layers that the dense form takes at each pixel are sums over the layers whose footprints cover the pixel
+    (:func:`_layer_sums`): ``T_m = exp(Σ_{j>=m} log(1 − α_j) − log(1 − α_m))``.  The image is the footprints'
+    weighted colours added into ``(B, H W)``.  The backward sums ``w q`` from the back layer, the background's
+    ``w q`` below it (the formulas are :class:`_OverComposite`'s).
 
     The footprints come in groups, one per window size: ``layers`` ``(n, 2, h, w)`` (colour, alpha) with
-    ``entries`` ``(n h w,)``, each pixel's index ``(b H W + pixel) M + m`` in the buffer, and ``pixels``
-    ``(n h w,)``, its index ``b H W + pixel`` in the image.  The outputs are the image ``(B, H W)`` and each
-    group's weights ``w_m`` ``(n, h, w)``.
+    ``entries`` ``(n h w,)``, each pixel's index ``((b mod chunk) M + m) H W + pixel`` in its chunk's buffer, and
+    ``pixels`` ``(n h w,)``, its index ``b H W + pixel`` in the image.  ``layout`` is ``(B, M, H W, chunk,
+    bounds)``, ``bounds`` per group the first window of each chunk of images and ``n``.  The outputs are the image
+    ``(B, H W)`` and each group's weights ``w_m`` ``(n, h, w)``.
     """
 
     @staticmethod
-    def forward(ctx, layer_shape, background: float, *groups):
-        B, HW, M = layer_shape
+    def forward(ctx, layout, background: float, *groups):
+        ctx.set_materialize_grads(False)
+        B, _, HW = layout[:3]
         layers, entries, pixels = groups[0::3], groups[1::3], groups[2::3]
-        dtype, device = layers[0].dtype, layers[0].device
-        through_to = torch.zeros(B * HW * M, dtype=dtype, device=device)
-        for lay, entry in zip(layers, entries):
-            through_to.scatter_(0, entry, torch.log1p(-lay[:, 1].clamp(max=ALPHA_CLAMP)).reshape(-1))
-        through_to = through_to.view(B, HW, M).cumsum_(-1)
-        total = through_to[..., -1].reshape(-1)                                   # (B HW,)
-        through_to = through_to.view(-1)
-        image = torch.zeros(B * HW, dtype=dtype, device=device)
-        transmits, weights = [], []
-        for lay, entry, pixel in zip(layers, entries, pixels):
-            transmit = torch.exp(total.index_select(0, pixel) - through_to.index_select(0, entry)).view_as(lay[:, 1])
-            weight = lay[:, 1] * transmit
-            image.index_add_(0, pixel, (weight * lay[:, 0]).reshape(-1))
-            transmits.append(transmit)
+        clears = [lay[:, 1].clamp(max=ALPHA_CLAMP).neg_().log1p_() for lay in layers]   # log(1 − α_m)
+        transmits, total = _layer_sums(clears, entries, layout, reverse=True)
+        image = total.new_zeros(B * HW)
+        weights = []
+        for lay, clear, transmit, pixel in zip(layers, clears, transmits, pixels):
+            weight = lay[:, 1] * transmit.sub_(clear).exp_()                             # T_m = ∏_{j>m} (1 − α_j)
+            image.index_add_(0, pixel, (weight * lay[:, 0]).view(-1))
             weights.append(weight)
-        background_share = torch.exp(total)
+        background_share = total.exp_().view(-1)
         if background != 0.0:
-            image = image + background * background_share
+            image.add_(background_share, alpha=background)
         ctx.save_for_backward(background_share, *layers, *entries, *pixels, *transmits, *weights)
-        ctx.layer_shape, ctx.background, ctx.n = layer_shape, background, len(layers)
+        ctx.layout, ctx.background, ctx.n = layout, background, len(layers)
         return (image.view(B, HW), *weights)
 
     @staticmethod
@@ -367,35 +405,28 @@ class _FootprintOver(torch.autograd.Function):
         background_share, *saved = ctx.saved_tensors
         n = ctx.n
         layers, entries, pixels, transmits, weights = (saved[i * n:(i + 1) * n] for i in range(5))
-        B, HW, M = ctx.layer_shape
-        if grad_image is None:
-            grad_image = torch.zeros_like(background_share).view(B, HW)
-        grad_image = grad_image.reshape(-1)
-        below = torch.zeros(B * HW * M, dtype=grad_image.dtype, device=grad_image.device)
+        B, _, HW = ctx.layout[:3]
+        grad_image = background_share.new_zeros(B * HW) if grad_image is None else grad_image.reshape(-1)
         gs, qs, wqs = [], [], []
-        for lay, entry, pixel, weight, grad_weight in zip(layers, entries, pixels, weights, grad_weights):
+        for lay, pixel, weight, grad_weight in zip(layers, pixels, weights, grad_weights):
             g = grad_image.index_select(0, pixel).view_as(weight)
             q = g * lay[:, 0]
             if grad_weight is not None:
-                q = q + grad_weight
-            wq = weight * q
-            below.scatter_(0, entry, wq.reshape(-1))
+                q += grad_weight
             gs.append(g)
             qs.append(q)
-            wqs.append(wq)
-        below = below.view(B, HW, M).cumsum_(-1).view(-1)
-        if ctx.background != 0.0:
-            behind = ctx.background * background_share * grad_image            # the background's w q
+            wqs.append(weight * q)
+        behind = (background_share * grad_image).mul_(ctx.background).view(B, HW) if ctx.background else None
+        belows, _ = _layer_sums(wqs, entries, ctx.layout, reverse=False, base=behind)
         grads = []
-        for lay, entry, pixel, transmit, weight, g, q, wq in zip(layers, entries, pixels, transmits, weights, gs,
-                                                               qs, wqs):
-            below_m = below.index_select(0, entry).view_as(wq) - wq              # Σ_{i<m} w_i q_i
-            if ctx.background != 0.0:
-                below_m = below_m + behind.index_select(0, pixel).view_as(wq)
+        for lay, transmit, weight, g, q, wq, below in zip(layers, transmits, weights, gs, qs, wqs, belows):
             alpha = lay[:, 1]
-            # the clamp stops the gradient through log(1 − α) where α is at the clamp
-            grad_alpha = transmit * q - torch.where(alpha < ALPHA_CLAMP, below_m / (1 - alpha), 0.0)
-            grads += [torch.stack([g * weight, grad_alpha], 1), None, None]
+            # Σ_{i<m} w_i q_i / (1 − α_m); the clamp stops the gradient through log(1 − α) where α is at the clamp
+            below = below.sub_(wq).div_(1 - alpha).masked_fill_(alpha >= ALPHA_CLAMP, 0.0)
+            grad = torch.empty_like(lay)
+            torch.mul(g, weight, out=grad[:, 0])
+            torch.addcmul(below.neg_(), transmit, q, out=grad[:, 1])
+            grads += [grad, None, None]
         return (None, None, *grads)
 
 
@@ -448,7 +479,8 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
     sources = templates.reshape(N, 2, t_h, t_w)
     A = _canvas_to_source(P, (t_h, t_w), out_size)                                # (N, 2, 3)
     tier = torch.searchsorted(torch.tensor(sides, device=P.device), extents)
-    groups = []
+    chunk = max(1, CHUNK_ELEMENTS // (M * H * W))
+    groups, bounds, group_parts = [], [], []
     for i, side in enumerate(sides):
         parts = (tier == i).nonzero().squeeze(1)
         if not parts.numel():
@@ -467,18 +499,23 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
         A_window = torch.stack([A_part[..., 0] * (win_w / W), A_part[..., 1] * (win_h / H),
                                 torch.addcmul(torch.addcmul(A_part[..., 2], A_part[..., 0], shift_x),
                                               A_part[..., 1], shift_y)], -1)
-        windows = F.grid_sample(sources[parts], sampling_grid(A_window, (win_h, win_w)), mode="bilinear",
+        windows = F.grid_sample(sources.index_select(0, parts), sampling_grid(A_window, (win_h, win_w)), mode="bilinear",
                                 padding_mode="zeros", align_corners=False)      # (n, 2, h, w)
-        rows = torch.arange(win_h, device=P.device)
-        cols = torch.arange(win_w, device=P.device)
-        canvas_pixel = ((y0[:, None] + rows) * W)[:, :, None] + (x0[:, None] + cols)[:, None, :]   # (n, h, w)
-        pixel = ((parts // M) * (H * W))[:, None, None] + canvas_pixel
-        groups += [windows, (pixel * M + (parts % M)[:, None, None]).reshape(-1), pixel.reshape(-1)]
-    image, *weights = _FootprintOver.apply((B, H * W, M), float(background), *groups)
+        # each window pixel's index in a canvas; in the image b H W + pixel, in the layers (b M + m) H W + pixel
+        window_pixel = (torch.arange(win_h, device=P.device)[:, None] * W + torch.arange(win_w, device=P.device))
+        window_pixel = window_pixel.view(-1)
+        start = y0 * W + x0
+        group_parts.append(parts)
+        bounds.append(torch.searchsorted(parts, torch.arange(0, B, chunk, device=P.device) * M).tolist()
+                      + [parts.numel()])
+        groups += [windows, ((parts % (chunk * M) * (H * W) + start)[:, None] + window_pixel).view(-1),
+                   (((parts // M) * (H * W) + start)[:, None] + window_pixel).view(-1)]
+    image, *weights = _FootprintOver.apply((B, M, H * W, chunk, bounds), float(background), *groups)
     shares = None
     if contributions:
-        shares = image.new_zeros(B * H * W * M)
-        for lay, entry, weight in zip(groups[0::3], groups[1::3], weights):
-            shares = shares.index_put((entry,), (weight * lay[:, 0]).reshape(-1))
-        shares = shares.view(B, H, W, M).permute(0, 3, 1, 2).unsqueeze(2).contiguous()
+        shares = image.new_zeros(B * M * H * W)
+        for lay, pixel, weight, parts in zip(groups[0::3], groups[2::3], weights, group_parts):
+            entry = pixel.view(len(parts), -1) + ((parts - parts // M) * (H * W))[:, None]   # (b M + m) H W + pixel
+            shares = shares.index_put((entry.view(-1),), (weight * lay[:, 0]).reshape(-1))
+        shares = shares.view(B, M, 1, H, W)
     return image.view(B, 1, H, W), shares

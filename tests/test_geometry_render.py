@@ -454,6 +454,7 @@ def test_footprint_rendering_equals_full_canvas(dtype, atol, rtol, speck, backgr
     monkeypatch.setattr(render, "WINDOW_SIZE_COST", 0)  # several window sizes even for these few parts
     gen = torch.Generator().manual_seed(0)
     B, M, t, size = 3, 16, 7, (24, 28)
+    monkeypatch.setattr(render, "CHUNK_ELEMENTS", 2 * M * size[0] * size[1])  # chunks of 2 images and 1
     templates = torch.rand(M, 2, t, t, generator=gen, dtype=dtype)
     presences = torch.rand(B, M, generator=gen, dtype=dtype)
     poses = _mixed_poses(B, M, dtype, gen, speck)
