@@ -100,9 +100,6 @@ def load_config(path, overrides=()) -> dict:
     return cfg
 
 
-# --------------------------------------------------------------------------- data
-
-
 def load_split(data: NorbDataConfig, split: str, data_dir=None) -> NorbSet:
     """The whole ``split`` ("train" or "test") of the configured set."""
     if data.dataset != "synthetic":
@@ -140,22 +137,6 @@ def network_input(x: torch.Tensor, train: bool, standardise: bool, generator=Non
     return standardise_per_image(x) if standardise else x
 
 
-def train_batches(train: NorbSet, batch_size: int, seed: int, device, standardise: bool = False):
-    """``(epoch, start_batch) -> iterator of (x (B, 1, 32, 32), y (B,), global step)``: random 32x32 crops of the
-    48x48 images (:func:`network_input`), each drawn from a generator seeded by ``(seed, epoch, batch)`` (exact
-    resume)."""
-    per_epoch = num_batches(len(train), batch_size, drop_last=True)
-
-    def batches(epoch: int, start_batch: int):
-        it = iterate_batches(train.images, train.labels, batch_size, shuffle=True, seed=seed, epoch=epoch,
-                             start_batch=start_batch, drop_last=True, device=device)
-        for b, (x, y) in enumerate(it, start=start_batch):
-            yield network_input(x, True, standardise, seeded_generator("norb_crop", seed, epoch, b)), y, \
-                epoch * per_epoch + b
-
-    return batches
-
-
 def correct_on(model: torch.nn.Module, part: NorbSet, data: NorbDataConfig, device) -> torch.Tensor:
     """``(N,)`` bool: which images of ``part`` the model classifies right (centre crops, as in evaluation)."""
     return predict(model, part.images, data.eval_batch, device,
@@ -167,24 +148,8 @@ def accuracy_by(correct: torch.Tensor, key: torch.Tensor) -> dict[str, float]:
     return {str(int(k)): float(correct[key == k].float().mean()) for k in torch.unique(key)}
 
 
-# --------------------------------------------------------------------------- models
-
-
 def build_model(kind: str, cfg: dict) -> torch.nn.Module:
     return MatrixCapsNet(cfg["caps"]) if kind == "caps" else NorbCNN(cfg["cnn"])
-
-
-def make_loss(kind: str, model: torch.nn.Module, cfg: dict):
-    tcfg, spread = cfg[f"{kind}_train"], cfg["spread"]
-    ramp = max(1, int(spread.ramp_fraction * tcfg.steps))
-
-    def loss_fn(batch):
-        x, y, step = batch
-        if kind == "caps":
-            return spread_loss(model(x), y, spread_margin(step, ramp, spread.margin_start, spread.margin_end))
-        return F.cross_entropy(model(x), y)
-
-    return loss_fn
 
 
 def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, resume: bool, progress: bool) -> None:
@@ -209,16 +174,31 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
                            for key in ("azimuth", "elevation")})
         append_jsonl(eval_log, record)
 
+    train, spread = sets["train"], cfg["spread"]
+    per_epoch = num_batches(len(train), tcfg.batch_size, drop_last=True)
+    ramp = max(1, int(spread.ramp_fraction * tcfg.steps))
+
+    def batches(epoch: int, start_batch: int):
+        """(x (B, 1, 32, 32), y (B,), global step): random 32x32 crops of the 48x48 images, each drawn from a
+        generator seeded by (seed, epoch, batch) (exact resume)."""
+        it = iterate_batches(train.images, train.labels, tcfg.batch_size, shuffle=True, seed=seed, epoch=epoch,
+                             start_batch=start_batch, drop_last=True, device=device)
+        for b, (x, y) in enumerate(it, start=start_batch):
+            crop = seeded_generator("norb_crop", seed, epoch, b)
+            yield network_input(x, True, data_cfg.standardise_images, crop), y, epoch * per_epoch + b
+
+    def loss_fn(batch):
+        x, y, step = batch
+        if kind == "caps":
+            return spread_loss(model(x), y, spread_margin(step, ramp, spread.margin_start, spread.margin_end))
+        return F.cross_entropy(model(x), y)
+
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
         evaluate(type("S", (), {"step": 0, "epoch": 0, "wall_time_s": 0.0})())
-    batches = train_batches(sets["train"], tcfg.batch_size, seed, device, data_cfg.standardise_images)
     meta = {"kind": kind, "model_config": cfg[kind].to_dict(), "data": data_cfg.to_dict()}
-    train_loop(model, make_loss(kind, model, cfg), batches, tcfg, out, resume=resume, metadata=meta,
-               progress=progress, on_checkpoint=evaluate)
-
-
-# --------------------------------------------------------------------------- the matched comparison
+    train_loop(model, loss_fn, batches, tcfg, out, resume=resume, metadata=meta, progress=progress,
+               on_checkpoint=evaluate)
 
 
 def novel_at_target(log: list[dict], target: float) -> float:
@@ -268,9 +248,6 @@ def trained_model(kind: str, cfg: dict, checkpoint: dict, path: Path, device) ->
     model = build_model(kind, cfg).to(device)
     load_module_state(model, checkpoint["module"], path)
     return model
-
-
-# --------------------------------------------------------------------------- figures
 
 
 def plot_by_viewpoint(runs: list[dict], key: str, path: Path, xlabel: str, ylabel: str) -> None:
@@ -343,9 +320,6 @@ def plot_training(logs_by_seed: dict, path: Path) -> None:
         panels.append({"curves": curves, "xlabel": "training step", "ylabel": "test accuracy", "ylim": (0.0, 1.0),
                        "title": f"{view} viewpoints, mean ± std over {len(logs_by_seed)} seed(s)"})
     plotting.plot_curve_panels(panels, path)
-
-
-# --------------------------------------------------------------------------- entry point
 
 
 @one_line_errors("norb_viewpoints")

@@ -5,17 +5,13 @@
     python experiments/transforming_autoencoder.py --resume                 # continue / re-evaluate finished runs
     python experiments/transforming_autoencoder.py --set train.steps=5 --set data.dataset=synthetic   # smoke test
 
-A pair is one MNIST digit warped onto the canvas twice: by a random jitter ``A`` (the input) and by ``T ∘ A`` (the
-target), with ``T`` a known transformation drawn from the config's ``[range]`` (the mode is ``model.mode``).  The
-network sees the input and ``T`` and must output the target.  Held-out pairs are built the same way from MNIST
-*test* digits; the transformation is then predicted from the recognition outputs of the two images alone
-(:func:`models.transforming_autoencoder.estimate_transform`), and scored with R² per component.
-
-Each config is one recipe: ``experiments/configs/transforming_autoencoder_translation.toml`` and
-``transforming_autoencoder_affine.toml`` (the second a diff on the first).  Writes ``results/<name>.json``
-(per-seed metrics, mean and std, provenance; ``name`` from the config unless ``--name``) and the figures of the
-first seed, ``results/<name>_{scatter,reconstructions,presence,templates,training,r2_curve}.png``; runs go to
-``runs/<name>/seed<S>`` unless ``--out``.
+A pair is one MNIST digit warped onto the canvas by a random jitter ``A`` (the input) and by ``T ∘ A`` (the
+target), ``T`` a known transformation from the config's ``[range]``: the network sees the input and ``T`` and must
+output the target.  On held-out pairs (MNIST *test* digits) ``T`` is read back from the capsules of the two images
+alone (:func:`models.transforming_autoencoder.estimate_transform`) and scored by R² per component.  Each config is
+one recipe (mode: ``model.mode``).  Writes ``results/<name>.json`` (``name`` from the config unless ``--name``) and
+the first seed's figures ``results/<name>_{scatter,reconstructions,presence,templates,training,r2_curve}.png``;
+runs go to ``runs/<name>/seed<S>`` unless ``--out``.
 """
 
 from __future__ import annotations
@@ -50,11 +46,8 @@ NAME = "transforming_autoencoder"  # the experiment, and the tag of its random s
 RECIPES = [ROOT / "experiments" / "configs" / f"{NAME}_{mode}.toml" for mode in MODES]
 DIGIT_WINDOW = 22  # the numpy reproduction scores its MSE on a 22x22 crop: the same window, centred on the target digit
 
-# anchors from a numpy reproduction ( translation only, 28x28 canvas)
+# anchors from a numpy reproduction (translation only, 28x28 canvas)
 WRITEUP = {"r2_dx": 0.78, "r2_dy": 0.67, "recon_mse": 0.063, "active_median": 9, "wall_s": 100}
-
-
-# ---------------------------------------------------------------------------------------------- configuration
 
 
 @dataclass
@@ -128,9 +121,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     return {**cfg, "name": cfg["name"] or (Path(path).stem if path else f"{NAME}_{mode}"), "mode": mode}
 
 
-# ---------------------------------------------------------------------------------------------- data
-
-
 def load_digits(data: PairDataConfig, split: str, data_dir=None) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 digits ``(N, 28, 28)`` and labels ``(N,)`` of a split (real MNIST, or synthetic strokes)."""
     return data_digits(data.dataset, split, limit=data.train_limit if split == "train" else data.test_limit,
@@ -192,9 +182,6 @@ def window_mask(placement: torch.Tensor, canvas: int, size: int = DIGIT_WINDOW) 
     return (in_x & in_y).unsqueeze(1)
 
 
-# ---------------------------------------------------------------------------------------------- training
-
-
 def build_model(cfg: dict, device="cpu", digits: torch.Tensor | None = None) -> TransformingAutoencoder:
     """The model of ``cfg``, initialised by the training seed; with ``template_init = "data"`` the templates start
     from ``M`` training digits drawn by that seed (``digits``: uint8 ``(N, 28, 28)``, no labels used)."""
@@ -240,14 +227,16 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
 
     curve_path = out_dir / "r2_curve.jsonl"
     curve_time = [0.0]
+    names = transform_components(curve_set["transform"][:1], cfg["mode"], canvas)[1]
 
-    def score_curve(state) -> None:
+    def score_curve(state) -> None:  # R² per component of the raw estimate, and the reconstruction MSE
         t0 = time.perf_counter()
         model.eval()
-        scores = score_pairs(model, curve_set, cfg["eval"].batch_size)
+        res = run_pairs(model, curve_set, cfg["eval"].batch_size)
         model.train()
-        append_jsonl(curve_path, {"step": state.step, **{f"r2_{k}": v for k, v in scores["r2"].items()},
-                                  "recon_mse": scores["recon_mse"]})
+        append_jsonl(curve_path, {"step": state.step, **{f"r2_{k}": float(v) for k, v in
+                                                         zip(names, r2_scores(res["pred"], res["true"]))},
+                                  "recon_mse": float(res["sq_err"].mean())})
         curve_time[0] += time.perf_counter() - t0
 
     if resume:
@@ -291,9 +280,6 @@ def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAu
     return model, timing
 
 
-# ---------------------------------------------------------------------------------------------- evaluation
-
-
 @torch.no_grad()
 def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, warps: torch.Tensor | None = None
               ) -> dict:
@@ -315,21 +301,6 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, warp
         if s == 0:
             first = {"recon": recon, "contrib": contributions}
     return {**{k: torch.cat([r[k].cpu() for r in rows]) for k in rows[0]}, **{k: v.cpu() for k, v in first.items()}}
-
-
-def score_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int) -> dict:
-    """R² per component of the raw estimate and the reconstruction MSE (for the training curve)."""
-    res = run_pairs(model, pairs, batch_size)
-    names = transform_components(pairs["transform"][:1], model.config.mode, model.config.canvas_size)[1]
-    r2 = r2_scores(res["pred"], res["true"])
-    return {"r2": dict(zip(names, map(float, r2))), "recon_mse": float(res["sq_err"].mean())}
-
-
-def test_time_warp_maps(n: int, rng: TransformRange, canvas: int, seed) -> torch.Tensor:
-    """``(n, 3, 3)`` known warps for :meth:`TransformingAutoencoder.recognise_averaged`: the identity, then draws
-    from the input-jitter range (deterministic in ``seed``)."""
-    draws = sample_transforms(max(n - 1, 0), rng, canvas, seeded_generator(NAME, "test_time_warps", seed), jitter=True)
-    return torch.cat([torch.eye(3).unsqueeze(0), draws])[:n]
 
 
 def error_breakdown(pred: torch.Tensor, true: torch.Tensor, labels: torch.Tensor, names: list[str],
@@ -363,7 +334,11 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
     test_digits, test_labels = load_digits(cfg["data"], "test", data_dir)
     train_digits, _ = load_digits(cfg["data"], "train", data_dir)
     pairs = heldout_pairs(test_digits, ecfg.pairs, rng, canvas, seed, "heldout", device)
-    warps = test_time_warp_maps(ecfg.test_time_warps, rng, canvas, seed).to(device) if ecfg.test_time_warps else None
+    warps = None
+    if ecfg.test_time_warps:  # for recognise_averaged: the identity, then draws from the input-jitter range
+        draws = sample_transforms(ecfg.test_time_warps - 1, rng, canvas,
+                                  seeded_generator(NAME, "test_time_warps", seed), jitter=True)
+        warps = torch.cat([torch.eye(3)[None], draws]).to(device)
     res = run_pairs(model, pairs, ecfg.batch_size, warps)
     fit = run_pairs(model, heldout_pairs(train_digits, ecfg.readout_pairs, rng, canvas, seed, "readout", device),
                     ecfg.batch_size, warps)
@@ -391,9 +366,6 @@ def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="c
         "error_breakdown": error_breakdown(res["pred"], res["true"], test_labels[pairs["index"]], names),
     }
     return metrics, {"pairs": pairs, "res": res, "names": names}
-
-
-# ---------------------------------------------------------------------------------------------- figures
 
 
 def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Path, prefix: str, runs: list[Path]
@@ -429,9 +401,6 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
     if r2s:
         plotting.plot_curves(r2s, results_dir / f"{prefix}_r2_curve.png", xlabel="step", ylabel="held-out R²",
                              title=f"{mode}: R² of the raw estimate during training")
-
-
-# ---------------------------------------------------------------------------------------------- aggregation
 
 
 def run_recipe(config: str | Path, args) -> Path:
@@ -471,9 +440,6 @@ def run_recipe(config: str | Path, args) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------------------------- README table
-
-
 def readme_table(results_dir: Path) -> str | None:
     """Ours (mean ± std over seeds) against the numpy reproduction's numbers, built only from the shipped recipes'
     results, ``results/transforming_autoencoder_<mode>.json`` (and ``..._<mode>_tta.json``, the same models
@@ -492,7 +458,6 @@ def readme_table(results_dir: Path) -> str | None:
     for mode, data in loaded.items():
         runs, prov = data["metrics"]["per_seed"], data["provenance"]
         rng = prov.get("configs", {}).get("range", {})
-        col = lambda key: [r[key] for r in runs]  # noqa: E731
         r2_target = "≥ 0.95" if mode == "translation" else "≥ 0.9"
         rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target, anchors.get(c, "—"))
                 for c in runs[0]["components"]]
@@ -508,7 +473,8 @@ def readme_table(results_dir: Path) -> str | None:
                   "≤ 300" if mode == "translation" else "—",
                   f"~{WRITEUP['wall_s']} (M-series Mac)")]
         for label, key, digits, target, anchor in rows:
-            lines.append(f"| {mode} | {label} | {fmt_mean_std(col(key), 1.0, digits)} | {target} | {anchor} |")
+            lines.append(f"| {mode} | {label} | {fmt_mean_std([r[key] for r in runs], 1.0, digits)} | {target} | "
+                         f"{anchor} |")
         # the same models re-scored with eval.test_time_warps > 0 (--resume --name <name>_tta), if that was run
         tta_note = []
         if (tta_path := results_dir / f"{NAME}_{mode}_tta.json").is_file():
@@ -590,9 +556,6 @@ def _error_note(mode: str, runs: list[dict]) -> list[str]:
     return [f"{mode}, where the error of R²({weakest}) sits (mean over seeds): the worst {fraction:.0%} of held-out "
             f"pairs hold {share:.0%} of its squared error; weakest digit classes "
             + ", ".join(f"{d} (R² {by_digit[d]:.2f})" for d in worst) + "."]
-
-
-# ---------------------------------------------------------------------------------------------- command line
 
 
 @one_line_errors("transforming_autoencoder")

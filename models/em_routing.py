@@ -51,9 +51,6 @@ class EMConfig:
     standardise_cost: bool = True      # standardise the cost over the J parents before the sigmoid
 
 
-# --------------------------------------------------------------------------- the vote cache
-
-
 @dataclass
 class VoteCache:
     """Centred votes and their squares, ``VV (N, J, I, 2H)``; the centre ``(N, J, H)`` (the unweighted mean of the
@@ -176,9 +173,6 @@ class _WeightedMoments(torch.autograd.Function):
 def weighted_moments(wn: torch.Tensor, cache: VoteCache) -> torch.Tensor:
     """``(N, J, I)`` normalised weights -> ``(N, J, 2H)``: weighted means of the centred votes and their squares."""
     return _WeightedMoments.apply(wn, cache, *cache.sources)
-
-
-# --------------------------------------------------------------------------- the routing
 
 
 def log_softmax_parents(logits: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,13 @@ paper) does.  :func:`estimate_transform` reads ``T`` back from the recognised po
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from probcaps.config import Range
 from probcaps.encoders import PartEncoder
 from probcaps.geometry import (compose, constrained_pose, invert, matrix_to_pose6, pose6_to_matrix,
                                translation_matrix)
@@ -37,7 +38,6 @@ __all__ = ["MODES", "COMBINES", "RECOGNITIONS", "TransformingAutoencoderConfig",
 MODES = ("translation", "affine")
 COMBINES = ("sum", "mixture")
 RECOGNITIONS = ("mlp", "conv")
-_POSE_DIMS = {"translation": 2, "affine": 6}
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TransformingAutoencoderConfig:
     keypoint_radius: float = 0.3     # the canonical points lie on a circle of this radius (normalised units)
     # "conv": a keypoint is its attention centre plus an offset bounded by this times max_translation; below 1 the
     # triangle has to come from where the keypoints look (equivariant), not from the regressed offsets
-    keypoint_offset_gain: float = 1.0
+    keypoint_offset_gain: float = field(default=1.0, metadata={"range": Range(0, 1)})
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
     # "blob": a soft round brush plus noise; "data": training images (init_templates_from), so templates start
     # asymmetric and their poses identifiable
@@ -66,9 +66,6 @@ class TransformingAutoencoderConfig:
     max_shear: float = 0.5
     max_translation: float = 1.0     # |pose translation| bound (normalised units; 1 = the canvas edge)
     seed: int = 0                    # parameter initialisation
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def validate(self) -> None:
         """What the config layer's range rules cannot say (checked also for a config built in code)."""
@@ -85,8 +82,6 @@ class TransformingAutoencoderConfig:
             raise ValueError(f"model.keypoints must be >= 3 (an affine map needs 3 points), got {self.keypoints}")
         if not 0 < self.keypoint_radius < self.max_translation:
             raise ValueError(f"model.keypoint_radius must be in (0, max_translation), got {self.keypoint_radius}")
-        if not 0 <= self.keypoint_offset_gain <= 1:
-            raise ValueError(f"model.keypoint_offset_gain must be in [0, 1], got {self.keypoint_offset_gain}")
         if not 0 < self.min_scale < self.max_scale:
             raise ValueError(f"model.min_scale/max_scale must satisfy 0 < min < max, got {self.min_scale}, "
                              f"{self.max_scale}")
@@ -117,9 +112,8 @@ class TransformingAutoencoder(nn.Module):
         super().__init__()
         cfg = self.config = config or TransformingAutoencoderConfig()
         cfg.validate()
-        M, Hd, t = cfg.num_capsules, cfg.recognition_hidden, cfg.template_size
-        D = cfg.canvas_size ** 2
-        out_dim = 1 + _POSE_DIMS[cfg.mode]  # presence logit, then the pose numbers
+        M, Hd, t, D = cfg.num_capsules, cfg.recognition_hidden, cfg.template_size, cfg.canvas_size ** 2
+        out_dim = 1 + (2 if cfg.mode == "translation" else 6)  # presence logit, then the pose numbers
         gen = torch.Generator().manual_seed(cfg.seed)
         if cfg.recognition == "conv":
             self._init_conv_recognition()
@@ -177,8 +171,6 @@ class TransformingAutoencoder(nn.Module):
         S = torch.diag(images.new_tensor([scale, scale, 1.0])).expand(M, 3, 3)
         small = warp(images.to(self.template_logits), S, t).clamp(0, 1)
         self.template_logits.copy_(torch.logit(0.5 + contrast * (small - 0.5)))
-
-    # ------------------------------------------------------------------ recognition
 
     def templates(self) -> torch.Tensor:
         """``(M, 1, t, t)`` template intensities in ``[0, 1]``."""
@@ -276,8 +268,6 @@ class TransformingAutoencoder(nn.Module):
     def _pose_kwargs(self) -> dict:
         return {k: getattr(self.config, k) for k in ("min_scale", "max_scale", "max_shear", "max_translation")}
 
-    # ------------------------------------------------------------------ generation
-
     def render(self, presence: torch.Tensor, poses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Render every capsule's template at its pose and combine them.
 
@@ -329,9 +319,6 @@ class TransformingAutoencoder(nn.Module):
         capsule's ``(x, y)``.
         """
         return compose(transforms.unsqueeze(1), poses)
-
-
-# ---------------------------------------------------------------------- reading the transformation back
 
 
 def estimate_transform(pose1: torch.Tensor, pose2: torch.Tensor, weights: torch.Tensor, mode: str,
