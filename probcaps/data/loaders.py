@@ -118,9 +118,6 @@ def iterate_batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int,
 
 # --- synthetic digits -------------------------------------------------------------------------------------------
 
-_MAX_STROKES = 4
-
-
 def _stroke_table() -> tuple[torch.Tensor, torch.Tensor]:
     """Ten classes of simple stroke shapes: segments ``(10, 4, 2, 2)`` [class, stroke, end, (x, y)] in a unit
     square (y down), and a ``(10, 4)`` mask of the strokes each class uses."""
@@ -137,12 +134,9 @@ def _stroke_table() -> tuple[torch.Tensor, torch.Tensor]:
         [((lo, 0.38), (hi, 0.38)), ((lo, 0.62), (hi, 0.62))],  # 8 equals sign
         [((mid, lo), (hi, hi)), ((hi, hi), (lo, hi)), ((lo, hi), (mid, lo))],  # 9 triangle
     ]
-    segments = torch.zeros(10, _MAX_STROKES, 2, 2)
-    mask = torch.zeros(10, _MAX_STROKES)
-    for c, strokes in enumerate(shapes):  # builds the 10-row table once, not a loop over images
-        segments[c, :len(strokes)] = torch.tensor(strokes)
-        mask[c, :len(strokes)] = 1.0
-    return segments, mask
+    pad = torch.nn.utils.rnn.pad_sequence  # zeros after the strokes of classes with fewer than 4
+    segments = pad([torch.tensor(s) for s in shapes], batch_first=True)
+    return segments, pad([torch.ones(len(s)) for s in shapes], batch_first=True)
 
 
 def synthetic_digits(n: int, size: int = 28, seed: int = 0,

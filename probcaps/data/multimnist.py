@@ -124,11 +124,9 @@ def multimnist_pairs(labels: torch.Tensor, boxes: torch.Tensor, seed: int, epoch
     """The pairs of one epoch (or of the fixed test set, ``epoch="test"``): every digit once as the first
     digit, in a permutation (cycled when ``n`` is larger than the source), all a pure function of
     ``(seed, epoch)``."""
-    g = seeded_generator("multimnist", seed, epoch)
-    m = labels.shape[0]
+    g, m = seeded_generator("multimnist", seed, epoch), labels.shape[0]
     n = m if n is None else n
-    reps = -(-n // m)
-    first = torch.cat([torch.randperm(m, generator=g) for _ in range(reps)])[:n]
+    first = torch.cat([torch.randperm(m, generator=g) for _ in range(-(-n // m))])[:n]  # ceil(n / m) permutations
     return sample_pairs(first, torch.as_tensor(labels), boxes, g, max_shift=max_shift, min_iou=min_iou)
 
 

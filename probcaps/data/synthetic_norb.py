@@ -23,6 +23,7 @@ and seed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -105,15 +106,11 @@ def _parts(variant: str) -> dict:
 def class_parts(variant: str = "toys") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Part tables of the 5 classes: centres ``(5, P, 3)``, radii ``(5, P, 3)``, mask ``(5, P)`` (``P``: the most
     parts of any class, 7 for ``"toys"``)."""
-    table = _parts(variant)
-    P = max(len(parts) for parts in table.values())
-    centres, radii, mask = torch.zeros(5, P, 3), torch.ones(5, P, 3), torch.zeros(5, P, dtype=torch.bool)
-    for c, name in enumerate(NORB_CLASSES):  # a 5-row table built once
-        parts = table[name]
-        centres[c, :len(parts)] = torch.tensor([p[0] for p in parts])
-        radii[c, :len(parts)] = torch.tensor([p[1] for p in parts])
-        mask[c, :len(parts)] = True
-    return centres, radii, mask
+    classes = [_parts(variant)[name] for name in NORB_CLASSES]
+    pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True)  # to the class with the most parts
+    centres = pad([torch.tensor([p[0] for p in parts]) for parts in classes])
+    radii = pad([torch.tensor([p[1] for p in parts]) for parts in classes], padding_value=1.0)  # 1 where unused
+    return centres, radii, pad([torch.ones(len(parts), dtype=torch.bool) for parts in classes])
 
 
 def _instances(seed: int, per_class: int = 10, variant: str = "toys"):
