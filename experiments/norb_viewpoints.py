@@ -417,11 +417,10 @@ def error_reduction_line(runs: list[dict]) -> str:
     t-interval: the spread between seeds is as large as the effect, so the table's mean alone can mislead."""
     from scipy.stats import t
 
-    keys = [("novel_error_reduction", "")]
-    if "novel_error_reduction_interpolated" in runs[0]:
-        keys.append(("novel_error_reduction_interpolated", "interpolated "))
     parts = []
-    for key, label in keys:
+    for key, label in (("novel_error_reduction", ""), ("novel_error_reduction_interpolated", "interpolated ")):
+        if key not in runs[0]:  # results written before the interpolated reading
+            continue
         v = 100.0 * np.array([r[key] for r in runs])
         summary = ""
         if len(v) > 1:

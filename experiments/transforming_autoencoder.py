@@ -143,15 +143,10 @@ def sample_transforms(n: int, rng: TransformRange, canvas: int, generator: torch
 
 def make_pairs(digits: torch.Tensor, rng: TransformRange, canvas: int, generator: torch.Generator,
                swap: bool = False) -> dict:
-    """Pairs of one digit under the jitter ``A`` and under ``T ∘ A``, both rendered by :func:`probcaps.render.warp`.
-
-    Args:
-        digits: float ``(B, 1, 28, 28)`` in ``[0, 1]``.
-        swap: give each pair a random direction: ``(x2, T⁻¹, x1)`` instead of ``(x1, T, x2)`` with probability 1/2.
-    Returns:
-        ``{"input", "transform", "target"}`` (``(B, 1, C, C)``, ``(B, 3, 3)``, ``(B, 1, C, C)``) and ``"placement"``,
-        the target digit's pose ``(B, 3, 3)``.
-    """
+    """Pairs of each digit of ``digits`` (float ``(B, 1, 28, 28)`` in ``[0, 1]``) under the jitter ``A`` and under
+    ``T ∘ A`` (:func:`probcaps.render.warp`): ``{"input" (B, 1, C, C), "transform" (B, 3, 3), "target" (B, 1, C, C),
+    "placement"}``, the last the target digit's pose ``(B, 3, 3)``.  ``swap``: each pair becomes ``(x2, T⁻¹, x1)``
+    instead of ``(x1, T, x2)`` with probability 1/2."""
     B, device = digits.shape[0], digits.device
     A = sample_transforms(B, rng, canvas, generator, jitter=True).to(device)
     T = sample_transforms(B, rng, canvas, generator, jitter=False).to(device)
@@ -199,11 +194,8 @@ def build_model(cfg: dict, device="cpu", digits: torch.Tensor | None = None) -> 
 
 def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", data_dir=None, progress=True
                ) -> tuple[TransformingAutoencoder, dict]:
-    """Train one mode and seed into ``out_dir``; returns the model and ``{"steps", "train_wall_time_s", ...}``.
-
-    ``train_wall_time_s`` is the elapsed time of the whole training call (pair generation and checkpoints
-    included), minus the time spent scoring the R² curve at checkpoints.
-    """
+    """Train one mode and seed into ``out_dir``; returns the model and ``{"steps", "train_wall_time_s", ...}``, the
+    latter the whole training call (pair generation and checkpoints included) less the R² curve's scoring."""
     tcfg: TrainConfig = cfg["train"]
     canvas, rng, swap = cfg["model"].canvas_size, cfg["range"], cfg["data"].swap_pairs
     torch.manual_seed(tcfg.seed)
@@ -213,17 +205,14 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
     curve_set = heldout_pairs(test_digits, cfg["eval"].curve_pairs, rng, canvas, cfg["data"].seed, "curve", device)
 
     def batches(epoch: int, start: int):
-        drop = len(digits) >= tcfg.batch_size
         for b, (x, _) in enumerate(iterate_batches(digits, labels, tcfg.batch_size, shuffle=True, seed=tcfg.seed,
-                                                   epoch=epoch, start_batch=start, drop_last=drop, device=device),
-                                   start):
+                                                   epoch=epoch, start_batch=start, device=device,
+                                                   drop_last=len(digits) >= tcfg.batch_size), start):
             batch = make_pairs(x, rng, canvas, seeded_generator(NAME, "pairs", tcfg.seed, epoch, b), swap=swap)
             yield batch["input"], batch["transform"], batch["target"]
 
-    lcfg = cfg["loss"]
-
     def loss_fn(batch):
-        return transforming_loss(model, *batch, lcfg.consistency_weight, lcfg.consistency_cap)
+        return transforming_loss(model, *batch, cfg["loss"].consistency_weight, cfg["loss"].consistency_cap)
 
     curve_path = out_dir / "r2_curve.jsonl"
     curve_time = [0.0]
@@ -257,10 +246,9 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
 
 def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, transforms: torch.Tensor,
                       targets: torch.Tensor, consistency_weight: float = 0.0, cap: float = 0.0) -> torch.Tensor:
-    """The reconstruction loss of the target from the input's capsules moved by ``T`` (the paper's MSE, or the
-    mixture's, see :meth:`TransformingAutoencoder.reconstruction_loss`), plus, if
-    ``consistency_weight > 0``, that weight times the pose consistency of input and target (both images
-    recognised in one batched call), its capsules weighted by ``p1 · p2`` held fixed."""
+    """The reconstruction loss of the target from the input's capsules moved by ``T``
+    (:meth:`TransformingAutoencoder.reconstruction_loss`), plus ``consistency_weight`` times the pose consistency of
+    input and target (both recognised in one batched call), capsules weighted by ``p1 · p2`` held fixed."""
     B = images.shape[0]
     presence, poses = model.recognise(torch.cat([images, targets]) if consistency_weight > 0 else images)
     recon_loss = model.reconstruction_loss(presence[:B], model.apply_transform(poses[:B], transforms), targets)
@@ -275,9 +263,8 @@ def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAu
     final = out_dir / "final.pt"
     model = build_model(cfg, device)
     load_module_state(model, load_checkpoint(final, map_location=device)["module"], final)
-    timing_path = out_dir / "timing.json"
-    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {}
-    return model, timing
+    timing = out_dir / "timing.json"
+    return model, json.loads(timing.read_text()) if timing.is_file() else {}
 
 
 @torch.no_grad()
@@ -305,23 +292,17 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, warp
 
 def error_breakdown(pred: torch.Tensor, true: torch.Tensor, labels: torch.Tensor, names: list[str],
                     worst_fraction: float = 0.02) -> dict:
-    """Where the estimate's error sits: R² per digit class and the share of the squared error in the worst pairs.
-
-    Args:
-        pred, true: ``(N, K)`` estimated and true components; labels: ``(N,)`` digit classes.
-    Returns:
-        ``{"r2_by_digit": {class: {name: 1 − MSE_class / Var_all}}, "worst_error_share": {name: share}}``: each
-        class's error is divided by the variance over *all* pairs (so classes compare), and the share is that of
-        the ``worst_fraction`` largest squared errors of the component in its sum.
-    """
+    """Where the estimate's error sits, from ``pred, true (N, K)`` and digit classes ``labels (N,)``:
+    ``{"r2_by_digit": {class: {name: 1 − MSE_class / Var_all}}, "worst_error_share": {name: share}}``, each class's
+    error divided by the variance over *all* pairs (so classes compare), and the share that of the
+    ``worst_fraction`` largest squared errors of the component in its sum."""
     sq = (pred.double() - true.double()) ** 2                                           # (N, K)
     var = true.double().var(0, unbiased=False).clamp_min(1e-12)
-    by_digit = {str(int(c)): dict(zip(names, (1 - sq[labels == c].mean(0) / var).tolist()))
-                for c in labels.unique()}
     k = max(1, int(round(worst_fraction * sq.shape[0])))
     share = sq.topk(k, 0).values.sum(0) / sq.sum(0).clamp_min(1e-300)
-    return {"r2_by_digit": by_digit, "worst_error_share": dict(zip(names, share.tolist())),
-            "worst_fraction": worst_fraction}
+    return {"r2_by_digit": {str(int(c)): dict(zip(names, (1 - sq[labels == c].mean(0) / var).tolist()))
+                            for c in labels.unique()},
+            "worst_error_share": dict(zip(names, share.tolist())), "worst_fraction": worst_fraction}
 
 
 def evaluate(model: TransformingAutoencoder, cfg: dict, data_dir=None, device="cpu") -> tuple[dict, dict]:
@@ -546,11 +527,10 @@ def _error_note(mode: str, runs: list[dict]) -> list[str]:
     """A sentence on where the weakest component's error sits (from ``error_breakdown``), if it was recorded."""
     if not all("error_breakdown" in r for r in runs):
         return []
-    comps = runs[0]["components"]
-    weakest = min(comps, key=lambda c: np.mean([r[f"r2_{c}"] for r in runs]))
+    weakest = min(runs[0]["components"], key=lambda c: np.mean([r[f"r2_{c}"] for r in runs]))
     share = np.mean([r["error_breakdown"]["worst_error_share"][weakest] for r in runs])
-    digits = runs[0]["error_breakdown"]["r2_by_digit"].keys()
-    by_digit = {d: np.mean([r["error_breakdown"]["r2_by_digit"][d][weakest] for r in runs]) for d in digits}
+    by_digit = {d: np.mean([r["error_breakdown"]["r2_by_digit"][d][weakest] for r in runs])
+                for d in runs[0]["error_breakdown"]["r2_by_digit"]}
     worst = sorted(by_digit, key=by_digit.get)[:3]
     fraction = runs[0]["error_breakdown"]["worst_fraction"]
     return [f"{mode}, where the error of R²({weakest}) sits (mean over seeds): the worst {fraction:.0%} of held-out "

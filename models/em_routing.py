@@ -53,12 +53,9 @@ class EMConfig:
 
 @dataclass
 class VoteCache:
-    """Centred votes and their squares, ``VV (N, J, I, 2H)``; the centre ``(N, J, H)`` (the unweighted mean of the
-    votes over ``i``) is added back to ``mu``.
-
-    ``grad_buffer()`` gives an ``(N, J, I, H)`` tensor whose memory layout suits the sources, and
-    ``backward(dV)`` maps a gradient on the votes written into it to gradients of ``sources`` (the tensors the
-    votes were made from).
+    """Centred votes and their squares, ``VV (N, J, I, 2H)``; the centre ``(N, J, H)`` (the votes' mean over ``i``)
+    is added back to ``mu``.  ``grad_buffer()`` gives an ``(N, J, I, H)`` tensor laid out for the sources (the
+    tensors the votes were made from), and ``backward(dV)`` maps a gradient on the votes written into it to theirs.
     """
 
     VV: torch.Tensor | None
@@ -97,14 +94,9 @@ def pose_transform_matrix(W: torch.Tensor) -> torch.Tensor:
 
 
 def conv_votes_cache(M: torch.Tensor, W: torch.Tensor) -> VoteCache:
-    """Cache for the votes ``V[n, j, i] = M[n, i] @ W[i, j]`` of a layer whose transforms are shared over positions.
-
-    Args:
-        M: input poses ``(N, I, 4, 4)`` (unfolded patches).
-        W: transforms ``(I, J, 4, 4)``.
-    The votes are one batched product over ``i``, ``(N, 16) @ (16, 16 J)``; the centre is one ordinary matrix
-    product.  Their gradient is returned as ``(dM, dW)`` by two batched products over ``i``.
-    """
+    """Cache for the votes ``V[n, j, i] = M[n, i] @ W[i, j]`` (input poses ``M (N, I, 4, 4)``, unfolded patches;
+    transforms ``W (I, J, 4, 4)`` shared over positions): one batched product over ``i``, ``(N, 16) @ (16, 16 J)``,
+    the centre one matrix product, and the gradient ``(dM, dW)`` two batched products over ``i``."""
     N, I = M.shape[:2]
     J = W.shape[1]
     with torch.no_grad():
@@ -183,10 +175,8 @@ def log_softmax_parents(logits: torch.Tensor) -> torch.Tensor:
 def _log_gaussian(cache: VoteCache, mu: torch.Tensor, var: torch.Tensor, log_scale2=0.0) -> torch.Tensor:
     """``log N(V_i; mu, diag(var))`` for the cached centred votes, ``mu, var (N, J, H)`` -> ``(N, J, I)``, all in
     units of the votes' scale, whose squared logarithm ``log_scale2`` (``(N, 1, 1)`` or 0) restores the density's
-    normaliser (it matters where assignments are normalised across rows of different scales).
-
-    The quadratic form is expanded so that it is one multiply-and-sum with the cached votes and squares.
-    """
+    normaliser (it matters where assignments are normalised across rows of different scales).  The quadratic form
+    is expanded: one multiply-and-sum with the cached votes and squares."""
     inv = 1.0 / var
     quad = _dot_h(cache.VV, torch.cat([-2 * mu * inv, inv], -1))  # pairs with [V, V^2]
     quad = (quad + (mu * mu * inv).sum(-1, keepdim=True)).clamp_min(0)  # >= 0 up to rounding
@@ -195,12 +185,9 @@ def _log_gaussian(cache: VoteCache, mu: torch.Tensor, var: torch.Tensor, log_sca
 
 def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_floor, standardise: bool,
             log_scale2=0.0):
-    """One M-step from log weights ``log r_ij = log R_ij + log a_i`` ``(N, J, I)``.
-
-    ``var_floor`` and ``log_scale2`` (floats, or ``(N, 1, 1)`` for rescaled votes) are the variance floor in units
-    of the votes' scale and the logarithm of that scale squared.
-    Returns centred ``mu (N, J, H)``, ``var (N, J, H)`` (both in units of the scale) and ``log a_out (N, J)``.
-    """
+    """One M-step from log weights ``log r_ij = log R_ij + log a_i`` ``(N, J, I)``: centred ``mu (N, J, H)``,
+    ``var (N, J, H)`` and ``log a_out (N, J)``, in units of the votes' scale (``var_floor`` in those units and
+    ``log_scale2``, the logarithm of the scale squared: floats, or ``(N, 1, 1)`` for rescaled votes)."""
     wn = torch.softmax(log_w, dim=-1)                      # r_ij / S_j, stable however small the r_ij
     moments = moments_fn(wn)
     H = moments.shape[-1] // 2
@@ -223,10 +210,8 @@ def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_flo
 
 def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor, cfg: EMConfig,
            normalise: Callable[[torch.Tensor], torch.Tensor], scale_exp: torch.Tensor | None = None):
-    """EM routing of cached votes in units of ``2^scale_exp`` ``(N,)`` (``None``: the votes as given).
-
-    Returns ``mu`` (including the centre), ``var`` (both still in those units), ``log a_out`` and ``log R``.
-    """
+    """EM routing of cached votes in units of ``2^scale_exp`` ``(N,)`` (``None``: the votes as given): ``mu``
+    (including the centre), ``var`` (both still in those units), ``log a_out`` and ``log R``."""
     N, J, I, _ = cache.VV.shape
     if log_a_in.shape != (N, I):
         raise ValueError(f"em_routing: log activations must be {(N, I)}, got {tuple(log_a_in.shape)}")
@@ -297,17 +282,11 @@ def _in_compute_dtype(where: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
 
 def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor,
                cfg: EMConfig = EMConfig(), normalise: Callable[[torch.Tensor], torch.Tensor] = log_softmax_parents):
-    """EM routing of votes given as a tensor.
-
-    Args:
-        votes: ``(N, J, I, H)`` (``H = 16`` for 4x4 poses).
-        log_a_in: ``(N, I)`` log activations of the inputs (``-inf`` allowed: clamped at ``cfg.log_a_floor``).
-        beta_v, beta_a: ``(J,)`` per parent type.
-        normalise: maps E-step logits ``(N, J, I)`` to ``log R`` (default: log-softmax over ``J``).
-    Returns:
-        ``mu (N, J, H)``, ``var (N, J, H)``, ``log a_out (N, J)`` and the last assignments ``log R (N, J, I)``, in
-        ``votes``' dtype (computed in float32 for half-precision votes).
-    """
+    """EM routing of votes ``(N, J, I, H)`` (``H = 16`` for 4x4 poses) given as a tensor, with the inputs' log
+    activations ``log_a_in (N, I)`` (``-inf`` allowed: clamped at ``cfg.log_a_floor``) and ``beta_v, beta_a (J,)``;
+    ``normalise`` maps E-step logits ``(N, J, I)`` to ``log R`` (default: log-softmax over ``J``).  Returns ``mu (N, J,
+    H)``, ``var (N, J, H)``, ``log a_out (N, J)`` and the last ``log R (N, J, I)``, in ``votes``' dtype (computed in
+    float32 for half precision)."""
     out_dtype = votes.dtype
     votes, log_a_in, beta_v, beta_a = _in_compute_dtype("em_routing", votes, log_a_in, beta_v, beta_a)
     scale_exp = _scale_exponent(votes, _max_exponent(votes.dtype) / 4)
@@ -322,11 +301,8 @@ def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor
 def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor,
                     beta_a: torch.Tensor, cfg: EMConfig = EMConfig(),
                     normalise: Callable[[torch.Tensor], torch.Tensor] = log_softmax_parents):
-    """EM routing with the votes ``M[n, i] @ W[i, j]`` computed inside (never stored by autograd).
-
-    Args:
-        M: ``(N, I, 4, 4)`` input poses per output position; W: ``(I, J, 4, 4)``. Otherwise as :func:`em_routing`.
-    """
+    """EM routing with the votes ``M[n, i] @ W[i, j]`` computed inside (never stored by autograd): ``M (N, I, 4, 4)``
+    input poses per output position, ``W (I, J, 4, 4)``; otherwise as :func:`em_routing`."""
     out_dtype = M.dtype
     M, W, log_a_in, beta_v, beta_a = _in_compute_dtype("em_routing_conv", M, W, log_a_in, beta_v, beta_a)
     dtype = M.dtype

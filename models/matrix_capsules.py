@@ -85,15 +85,11 @@ def _patch_index(size: int, kernel: int, stride: int, device=None) -> torch.Tens
     return (rows * size + cols).reshape(-1)
 
 
-def patch_normaliser(index: torch.Tensor, batch: int, positions: int, kk: int, types: int, parents: int,
-                     locations: int):
+def patch_normaliser(index: torch.Tensor, batch: int, positions: int, kk: int, types: int, locations: int):
     """``log R`` for convolutional EM routing: normalise E-step logits ``(batch*P, J, K*K*T)`` over every parent of
-    every patch that contains the same input capsule (the input's location and type).
-
-    ``index`` is :func:`_patch_index` (``(P*K*K,)`` flat input location per position and kernel offset).
-    A log-sum-exp over ``J`` per patch first, then per location: a max (``scatter_reduce``) for stability and a
-    sum of exponentials (``scatter_add``).  No loop over positions.
-    """
+    every patch that contains the same input capsule (the input's location and type).  ``index``: the
+    :func:`_patch_index` of the layer.  A log-sum-exp over ``J`` per patch, then per location a max
+    (``scatter_reduce``, for stability) and a sum of exponentials (``scatter_add``): no loop over positions."""
     idx = index.view(1, 1, -1).expand(batch, types, -1)
 
     def normalise(logits: torch.Tensor) -> torch.Tensor:
@@ -132,7 +128,7 @@ class ConvCaps(nn.Module):
         patches = torch.cat([pose, log_a[:, :, None]], 2).unfold(3, k, s).unfold(4, k, s)
         patches = patches.permute(0, 3, 4, 5, 6, 1, 2).reshape(b * P, KK * t, 17)
         M = patches[..., :16].reshape(b * P, KK * t, 4, 4)
-        normalise = patch_normaliser(_patch_index(h, k, s, pose.device), b, P, KK, t, J, h * w)
+        normalise = patch_normaliser(_patch_index(h, k, s, pose.device), b, P, KK, t, h * w)
         mu, _, log_a_out, _ = em_routing_conv(M, self.W, patches[..., 16], self.beta_v, self.beta_a, self.em, normalise)
         return (mu.view(b, out, out, J, 16).permute(0, 3, 4, 1, 2),
                 log_a_out.view(b, out, out, J).permute(0, 3, 1, 2))
@@ -168,10 +164,8 @@ class ClassCaps(nn.Module):
 
 
 class MatrixCapsNet(nn.Module):
-    """The smallNORB network: ``(batch, in_channels, 32, 32)`` -> class log activations ``(batch, E)``.
-
-    ``forward`` returns the class log activations; :meth:`capsules` also returns the class poses.
-    """
+    """The smallNORB network: ``(batch, in_channels, 32, 32)`` -> class log activations ``(batch, E)``
+    (:meth:`capsules` also returns the class poses)."""
 
     def __init__(self, cfg: MatrixCapsConfig = MatrixCapsConfig()):
         super().__init__()
@@ -197,11 +191,8 @@ class MatrixCapsNet(nn.Module):
 
 
 def spread_loss(log_a: torch.Tensor, target: torch.Tensor, margin: float | torch.Tensor) -> torch.Tensor:
-    """Spread loss ``sum_{i != t} max(0, m - (a_t - a_i))^2``, averaged over the batch.
-
-    Args:
-        log_a: ``(batch, E)`` class log activations; target: ``(batch,)`` class indices; margin: ``m``.
-    """
+    """Spread loss ``sum_{i != t} max(0, m - (a_t - a_i))^2`` of class log activations ``log_a (batch, E)`` for
+    class indices ``target (batch,)`` and margin ``m``, averaged over the batch."""
     a = log_a.exp()
     a_t = a.gather(1, target[:, None])
     gap = F.relu(margin - (a_t - a)) ** 2

@@ -1,20 +1,14 @@
 """Transforming auto-encoder (Hinton, Krizhevsky & Wang 2011, "Transforming auto-encoders", ICANN).
 
-Every capsule ``m`` has its own recognition units, which output a presence ``p_m`` and a pose ``P_m`` (a 3x3
-affine map, template -> canvas).  The known transformation ``T`` of the input is applied to every pose,
-``P'_m = T ∘ P_m``, and the capsule renders its learned template at ``P'_m`` (:func:`probcaps.render.render_templates`).
-The output is the presence-weighted sum of the rendered capsules (the paper's rule, ``combine = "sum"``), or a
-mixture (``"mixture"``, not in the paper) in which each capsule must explain the whole image on its own.
-
-Modes: ``"translation"`` (the pose is a position ``(x, y)`` and ``T`` a known shift) and ``"affine"`` (the pose a
-full 2-D affine map, from 6 numbers squashed by :func:`probcaps.geometry.constrained_pose`, or from keypoints).
-Recognition: ``"mlp"`` (the paper's: each capsule's own hidden units on the pixels, all capsules one matrix
-product) or ``"conv"`` (a shared conv trunk, then per-capsule heads, :class:`probcaps.encoders.PartEncoder` with
-``M·K`` attention heads: the pose is the affine map taking ``K >= 3`` canonical template points to the keypoints).
-
-The decoder is exactly equivariant (rendering at ``T ∘ P`` is rendering at ``P`` then warping by ``T``), so the
-reconstruction loss alone cannot teach the linear part of an affine pose: :func:`pose_consistency` (not in the
-paper) does.  :func:`estimate_transform` reads ``T`` back from the recognised poses of two images alone.
+Every capsule ``m`` recognises a presence ``p_m`` and a pose ``P_m`` (a 3x3 affine map, template -> canvas); the
+known transformation ``T`` of the input moves every pose, ``P'_m = T ∘ P_m``, and the capsule renders its learned
+template there (:func:`probcaps.render.render_templates`).  The output is the presence-weighted sum of the capsules
+(the paper's rule, ``combine = "sum"``) or a mixture in which each capsule explains the whole image (not in the
+paper).  Modes: ``"translation"`` (the pose a position) and ``"affine"`` (a full 2-D affine map).  Recognition:
+``"mlp"`` (the paper's: each capsule's own hidden units, all capsules one matrix product) or ``"conv"`` (a shared
+conv trunk and :class:`probcaps.encoders.PartEncoder` heads: the pose maps ``K >= 3`` canonical template points to
+``K`` attention keypoints).  The decoder is exactly equivariant, so the reconstruction loss alone cannot teach the
+linear part of an affine pose: :func:`pose_consistency` (not in the paper) does.
 """
 
 from __future__ import annotations
@@ -87,13 +81,6 @@ class TransformingAutoencoderConfig:
                              f"{self.max_scale}")
 
 
-def _canonical_points(K: int, radius: float) -> torch.Tensor:
-    """``(K, 2)`` points evenly spaced on a circle of ``radius`` (the first straight up): their mean is 0, so the
-    pose's translation is the keypoints' mean."""
-    angle = 2 * math.pi * torch.arange(K, dtype=torch.float64) / K - math.pi / 2
-    return (radius * torch.stack([angle.cos(), angle.sin()], -1)).float()
-
-
 def _blob_logits(M: int, t: int, gen: torch.Generator) -> torch.Tensor:
     """``(M, 1, t, t)`` initial template logits: a soft round brush plus noise that breaks the capsules' symmetry.
 
@@ -146,15 +133,18 @@ class TransformingAutoencoder(nn.Module):
             pose_kwargs["max_translation"] *= cfg.keypoint_offset_gain
             self.encoder = PartEncoder(M * K, channels=tuple(cfg.conv_channels), strides=tuple(cfg.conv_strides),
                                        feature_dim=0, pose_kwargs=pose_kwargs)
-        bias = self.encoder.head.bias.view(M, K, -1)  # per keypoint: 6 pose, presence logit, attention logit
-        with torch.no_grad():
-            bias[..., 6] = cfg.presence_bias_init
-        # canonical template points (K, 2) and the constant (3, K) -> (3, 3) least-squares map U⁺ with P = Q U⁺
-        self.register_buffer("canonical_points", _canonical_points(K, cfg.keypoint_radius), persistent=False)
-        U = torch.cat([self.canonical_points.T, torch.ones(1, K)])                      # (3, K)
+        # canonical template points u_k (K, 2), evenly spaced on a circle, the first straight up: their mean is 0, so
+        # the pose's translation is the keypoints' mean; and the constant (3, K) -> (3, 3) least-squares map U⁺
+        # with P = Q U⁺
+        angle = 2 * math.pi * torch.arange(K, dtype=torch.float64) / K - math.pi / 2
+        points = (cfg.keypoint_radius * torch.stack([angle.cos(), angle.sin()], -1)).float()
+        self.register_buffer("canonical_points", points, persistent=False)
+        U = torch.cat([points.T, torch.ones(1, K)])                                      # (3, K)
         self.register_buffer("canonical_pinv", U.T @ torch.linalg.inv(U @ U.T), persistent=False)  # (K, 3)
+        bias = self.encoder.head.bias.view(M, K, -1)  # per keypoint: 6 pose, presence logit, attention logit
         with torch.no_grad():  # offsets (tanh-squashed translations, entries 4 and 5 of the raw pose) at the u_k
-            bias[..., 4:6] = torch.atanh(self.canonical_points / cfg.max_translation)
+            bias[..., 6] = cfg.presence_bias_init
+            bias[..., 4:6] = torch.atanh(points / cfg.max_translation)
 
     @torch.no_grad()
     def init_templates_from(self, images: torch.Tensor, scale: float = 1.0, contrast: float = 0.9) -> None:
@@ -226,10 +216,9 @@ class TransformingAutoencoder(nn.Module):
 
     @torch.no_grad()
     def keypoint_spread(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """How far apart the keypoints of each image's most present capsule are, and how far apart the places
-        they look at (attention centres) are: each the mean distance from their mean, ``(B,)`` and ``(B,)`` in
-        normalised units ("conv" recognition).  Centres much closer together than the keypoints
-        mean the pose's linear part comes from the regressed offsets, not from where the keypoints look."""
+        """The mean distance from their mean of the keypoints of each image's most present capsule, and of the places
+        they look at (attention centres): ``(B,)`` and ``(B,)`` in normalised units ("conv" recognition).  Centres much
+        closer together than the keypoints: the pose's linear part comes from the regressed offsets."""
         if self.config.recognition != "conv":
             raise ValueError("keypoint_spread needs recognition = 'conv'")
         logits, points, centres = self._keypoint_outputs(images)
@@ -253,11 +242,9 @@ class TransformingAutoencoder(nn.Module):
     def pose_matrix(self, raw: torch.Tensor) -> torch.Tensor:
         """Recognition outputs ``(..., 2)`` (translation) or ``(..., 6)`` (affine) -> poses ``(..., 3, 3)``.
 
-        Translation: ``(x, y) = max_translation · tanh(raw)``.  Affine: SCAE's squashing
-        (:func:`probcaps.geometry.constrained_pose`) keeps every pose invertible; at ``raw = 0`` it is the
-        identity when ``min_scale + max_scale = 2``.  In both, the translation is bounded so that a capsule cannot
-        park its template off the canvas with a high presence: to add nothing to the image it has to switch
-        off, which keeps presences meaningful for reading the transformation back.
+        Translation: ``(x, y) = max_translation · tanh(raw)``; affine: SCAE's squashing (:func:`constrained_pose`,
+        invertible; the identity at ``raw = 0`` when ``min_scale + max_scale = 2``).  The bounded translation keeps a
+        capsule from parking its template off the canvas with a high presence: to add nothing it must switch off.
         """
         cfg = self.config
         if cfg.mode == "translation":
@@ -269,15 +256,9 @@ class TransformingAutoencoder(nn.Module):
         return {k: getattr(self.config, k) for k in ("min_scale", "max_scale", "max_shear", "max_translation")}
 
     def render(self, presence: torch.Tensor, poses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Render every capsule's template at its pose and combine them.
-
-        Args:
-            presence: ``(B, M)``.
-            poses: ``(B, M, 3, 3)`` template -> canvas maps.
-        Returns:
-            ``(image (B, 1, H, W), contributions (B, M, 1, H, W))``: each capsule's presence-weighted layer, and
-            their sum (for ``"mixture"``: the mixture's mean image).
-        """
+        """Every capsule's template rendered at its pose ``(B, M, 3, 3)`` (template -> canvas) and weighted by its
+        presence ``(B, M)``: ``(image (B, 1, H, W), contributions (B, M, 1, H, W))``, the image their sum (for
+        ``"mixture"``: the mixture's mean image)."""
         layers = render_templates(self.templates(), poses, self.config.canvas_size)  # (B, M, 1, H, W)
         contributions = presence[..., None, None, None] * layers
         return contributions.sum(1), contributions
@@ -307,36 +288,24 @@ class TransformingAutoencoder(nn.Module):
     def reconstruct(self, images: torch.Tensor, transforms: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Like ``forward``, also returning ``{"presence", "pose", "transformed_pose", "contributions"}``."""
         presence, poses = self.recognise(images)
-        moved = self.apply_transform(poses, transforms)
-        image, contributions = self.render(presence, moved)
+        image, contributions = self.render(presence, moved := self.apply_transform(poses, transforms))
         return image, {"presence": presence, "pose": poses, "transformed_pose": moved, "contributions": contributions}
 
     @staticmethod
     def apply_transform(poses: torch.Tensor, transforms: torch.Tensor) -> torch.Tensor:
-        """``T ∘ P_m`` for every capsule: poses ``(B, M, 3, 3)``, transforms ``(B, 3, 3)`` -> ``(B, M, 3, 3)``.
-
-        ``T`` acts on canvas coordinates, after the pose; for translations this adds ``(dx, dy)`` to the
-        capsule's ``(x, y)``.
-        """
+        """``T ∘ P_m`` for every capsule: poses ``(B, M, 3, 3)``, transforms ``(B, 3, 3)`` -> ``(B, M, 3, 3)``.  ``T``
+        acts on canvas coordinates, after the pose (for translations: ``(dx, dy)`` added to ``(x, y)``)."""
         return compose(transforms.unsqueeze(1), poses)
 
 
 def estimate_transform(pose1: torch.Tensor, pose2: torch.Tensor, weights: torch.Tensor, mode: str,
                        ridge: float = 1e-4) -> torch.Tensor:
-    """The transformation between two images, from their capsules' poses alone: ``(B, 3, 3)``.
-
-    Weighted least squares over capsules, ``T = argmin Σ_m w_m ||T P1_m − P2_m||²`` (Frobenius):
-
-    - ``"translation"``: ``T`` restricted to translations, whose solution is the weighted mean of
-      ``t2_m − t1_m`` (the numpy reproduction's "presence-weighted average of pose2 − pose1");
-    - ``"affine"``: ``T = (Σ w P2 P1ᵀ)(Σ w P1 P1ᵀ)⁻¹``.  Each capsule contributes its position (the pose's last
-      column) and its orientation / scale (the linear block), so three capsules at distinct places already fix
-      ``T``.  ``ridge`` adds ``ridge · I`` to both sums (shrinks an ill-posed fit towards the identity).
-
-    Args:
-        pose1, pose2: ``(B, M, 3, 3)`` poses recognised in the first and the second image.
-        weights: ``(B, M)`` non-negative, e.g. ``p1 * p2`` (capsules present in both images).
-    """
+    """The transformation ``(B, 3, 3)`` between two images from their capsules' poses ``pose1, pose2 (B, M, 3, 3)``
+    alone: weighted least squares over capsules (``weights (B, M)``, e.g. ``p1 * p2``, present in both),
+    ``T = argmin Σ_m w_m ||T P1_m − P2_m||²``.  ``"translation"``: the weighted mean of ``t2_m − t1_m`` (the numpy
+    reproduction's "presence-weighted average of pose2 − pose1"); ``"affine"``: ``T = (Σ w P2 P1ᵀ)(Σ w P1 P1ᵀ)⁻¹``
+    (three capsules at distinct places fix it), ``ridge · I`` added to both sums (an ill-posed fit shrinks to the
+    identity)."""
     if mode not in MODES:
         raise ValueError(f"estimate_transform: mode must be one of {MODES}, got {mode!r}")
     w = weights.clamp_min(0)
@@ -354,11 +323,8 @@ def estimate_transform(pose1: torch.Tensor, pose2: torch.Tensor, weights: torch.
 
 
 def transform_components(T: torch.Tensor, mode: str, canvas_size: int) -> tuple[torch.Tensor, list[str]]:
-    """The numbers the disentanglement is scored on: ``(B, K)`` and their names.
-
-    Translation: ``(dx, dy)`` in pixels.  Affine: the six free entries of ``T`` (``m11, m12, tx, m21, m22, ty``:
-    the 2x2 block and the translation in pixels).
-    """
+    """The numbers the disentanglement is scored on, ``(B, K)``, and their names: ``(dx, dy)`` in pixels, or the six
+    free entries of ``T`` (``m11, m12, tx, m21, m22, ty``: the 2x2 block and the translation in pixels)."""
     px = canvas_size / 2.0  # normalised units -> pixels
     if mode == "translation":
         return torch.stack([T[:, 0, 2] * px, T[:, 1, 2] * px], -1), ["dx", "dy"]
@@ -371,19 +337,13 @@ def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch
                      cap: float = 0.0) -> torch.Tensor:
     """How far the poses of two images are from being related by their known transformation: a scalar.
 
-    With ``E_bm = P2_bm⁻¹ T_b P1_bm`` (the identity exactly when the capsule's pose moved with the image,
-    ``P2 = T P1``), the value is ``mean_b [Σ_m w_bm (‖E_bm − I‖² + ‖E_bm⁻¹ − I‖²)] / Σ_m w_bm`` (squared Frobenius
-    norms): the mismatch in each capsule's own template frame, both ways.  On the canvas (``‖P2 − T P1‖²``) it
-    would have a trivial minimum, a pose shrunk to a point; in the template frame shrinking magnifies the
-    mismatch.  Not in the paper: with an exactly equivariant renderer the reconstruction loss alone is blind to ``T``.
-
-    Args:
-        pose1, pose2: ``(B, M, 3, 3)`` poses recognised in the first and the second image.
-        transforms: ``(B, 3, 3)``, the second image is the first transformed by it.
-        weights: ``(B, M)`` non-negative, e.g. ``p1 * p2`` (detach them to keep presences out of it).
-        cap: if ``> 0``, each capsule's mismatch ``c`` counts as ``cap · c / (cap + c)`` (at most ``cap``): a
-            collapsing keypoint triangle makes ``E⁻¹`` explode, and capped its gradient falls to zero instead of
-            swamping every other capsule's.
+    With ``E_bm = P2_bm⁻¹ T_b P1_bm`` (the identity exactly when the pose moved with the image, ``P2 = T P1``), the
+    value is ``mean_b [Σ_m w_bm (‖E_bm − I‖² + ‖E_bm⁻¹ − I‖²)] / Σ_m w_bm``: the mismatch in each capsule's own
+    template frame, both ways (on the canvas, ``‖P2 − T P1‖²``, a pose shrunk to a point would be a trivial minimum).
+    Not in the paper: with an exactly equivariant renderer the reconstruction loss alone is blind to ``T``.
+    ``pose1, pose2 (B, M, 3, 3)``: the poses of the two images, the second the first transformed by ``transforms
+    (B, 3, 3)``; ``weights (B, M)``: e.g. ``p1 * p2``, detached.  ``cap > 0``: each mismatch ``c`` counts as
+    ``cap · c / (cap + c)``, so a collapsing keypoint triangle (``E⁻¹`` exploding) does not swamp the others.
     """
     if not cap >= 0:
         raise ValueError(f"pose_consistency: cap must be >= 0, got {cap}")

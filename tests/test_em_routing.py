@@ -123,7 +123,7 @@ def test_patch_normaliser_sums_over_overlapping_patches():
     P, KK = out * out, k * k
     index = _patch_index(size, k, s)
     logits = torch.randn(b * P, J, KK * t, dtype=torch.double)
-    log_R = patch_normaliser(index, b, P, KK, t, J, size * size)(logits)
+    log_R = patch_normaliser(index, b, P, KK, t, size * size)(logits)
     R = log_R.exp().view(b, P, J, KK, t)
     totals = torch.zeros(b, t, size * size, dtype=torch.double)
     for p in range(P):                 # brute force (a test may loop)
