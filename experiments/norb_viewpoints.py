@@ -265,8 +265,7 @@ def plot_by_viewpoint(runs: list[dict], key: str, path: Path, xlabel: str, ylabe
 
 def plot_examples(full: NorbSet, path: Path) -> None:
     """One test instance per class (rows) at every other azimuth (columns), lowest elevation, first lighting."""
-    sel = (full.elevation == full.elevation.min()) & (full.lighting == full.lighting.min())
-    sel &= full.azimuth % 40 == 0
+    sel = (full.elevation == full.elevation.min()) & (full.lighting == full.lighting.min()) & (full.azimuth % 40 == 0)
     sel &= full.instance == full.instance[sel].min()
     part = full.subset(sel)
     order = torch.argsort(part.labels * 1000 + part.azimuth)
@@ -462,8 +461,7 @@ def all_views_table(m: dict, prov: dict, label: str) -> str:
 def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmark: bool = True) -> str | None:
     """The README table, built only from ``results/<name>.json`` (and the benchmark's JSON when
     ``with_benchmark``)."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
+    if (loaded := load_result(results_dir, name)) is None:
         return None
     m, prov = loaded
     runs = m["per_seed"]
@@ -496,8 +494,7 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
               f"models' best): {targets}%. " + run_line(m, prov)]
     bench = Path(results_dir) / "bench_matrix_capsules.json"
     if with_benchmark and bench.is_file():  # the speed of the paper's network, from benchmarks/bench_matrix_capsules.py
-        b = json.loads(bench.read_text())
-        net = b["network"]
+        net = (b := json.loads(bench.read_text()))["network"]
         lines += ["", "| speed (`benchmarks/bench_matrix_capsules.py`) | training images/s | inference images/s | "
                       "training images/s from CPU time | peak memory (MB) |", "| --- | --- | --- | --- | --- |",
                   f"| A, B, C, D = {net['A']}, {net['B']}, {net['C']}, {net['D']}; {net['input_size']}x"

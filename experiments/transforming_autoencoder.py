@@ -40,6 +40,7 @@ from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoenc
                                                       estimate_transform, pose_consistency, transform_components)
 from probcaps.provenance import provenance, write_results
 from probcaps.render import warp
+from probcaps.report import fmt_mean_std, results_in, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams
@@ -425,8 +426,6 @@ def readme_table(results_dir: Path) -> str | None:
     """Ours (mean ± std over seeds) against the numpy reproduction's numbers, built only from the shipped recipes'
     results, ``results/transforming_autoencoder_<mode>.json`` (and ``..._<mode>_tta.json``, the same models
     re-scored with ``eval.test_time_warps > 0``, when present)."""
-    from probcaps.report import fmt_mean_std
-
     results_dir = Path(results_dir)
     loaded = {m: json.loads(p.read_text()) for m in MODES if (p := results_dir / f"{NAME}_{m}.json").is_file()}
     if not loaded:
@@ -434,13 +433,12 @@ def readme_table(results_dir: Path) -> str | None:
     n_seeds = max(len(d["metrics"]["per_seed"]) for d in loaded.values())
     lines = [f"| mode | metric (held-out MNIST-test pairs) | ours: mean ± std over {n_seeds} seeds | target | "
              "numpy reproduction (28×28) |", "| --- | --- | --- | --- | --- |"]
-    anchors = {"dx": WRITEUP["r2_dx"], "dy": WRITEUP["r2_dy"]}
     footer = []
     for mode, data in loaded.items():
         runs, prov = data["metrics"]["per_seed"], data["provenance"]
         rng = prov.get("configs", {}).get("range", {})
         r2_target = "≥ 0.95" if mode == "translation" else "≥ 0.9"
-        rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target, anchors.get(c, "—"))
+        rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target, WRITEUP.get(f"r2_{c}", "—"))
                 for c in runs[0]["components"]]
         rows += [("min R² over components, linear readout fit on training pairs", "r2_linear_min", 3, "—", "—"),
                  ("reconstruction MSE per pixel, 22×22 window on the target digit", "recon_mse_window", 4,
@@ -490,8 +488,6 @@ TAE_ABLATIONS = "transforming_autoencoder_ablations"
 
 def ablations_table(results_dir: Path) -> str | None:
     """The tries of the affine transforming auto-encoder (``results_dir/transforming_autoencoder_ablations/*.json``)."""
-    from probcaps.report import results_in
-
     results = results_in(results_dir, TAE_ABLATIONS)
     if not results:
         return None
@@ -516,8 +512,6 @@ def ablations_table(results_dir: Path) -> str | None:
 def write_tables(results_dir: Path) -> list[Path]:
     """Write the table of the shipped recipes (``results_dir/transforming_autoencoder.md``) and of the tries
     (``results_dir/transforming_autoencoder_ablations.md``) from the results JSON there; returns the files written."""
-    from probcaps.report import write_table
-
     written = [write_table(results_dir, NAME, readme_table(results_dir)),
                write_table(results_dir, TAE_ABLATIONS, ablations_table(results_dir))]
     return [path for path in written if path is not None]

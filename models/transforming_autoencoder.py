@@ -45,13 +45,11 @@ class TransformingAutoencoderConfig:
     conv_strides: list = field(default_factory=lambda: [2, 2, 1])      # "conv": trunk strides (3x3 kernels)
     keypoints: int = 3               # "conv": attention points per capsule (K >= 3)
     keypoint_radius: float = 0.3     # the canonical points lie on a circle of this radius (normalised units)
-    # "conv": a keypoint is its attention centre plus an offset bounded by this times max_translation; below 1 the
-    # triangle has to come from where the keypoints look (equivariant), not from the regressed offsets
+    # "conv": a keypoint is its attention centre plus an offset of at most this times max_translation (below 1 the
+    # pose comes more from where the keypoints look, which is equivariant, than from regressed offsets)
     keypoint_offset_gain: float = field(default=1.0, metadata={"range": Range(0, 1)})
     template_size: int = 14          # t: each capsule's template is t x t pixels at pose scale 1
-    # "blob": a soft round brush plus noise; "data": training images (init_templates_from), so templates start
-    # asymmetric and their poses identifiable
-    template_init: str = "blob"
+    template_init: str = "blob"      # "blob": a soft brush plus noise; "data": training images, asymmetric at once
     combine: str = "sum"             # "sum": presence-weighted sum (the paper); "mixture": one capsule explains it
     mixture_pixel_std: float = 0.1   # "mixture": pixel noise of each capsule's likelihood (sharpness of the choice)
     presence_bias_init: float = 0.0  # initial presence logit of every capsule
