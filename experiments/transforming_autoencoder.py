@@ -173,9 +173,8 @@ def window_mask(placement: torch.Tensor, canvas: int, size: int = DIGIT_WINDOW) 
     """``(B, 1, C, C)`` boolean: the ``size x size`` pixel box centred on each target digit's centre."""
     centre_px = (placement[:, :2, 2] + 1) * canvas / 2 - 0.5          # normalised -> pixel index (x, y)
     pix = torch.arange(canvas, device=placement.device, dtype=placement.dtype)
-    in_x = (pix.view(1, 1, canvas) - centre_px[:, 0].view(-1, 1, 1)).abs() < size / 2
-    in_y = (pix.view(1, canvas, 1) - centre_px[:, 1].view(-1, 1, 1)).abs() < size / 2
-    return (in_x & in_y).unsqueeze(1)
+    near = (pix - centre_px[..., None]).abs() < size / 2                          # (B, 2, C): x, then y
+    return (near[:, 1, :, None] & near[:, 0, None, :]).unsqueeze(1)
 
 
 def build_model(cfg: dict, device="cpu", digits: torch.Tensor | None = None) -> TransformingAutoencoder:

@@ -89,16 +89,14 @@ def pose_transform_matrix(W: torch.Tensor) -> torch.Tensor:
     """``(I, J, 4, 4)`` transforms -> ``K (I, 16, 16 J)`` with ``M.flatten() @ K[i] = cat_j (M @ W[i, j]).flatten()``
     for a 4x4 pose ``M`` (``K[i, (r, k), (j, s, c)] = delta_rs W[i, j, k, c]``)."""
     I, J = W.shape[:2]
-    eye = torch.eye(4, dtype=W.dtype, device=W.device)
-    return torch.einsum("rs,ijkc->irkjsc", eye, W).reshape(I, 16, J * 16)
+    return torch.einsum("rs,ijkc->irkjsc", torch.eye(4, dtype=W.dtype, device=W.device), W).reshape(I, 16, J * 16)
 
 
 def conv_votes_cache(M: torch.Tensor, W: torch.Tensor) -> VoteCache:
     """Cache for the votes ``V[n, j, i] = M[n, i] @ W[i, j]`` (input poses ``M (N, I, 4, 4)``, unfolded patches;
     transforms ``W (I, J, 4, 4)`` shared over positions): one batched product over ``i``, ``(N, 16) @ (16, 16 J)``,
     the centre one matrix product, and the gradient ``(dM, dW)`` two batched products over ``i``."""
-    N, I = M.shape[:2]
-    J = W.shape[1]
+    (N, I), J = M.shape[:2], W.shape[1]
     with torch.no_grad():
         K = pose_transform_matrix(W)                                   # (I, 16, 16 J)
         center = (M.reshape(N, I * 16) @ K.reshape(I * 16, J * 16) / I).view(N, J, 16)
