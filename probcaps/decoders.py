@@ -8,6 +8,7 @@ dimensions can reuse it (e.g. to reconstruct from the parent capsules of another
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -41,14 +42,8 @@ class MaskedCapsuleDecoder(nn.Module):
         self.num_capsules, self.capsule_dim = num_capsules, capsule_dim
         self.image_shape = tuple(int(s) for s in image_shape)
         sizes = [num_capsules * capsule_dim, *hidden]
-        layers: list[nn.Module] = []
-        for a, b in zip(sizes[:-1], sizes[1:]):
-            layers += [nn.Linear(a, b), nn.ReLU(inplace=True)]
-        n_out = 1
-        for s in self.image_shape:
-            n_out *= s
-        layers.append(nn.Linear(sizes[-1], n_out))
-        self.net = nn.Sequential(*layers)
+        hidden_layers = [m for a, b in zip(sizes[:-1], sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU(inplace=True))]
+        self.net = nn.Sequential(*hidden_layers, nn.Linear(sizes[-1], math.prod(self.image_shape)))
 
     def forward(self, capsules: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         """Reconstruct from the capsules ``selected`` (``(B,)`` indices or a ``(B, K)`` mask) alone.

@@ -15,12 +15,11 @@ __all__ = ["ClampedRelaxedBernoulli", "RELAXED_CLAMP", "MAX_LOGIT", "bound_logit
 #: exactly 0 or 1, where the density's log-Jacobian is infinite and gradients become NaN.
 RELAXED_CLAMP = 1e-4
 
-#: Logits are soft-bounded to ``±MAX_LOGIT`` (``MAX_LOGIT * tanh(logits / MAX_LOGIT)``; probabilities within
-#: ``[0.0025, 0.9975]``).  Why: a clamped sample is scored by the density *at the clamp*.  With unbounded logits a
-#: guide can put nearly all its mass far beyond the clamp, where its density evaluated at the clamp is tiny, and
-#: collect a fake entropy bonus of hundreds of nats per presence (measured: part logits ~130, 98% of samples at
-#: the clamp, +2,900 nats per image of ELBO that no image earned).  With ``|logit| <= 6`` and ``τ = 0.5`` the
-#: clamp (logit ±9.2) stays in the tail and the density there is the density of the samples.
+#: Logits are soft-bounded to ``±MAX_LOGIT`` (probabilities within ``[0.0025, 0.9975]``) because a clamped sample is
+#: scored by the density *at the clamp*: with unbounded logits a guide can put its mass far beyond the clamp, where
+#: that density is tiny, and collect a fake entropy bonus (measured: part logits ~130, 98% of samples at the clamp,
+#: +2,900 nats per image of ELBO that no image earned).  With ``|logit| <= 6`` and ``τ = 0.5`` the clamp (logit
+#: ±9.2) stays in the tail, where the density is the samples' density.
 MAX_LOGIT = 6.0
 
 
@@ -40,10 +39,8 @@ class ClampedRelaxedBernoulli(dist.RelaxedBernoulli):
     def __init__(self, temperature, probs=None, logits=None, validate_args=None):
         if (probs is None) == (logits is None):
             raise ValueError("ClampedRelaxedBernoulli: give exactly one of probs or logits")
-        if logits is None:
-            logits = probs_to_logits(probs, is_binary=True)
-        logits = bound_logits(logits)
-        super().__init__(temperature, logits=logits, validate_args=validate_args)
+        logits = probs_to_logits(probs, is_binary=True) if logits is None else logits
+        super().__init__(temperature, logits=bound_logits(logits), validate_args=validate_args)
 
     def expand(self, batch_shape, _instance=None):
         new = self._get_checked_instance(ClampedRelaxedBernoulli, _instance)

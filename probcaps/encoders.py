@@ -1,20 +1,12 @@
 """Encoders of the SCAE-style guide (Smith et al. 2020, "Capsule networks -- a probabilistic perspective").
 
-The guide maps an image to ``M`` part capsules with a CNN and attentive pooling (:class:`PartEncoder`) and the
-*set* of part capsules to ``K`` object capsules with a set transformer (:class:`SetTransformer`); there is no
-direct image -> object path.
+An image goes to ``M`` part capsules through a CNN and attentive pooling (:class:`PartEncoder`), the *set* of part
+capsules to ``K`` object capsules through a set transformer (:class:`SetTransformer`, blocks after Lee et al. 2019).
 
-The set-transformer blocks follow Lee et al. 2019 (``MAB``, ``SAB``, ``ISAB``, ``PMA``), with one addition: every
-block takes ``key_weights`` (B, N) in ``[0, 1]``, a soft presence mask on the set elements.  ``log(w)`` (``w``
-clamped below at ``1e-6``) is added to the attention logits, so an element of weight ``w`` counts as ``w`` copies
-of itself in the softmax; weights in ``(0, 1e-6]`` all count as ``1e-6``.  A hard ``0`` (or ``False`` in a boolean
-mask) is masked *exactly*: it gets the most negative finite logit bias instead of ``log(1e-6)``, so its attention
-weight underflows to 0 and the output does not depend on its values.  (With the ``log(1e-6) ~ -13.8`` bias alone a
-masked key still leaks ``1e-6 * exp(logit gap)``, which for a masked key with large logits was measured up to 1e-2.)
-Gradients w.r.t. ``key_weights`` are 0 below ``1e-6``, as with a plain clamp.  If every key of a row is masked the
-softmax is uniform over them (finite, no NaN).
-
-Everything is vectorised over batch, heads and capsules; nothing is device specific.
+Every block takes ``key_weights`` (B, N) in ``[0, 1]``, a soft presence mask: ``log(max(w, 1e-6))`` is added to the
+attention logits, so an element of weight ``w`` counts as ``w`` copies of itself.  A hard ``0`` (or ``False``) gets
+the most negative finite bias instead, so its weight underflows to 0 exactly (``log(1e-6)`` alone still leaks
+``1e-6 * exp(logit gap)``, measured up to 1e-2); a row with every key masked attends uniformly (no NaN).
 """
 
 from __future__ import annotations
@@ -33,11 +25,9 @@ __all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOu
 #: Smallest key weight before taking the log: ``log(1e-6) ~ -13.8`` on the attention logits.
 MIN_KEY_WEIGHT = 1e-6
 
-#: Attention kernel.  Measured on a 2-core CPU (torch 2.13, 2 threads, B=128, N=40, dim 128, 4 heads): the explicit
-#: batched ``softmax(QK^T/sqrt(d) + bias) V`` vs ``F.scaled_dot_product_attention`` with an additive float mask is
-#: ~11 vs ~11.5 ms fwd+bwd and 1.6 vs 3.4 ms forward-only for one attention op; for the whole default SetTransformer
-#: (benchmarks/bench_encoders.py) ~67 vs ~74 ms fwd+bwd and ~19 vs ~25 ms forward.  So the explicit version is the
-#: default.  Set to True to use SDPA (e.g. for fused kernels on CUDA); both give the same result.
+#: ``F.scaled_dot_product_attention`` instead of the explicit ``softmax(QK^T/sqrt(d) + bias) V`` (the same result).
+#: Off: on a 2-core CPU the explicit form is faster, for the default SetTransformer ~67 vs ~74 ms forward + backward
+#: and ~19 vs ~25 ms forward (benchmarks/bench_encoders.py); SDPA may pay on CUDA (fused kernels).
 USE_SDPA = False
 
 
@@ -48,21 +38,17 @@ def key_bias(key_weights: torch.Tensor | None, dtype: torch.dtype) -> torch.Tens
     if key_weights is None:
         return None
     w = key_weights.to(dtype)
-    bias = torch.log(w.clamp_min(MIN_KEY_WEIGHT))
     # exact zeros: the most negative finite value (not -inf, so fully masked rows stay finite)
-    bias = bias.masked_fill(w <= 0, torch.finfo(dtype).min)
-    return bias[:, None, None, :]
+    return torch.log(w.clamp_min(MIN_KEY_WEIGHT)).masked_fill(w <= 0, torch.finfo(dtype).min)[:, None, None, :]
 
 
 class MAB(nn.Module):
     """Multihead attention block ``MAB(Q, K)`` (Lee et al. 2019).
 
     ``O = LN(Q' + Attn(Q', K', V'))``, ``MAB = LN(O + ReLU(fc_o(O)))`` with ``Q' = fc_q(Q)``, ``K' = fc_k(K)``,
-    ``V' = fc_v(K)``, heads split along the feature axis.  (Logits scaled by ``1/sqrt(head_dim)``; the reference
-    code uses ``1/sqrt(dim_v)``.)
-
-    ``forward(Q (B, Nq, dim_q), K (B, Nk, dim_k), key_weights (B, Nk) | None) -> (B, Nq, dim_v)``; ``Q`` may have
-    batch size 1 (learned seeds or inducing points, shared by the batch: projected once, then broadcast).
+    ``V' = fc_v(K)``, heads split along the features, logits scaled by ``1/sqrt(head_dim)`` (the reference code's
+    ``1/sqrt(dim_v)``).  ``forward(Q (B, Nq, dim_q), K (B, Nk, dim_k), key_weights (B, Nk) | None) -> (B, Nq,
+    dim_v)``; ``Q`` may have batch size 1 (learned seeds or inducing points: projected once, then broadcast).
     """
 
     def __init__(self, dim_q: int, dim_k: int, dim_v: int, num_heads: int, ln: bool = True):
@@ -74,8 +60,7 @@ class MAB(nn.Module):
         self.fc_k = nn.Linear(dim_k, dim_v)
         self.fc_v = nn.Linear(dim_k, dim_v)
         self.fc_o = nn.Linear(dim_v, dim_v)
-        self.ln0 = nn.LayerNorm(dim_v) if ln else nn.Identity()
-        self.ln1 = nn.LayerNorm(dim_v) if ln else nn.Identity()
+        self.ln0, self.ln1 = (nn.LayerNorm(dim_v) if ln else nn.Identity() for _ in range(2))
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, dim_v) -> (B, H, N, dim_v / H)
         return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
@@ -142,17 +127,8 @@ class SetTransformer(nn.Module):
     permutations of ``x`` and ``key_weights`` along ``N``.  ``key_weights`` masks the set at every layer.
     """
 
-    def __init__(
-        self,
-        dim_in: int,
-        num_outputs: int,
-        dim_out: int,
-        dim_hidden: int = 128,
-        num_heads: int = 4,
-        num_inds: int = 16,
-        num_isab: int = 2,
-        ln: bool = True,
-    ):
+    def __init__(self, dim_in: int, num_outputs: int, dim_out: int, dim_hidden: int = 128, num_heads: int = 4,
+                 num_inds: int = 16, num_isab: int = 2, ln: bool = True):
         super().__init__()
         dims = [dim_in] + [dim_hidden] * num_isab
         self.enc = nn.ModuleList(ISAB(a, b, num_heads, num_inds, ln) for a, b in zip(dims[:-1], dims[1:]))
@@ -167,8 +143,7 @@ class SetTransformer(nn.Module):
 
 def _position_grid(h: int, w: int, device, dtype) -> torch.Tensor:
     """``(h*w, 2)`` centres of an ``h x w`` feature map's cells in normalised canvas coordinates (x, y)."""
-    ys = (torch.arange(h, device=device, dtype=dtype) * 2 + 1) / h - 1
-    xs = (torch.arange(w, device=device, dtype=dtype) * 2 + 1) / w - 1
+    ys, xs = ((torch.arange(n, device=device, dtype=dtype) * 2 + 1) / n - 1 for n in (h, w))
     return torch.stack(torch.meshgrid(xs, ys, indexing="xy"), -1).reshape(-1, 2)
 
 
@@ -185,66 +160,42 @@ class PartOutput(NamedTuple):
 class PartEncoder(nn.Module):
     """Image -> ``num_parts`` part capsules: CNN, then attentive pooling (SCAE's primary-capsule encoder).
 
-    A 1x1 conv maps the CNN feature map to, per part, ``6`` raw pose parameters, ``1`` presence logit,
-    ``feature_dim`` features and ``1`` attention logit.  The attention logits are softmaxed over spatial positions
-    and each part's parameters are the attention-weighted sum over positions.  Padding ``kernel_size // 2``, so a
-    stride-2 layer halves the size (40x40 -> 10x10 and 28x28 -> 7x7 with the default strides); any ``H, W`` works.
+    A 1x1 conv maps the feature map to, per part, ``6`` raw pose parameters, ``1`` presence logit, ``feature_dim``
+    features and ``1`` attention logit; each part's parameters are their sum over positions weighted by the softmax
+    of its attention logits.  Padding ``kernel_size // 2``: a stride-2 layer halves the size (any ``H, W`` works).
 
-    ``forward(x (B, in_channels, H, W)) -> PartOutput``.  ``pose_kwargs`` are passed to
-    :func:`probcaps.geometry.constrained_pose` (``min_scale``, ``max_scale``, ``max_shear``, ``max_translation``).
-    ``compile``: run the CNN through ``torch.compile`` (fuses each convolution with its activation; the first call
-    pays for the compile, and each new input shape compiles again).  A plain attribute, not in the state dict.
+    ``forward(x (B, in_channels, H, W)) -> PartOutput``.  ``pose_kwargs`` go to
+    :func:`probcaps.geometry.constrained_pose`.  ``compile``: the CNN through ``torch.compile`` (each convolution
+    fused with its activation; each new input shape compiles again), a plain attribute, not in the state dict.
     """
 
-    def __init__(
-        self,
-        num_parts: int,
-        in_channels: int = 1,
-        channels: tuple[int, ...] = (128, 128, 128, 128),
-        kernel_size: int = 3,
-        strides: tuple[int, ...] = (2, 2, 1, 1),
-        feature_dim: int = 16,
-        activation: type[nn.Module] = nn.ELU,
-        pose_kwargs: dict | None = None,
-        attention_translation: bool = True,
-        bf16: bool = False,
-        compile: bool = False,
-    ):
+    def __init__(self, num_parts: int, in_channels: int = 1, channels: tuple[int, ...] = (128, 128, 128, 128),
+                 kernel_size: int = 3, strides: tuple[int, ...] = (2, 2, 1, 1), feature_dim: int = 16,
+                 activation: type[nn.Module] = nn.ELU, pose_kwargs: dict | None = None,
+                 attention_translation: bool = True, bf16: bool = False, compile: bool = False):
         super().__init__()
-        self.attention_translation = attention_translation
-        self.bf16 = bf16
-        self.compile = compile
+        self.attention_translation, self.bf16, self.compile = attention_translation, bf16, compile
         if len(channels) != len(strides):
             raise ValueError(f"PartEncoder: {len(channels)} channels but {len(strides)} strides")
         self.num_parts, self.feature_dim = num_parts, feature_dim
         self.pose_kwargs = dict(pose_kwargs or {})
-        layers, c_in = [], in_channels
-        for c, s in zip(channels, strides):
-            layers += [nn.Conv2d(c_in, c, kernel_size, stride=s, padding=kernel_size // 2), activation()]
-            c_in = c
-        self.cnn = nn.Sequential(*layers)
+        self.cnn = nn.Sequential(*[layer for c_in, c, s in zip((in_channels, *channels), channels, strides) for layer in
+                                   (nn.Conv2d(c_in, c, kernel_size, stride=s, padding=kernel_size // 2), activation())])
         self.n_param = 6 + 1 + feature_dim  # per part: pose_raw, presence logit, features (+1 attention logit)
-        self.head = nn.Conv2d(c_in, num_parts * (self.n_param + 1), 1)
+        self.head = nn.Conv2d(channels[-1] if channels else in_channels, num_parts * (self.n_param + 1), 1)
         self._init_head()
 
     @torch.no_grad()
     def _init_head(self) -> None:
-        # Head weights viewed as (M, n_param + 1, C); bias as (M, n_param + 1).
-        # * Presence: weights x0.01 and bias 0, so presence logits start near 0 (presence prob ~1/2: every part is
-        #   used and gets gradient), yet are not exactly constant.
-        # * Pose: the raw pose is (spatial average of a small image-dependent term) + bias.  Pooling over positions
-        #   averages the conv output, so with a zero bias every part would start at nearly the same pose (centre of
-        #   the canvas), a symmetric start the parts would have to break themselves.  We give each part its own
-        #   translation bias on a grid spanning the central half of the canvas in *squashed* coordinates
-        #   (raw = atanh(u), so tx = max_translation * u for u in [-0.5, 0.5]), and shrink the pose weights x0.1 so the
-        #   spread is not swamped at start.  Scale/rotation/shear biases stay 0 (mid-range scale, no rotation/shear).
+        # Presence: weights x0.01, bias 0: logits near 0 (every part used and given gradient), not exactly constant.
+        # Pose: with zero biases every part would start at nearly the same pose (pooling averages), a symmetry to
+        # break.  Each part gets its own translation bias on a grid over the central half of the canvas (raw =
+        # atanh(u), tx = max_translation u, u in [-0.5, 0.5]), pose weights x0.1; scale, rotation, shear biases 0.
         M, P = self.num_parts, self.n_param + 1
-        w = self.head.weight.view(M, P, -1)
-        b = self.head.bias.view(M, P)
+        w, b = self.head.weight.view(M, P, -1), self.head.bias.view(M, P)  # (M, n_param + 1, C), (M, n_param + 1)
         w[:, 6].mul_(0.01)
-        b[:, 6].zero_()
         w[:, :6].mul_(0.1)
-        b[:, :6].zero_()
+        b[:, :7].zero_()
         g = math.ceil(math.sqrt(M))
         ticks = torch.linspace(-0.5, 0.5, g) if g > 1 else torch.zeros(1)
         grid = torch.stack(torch.meshgrid(ticks, ticks, indexing="xy"), -1).reshape(-1, 2)  # (g*g, 2): (x, y)
@@ -268,13 +219,10 @@ class PartEncoder(nn.Module):
         features = self._compiled_trunk()(x) if self.compile else self.trunk(x)
         fh, fw = features.shape[-2:]
         f = features.to(x.dtype).permute(0, 2, 3, 1).reshape(x.shape[0], fh * fw, -1)  # (B, N, C), N = H'W'
-        # The head is a 1x1 conv, linear in the features, so pooling commutes with it: each part's attention
-        # logits come from the head's last row, the features are pooled per part, and the head's other rows are
-        # applied to the pooled (B, M, C) features.  The same function as conv -> softmax -> weighted sum, without
-        # the (B, M * (n_param + 1), H', W') map: about 10x fewer multiply-adds at SCAE's sizes (40 parts, 16
-        # features, a 10x10 map).
-        w = self.head.weight.view(self.num_parts, self.n_param + 1, -1)  # (M, P + 1, C)
-        b = self.head.bias.view(self.num_parts, self.n_param + 1)
+        # The head (a 1x1 conv) is linear, so pooling commutes with it: the attention logits come from its last row
+        # and its other rows are applied to the pooled (B, M, C) features.  The same function as conv -> softmax ->
+        # weighted sum without the (B, M (n_param + 1), H', W') map: ~10x fewer multiply-adds at SCAE's sizes.
+        w, b = self.head.weight.view(self.num_parts, self.n_param + 1, -1), self.head.bias.view(self.num_parts, -1)
         att = torch.softmax(torch.matmul(f, w[:, -1].T).transpose(1, 2) + b[:, -1, None], -1)  # (B, M, N)
         pooled = torch.matmul(att, f)  # (B, M, C)
         params = torch.einsum("mpc,bmc->bmp", w[:, :-1], pooled) + b[:, :-1]  # (B, M, P)
@@ -286,10 +234,4 @@ class PartEncoder(nn.Module):
             # of where to look, learned far faster than regressing coordinates from pooled features
             centre = torch.einsum("bmn,nd->bmd", att, _position_grid(fh, fw, f.device, f.dtype))  # (B, M, 2)
             pose = pose + F.pad(centre.unsqueeze(-1), (2, 0)).flatten(-2)  # adds (0,0,cx,0,0,cy): translations
-        return PartOutput(
-            presence_logit=params[..., 6],
-            pose=pose,
-            pose_raw=pose_raw,
-            features=params[..., 7:],
-            centre=centre,
-        )
+        return PartOutput(params[..., 6], pose, pose_raw, params[..., 7:], centre)

@@ -16,40 +16,24 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-__all__ = [
-    "pose6_to_matrix",
-    "matrix_to_pose6",
-    "compose",
-    "invert",
-    "determinant",
-    "compose_pose6",
-    "affine_matrix",
-    "rotation_matrix",
-    "translation_matrix",
-    "pixels_to_normalised",
-]
+__all__ = ["pose6_to_matrix", "matrix_to_pose6", "compose", "invert", "determinant", "compose_pose6", "affine_matrix",
+           "rotation_matrix", "translation_matrix", "pixels_to_normalised"]
 
 
 def pose6_to_matrix(y: torch.Tensor) -> torch.Tensor:
     """``(..., 6) -> (..., 3, 3)``: ``P(y)`` with the identity added."""
     if y.shape[-1] != 6:
         raise ValueError(f"pose6_to_matrix: last dimension must be 6, got shape {tuple(y.shape)}")
-    one = torch.ones_like(y[..., :1])
-    zero = torch.zeros_like(y[..., :1])
-    row0 = torch.cat([1 + y[..., 0:1], y[..., 1:3]], -1)
-    row1 = torch.cat([y[..., 3:4], 1 + y[..., 4:5], y[..., 5:6]], -1)
-    row2 = torch.cat([zero, zero, one], -1)
-    return torch.stack([row0, row1, row2], -2)
+    return F.pad(y, (0, 3)).unflatten(-1, (3, 3)) + torch.eye(3, dtype=y.dtype, device=y.device)
 
 
 def matrix_to_pose6(P: torch.Tensor) -> torch.Tensor:
     """``(..., 3, 3) -> (..., 6)``: the inverse of :func:`pose6_to_matrix` (the last row is ignored)."""
     if P.shape[-2:] != (3, 3):
         raise ValueError(f"matrix_to_pose6: expected (..., 3, 3), got shape {tuple(P.shape)}")
-    top = P[..., :2, :].reshape(*P.shape[:-2], 6)
-    eye = top.new_tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
-    return top - eye
+    return P[..., :2, :].reshape(*P.shape[:-2], 6) - P.new_tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
 
 
 def compose(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
@@ -59,20 +43,10 @@ def compose(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
 
 def compose_pose6(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``pose6(P(a) P(b))`` for 6-vectors, without building matrices: ``(..., 6), (..., 6) -> (..., 6)``."""
-    a11, a12, a13, a21, a22, a23 = (a[..., i] for i in range(6))
-    b11, b12, b13, b21, b22, b23 = (b[..., i] for i in range(6))
-    a11, a22, b11, b22 = a11 + 1, a22 + 1, b11 + 1, b22 + 1
-    return torch.stack(
-        [
-            a11 * b11 + a12 * b21 - 1,
-            a11 * b12 + a12 * b22,
-            a11 * b13 + a12 * b23 + a13,
-            a21 * b11 + a22 * b21,
-            a21 * b12 + a22 * b22 - 1,
-            a21 * b13 + a22 * b23 + a23,
-        ],
-        -1,
-    )
+    eye = a.new_tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    (a11, a12, a13, a21, a22, a23), (b11, b12, b13, b21, b22, b23) = (a + eye).unbind(-1), (b + eye).unbind(-1)
+    return torch.stack([a11 * b11 + a12 * b21 - 1, a11 * b12 + a12 * b22, a11 * b13 + a12 * b23 + a13,
+                        a21 * b11 + a22 * b21, a21 * b12 + a22 * b22 - 1, a21 * b13 + a22 * b23 + a23], -1)
 
 
 def determinant(P: torch.Tensor) -> torch.Tensor:
@@ -86,42 +60,29 @@ def invert(P: torch.Tensor, min_abs_det: float = 0.0) -> torch.Tensor:
     ``min_abs_det > 0`` keeps the determinant at least that far from zero (sign kept, zero counts as positive), so
     a singular or nearly singular map inverts to large finite entries instead of ``inf``/``NaN``.
     """
-    a, b, c = P[..., 0, 0], P[..., 0, 1], P[..., 0, 2]
-    d, e, f = P[..., 1, 0], P[..., 1, 1], P[..., 1, 2]
+    (a, b, c), (d, e, f) = P[..., 0, :].unbind(-1), P[..., 1, :].unbind(-1)
     det = determinant(P)
     if min_abs_det > 0:
         det = torch.where(det < 0, det.clamp_max(-min_abs_det), det.clamp_min(min_abs_det))
     ia, ib, id_, ie = e / det, -b / det, -d / det, a / det
-    ic = -(ia * c + ib * f)
-    if_ = -(id_ * c + ie * f)
-    zero, one = torch.zeros_like(a), torch.ones_like(a)
-    return torch.stack(
-        [torch.stack([ia, ib, ic], -1), torch.stack([id_, ie, if_], -1), torch.stack([zero, zero, one], -1)], -2
-    )
+    return _affine(ia, ib, -(ia * c + ib * f), id_, ie, -(id_ * c + ie * f))
 
 
-def affine_matrix(
-    scale_x: torch.Tensor,
-    scale_y: torch.Tensor,
-    theta: torch.Tensor,
-    shear: torch.Tensor,
-    tx: torch.Tensor,
-    ty: torch.Tensor,
-) -> torch.Tensor:
+def _affine(*entries: torch.Tensor) -> torch.Tensor:
+    """``(..., 3, 3)`` affine matrices from the ``(...)`` entries ``m00, m01, m02, m10, m11, m12`` of their top rows."""
+    top = torch.stack(entries, -1).unflatten(-1, (2, 3))
+    return torch.cat([top, top.new_tensor([0.0, 0.0, 1.0]).expand(*top.shape[:-2], 1, 3)], -2)
+
+
+def affine_matrix(scale_x: torch.Tensor, scale_y: torch.Tensor, theta: torch.Tensor, shear: torch.Tensor,
+                  tx: torch.Tensor, ty: torch.Tensor) -> torch.Tensor:
     """Matrix ``T(tx, ty) R(theta) Sh(shear) S(scale_x, scale_y)`` (each argument ``(...)``) -> ``(..., 3, 3)``.
 
     The same factorisation SCAE uses to constrain part poses.
     """
     c, s = torch.cos(theta), torch.sin(theta)
     # R @ Sh @ S with Sh = [[1, shear], [0, 1]]
-    m00 = c * scale_x
-    m01 = (c * shear - s) * scale_y
-    m10 = s * scale_x
-    m11 = (s * shear + c) * scale_y
-    zero, one = torch.zeros_like(m00), torch.ones_like(m00)
-    return torch.stack(
-        [torch.stack([m00, m01, tx], -1), torch.stack([m10, m11, ty], -1), torch.stack([zero, zero, one], -1)], -2
-    )
+    return _affine(c * scale_x, (c * shear - s) * scale_y, tx, s * scale_x, (s * shear + c) * scale_y, ty)
 
 
 def _as_float_tensor(x) -> torch.Tensor:
@@ -141,10 +102,9 @@ def rotation_matrix(theta: torch.Tensor) -> torch.Tensor:
 def translation_matrix(tx: torch.Tensor, ty: torch.Tensor) -> torch.Tensor:
     """Translation by ``(tx, ty)`` in normalised coordinates: ``(...) -> (..., 3, 3)``."""
     tx = _as_float_tensor(tx)
-    ty = torch.as_tensor(ty, dtype=tx.dtype, device=tx.device)
-    tx, ty = torch.broadcast_tensors(tx, ty)
+    tx, ty = torch.broadcast_tensors(tx, torch.as_tensor(ty, dtype=tx.dtype, device=tx.device))
     one, zero = torch.ones_like(tx), torch.zeros_like(tx)
-    return affine_matrix(one, one, zero, zero, tx, ty)
+    return _affine(one, zero, tx, zero, one, ty)
 
 
 def pixels_to_normalised(pixels: float | torch.Tensor, size: int):
@@ -157,22 +117,14 @@ def degrees(angle_deg) -> torch.Tensor:
     return _as_float_tensor(angle_deg) * (math.pi / 180.0)
 
 
-def constrained_pose(
-    raw: torch.Tensor,
-    min_scale: float = 0.3,
-    max_scale: float = 2.0,
-    max_shear: float = 0.5,
-    max_translation: float = 1.0,
-) -> torch.Tensor:
+def constrained_pose(raw: torch.Tensor, min_scale: float = 0.3, max_scale: float = 2.0, max_shear: float = 0.5,
+                     max_translation: float = 1.0) -> torch.Tensor:
     """Squash unconstrained ``(..., 6)`` network outputs into a plausible pose, returned as a pose 6-vector.
 
     SCAE's recipe: scales through a sigmoid into ``[min_scale, max_scale]``, shear and translation through
     ``tanh``, rotation unconstrained.  ``raw = (sx, sy, theta, shear, tx, ty)``.
     """
-    sx = min_scale + (max_scale - min_scale) * torch.sigmoid(raw[..., 0])
-    sy = min_scale + (max_scale - min_scale) * torch.sigmoid(raw[..., 1])
-    theta = raw[..., 2]
-    shear = max_shear * torch.tanh(raw[..., 3])
-    tx = max_translation * torch.tanh(raw[..., 4])
-    ty = max_translation * torch.tanh(raw[..., 5])
-    return matrix_to_pose6(affine_matrix(sx, sy, theta, shear, tx, ty))
+    sx, sy = (min_scale + (max_scale - min_scale) * torch.sigmoid(raw[..., :2])).unbind(-1)
+    limits = raw.new_tensor([max_shear, max_translation, max_translation])
+    shear, tx, ty = (torch.tanh(raw[..., 3:]) * limits).unbind(-1)
+    return matrix_to_pose6(affine_matrix(sx, sy, raw[..., 2], shear, tx, ty))

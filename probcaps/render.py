@@ -7,6 +7,8 @@ in the centre of the canvas at its own pixel size, and ``P = translation(2k/W, 0
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -15,40 +17,25 @@ from .geometry import determinant, invert
 __all__ = ["sampling_grid", "warp", "render_templates", "alpha_over", "composite_over", "composite_layers",
            "footprints", "window_sides", "render_over"]
 
-_GRID_CACHE: dict = {}
-
-
+@functools.cache
 def _pixel_centres(n: int, device, dtype) -> torch.Tensor:
-    key = (n, device, dtype)
-    if key not in _GRID_CACHE:
-        _GRID_CACHE[key] = (torch.arange(n, device=device, dtype=dtype) * 2 + 1) / n - 1
-    return _GRID_CACHE[key]
+    return (torch.arange(n, device=device, dtype=dtype) * 2 + 1) / n - 1
 
 
-_COLUMN_BASIS_CACHE: dict = {}
-
-
+@functools.cache
 def _column_basis(W: int, device, dtype) -> torch.Tensor:
     """``(4, 2W)`` constant with ``[gx_row, gy_row, a_x, a_y] @ basis`` = the grid row ``(W, 2)`` flattened."""
-    key = (W, device, dtype)
-    if key not in _COLUMN_BASIS_CACHE:
-        basis = torch.zeros(4, W, 2, device=device, dtype=dtype)
-        basis[0, :, 0] = 1
-        basis[1, :, 1] = 1
-        basis[2, :, 0] = _pixel_centres(W, device, dtype)
-        basis[3, :, 1] = _pixel_centres(W, device, dtype)
-        _COLUMN_BASIS_CACHE[key] = basis.view(4, 2 * W)
-    return _COLUMN_BASIS_CACHE[key]
+    eye = torch.eye(2, device=device, dtype=dtype)[:, None]                       # (2, 1, 2)
+    return torch.cat([eye.expand(2, W, 2), eye * _pixel_centres(W, device, dtype)[:, None]]).view(4, 2 * W)
 
 
 def sampling_grid(A: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
     """Sampling grid for ``grid_sample`` from ``(N, 2, 3)`` affine maps (canvas -> source coordinates).
 
-    ``grid[n, h, w] = A[n] @ (x_w, y_h, 1)``.  Each row ``h`` of the grid is its start ``A[:, 1] y_h + A[:, 2]``
-    plus ``x_w`` times ``A[:, 0]``: one ``(N, H, 4) @ (4, 2W)`` product writes the whole grid, and its backward is
-    one product with the grid's gradient.  Far cheaper than ``F.affine_grid``'s per-map products against a full
-    base grid or broadcast arithmetic over a last dimension of 2.  ``A`` must be finite (the zeros of the basis
-    would turn an ``inf`` into ``NaN``; :func:`warp` keeps it finite).  Returns ``(N, H, W, 2)``.
+    ``grid[n, h, w] = A[n] @ (x_w, y_h, 1)``: row ``h`` is ``A[:, 1] y_h + A[:, 2]`` plus ``x_w A[:, 0]``, so one
+    ``(N, H, 4) @ (4, 2W)`` product writes the grid (and one product is its backward), far cheaper than
+    ``F.affine_grid``.  ``A`` must be finite (the basis' zeros would turn ``inf`` into ``NaN``).  Returns
+    ``(N, H, W, 2)``.
     """
     H, W = out_size
     N = A.shape[0]
@@ -73,11 +60,10 @@ def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int)
     """
     if isinstance(out_size, int):
         out_size = (out_size, out_size)
-    H, W = out_size
     if images.dim() != 4 or P.shape != (images.shape[0], 3, 3):
         raise ValueError(f"warp: expected images (N, C, h, w) and poses (N, 3, 3); got {tuple(images.shape)} and "
                          f"{tuple(P.shape)}")
-    grid = sampling_grid(_canvas_to_source(P, images.shape[-2:], out_size), (H, W))
+    grid = sampling_grid(_canvas_to_source(P, images.shape[-2:], out_size), out_size)
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
@@ -87,26 +73,24 @@ def _canvas_to_source(P: torch.Tensor, source_size, out_size) -> torch.Tensor:
     # source coords v = S^-1 P^-1 u with S = diag(w/W, h/H): scale the two rows of P^-1.
     # the floor keeps the inverse finite (a zero-weighted inf would still make NaN gradients through the where)
     Pinv = invert(P, min_abs_det=MIN_POSE_DET)[:, :2, :]
-    flat = determinant(P).abs() < MIN_POSE_DET
-    Pinv = torch.where(flat.view(-1, 1, 1), Pinv.new_tensor(_OFF_SOURCE), Pinv)
+    Pinv = torch.where((determinant(P).abs() < MIN_POSE_DET).view(-1, 1, 1), Pinv.new_tensor(_OFF_SOURCE), Pinv)
     return Pinv * Pinv.new_tensor([W / w, H / h]).view(1, 2, 1)
 
 
 def render_templates(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
-    """Render ``M`` templates at per-image poses in one call.
+    """Render ``M`` templates at per-image poses in one call: ``(B, M, C, H, W)``.
 
     Args:
         templates: ``(M, C, t, t)`` shared by the batch, or ``(B, M, C, t, t)`` per image.
         poses: ``(B, M, 3, 3)`` template -> canvas maps.
         out_size: canvas ``H`` (square) or ``(H, W)``.
-    Returns:
-        ``(B, M, C, H, W)``.
     """
     B, M = poses.shape[:2]
     if templates.dim() == 4:
         templates = templates.unsqueeze(0).expand(B, *templates.shape)
     if templates.shape[:2] != (B, M):
-        raise ValueError(f"render_templates: templates {tuple(templates.shape)} do not match poses {tuple(poses.shape)}")
+        raise ValueError(f"render_templates: templates {tuple(templates.shape)} do not match poses "
+                         f"{tuple(poses.shape)}")
     C, t1, t2 = templates.shape[2:]
     out = warp(templates.reshape(B * M, C, t1, t2), poses.reshape(B * M, 3, 3), out_size)
     return out.view(B, M, C, *out.shape[-2:])
@@ -128,14 +112,12 @@ ALPHA_CLAMP = 1 - 1e-6
 
 
 class _OverComposite(torch.autograd.Function):
-    """``composite_over`` with a hand-written backward.
+    """``composite_over`` with a hand-written backward, which makes about as many passes over the layers as the
+    forward (autograd's makes about twice as many).
 
-    Autograd's backward of the log-space closed form makes about twice as many passes over the
-    ``(B, M, C, H, W)`` layers as the forward does. This backward makes about as many passes as the forward.
-    The image is ``Σ_m w_m c_m`` with ``w_m = α_m T_m`` and ``T_m = ∏_{j>m}(1 − α_j)``. Given
-    ``q_m = g c_m + ḡ_m`` (``g`` is the image's gradient and ``ḡ`` the weights'), the gradients are
-    ``∂/∂c_m = g w_m`` and ``∂/∂α_m = T_m q_m − Σ_{i<m} w_i q_i / (1 − α_m)``. The background is one more layer
-    at the bottom of the sum.
+    The image is ``Σ_m w_m c_m`` with ``w_m = α_m T_m`` and ``T_m = ∏_{j>m}(1 − α_j)``. Given ``q_m = g c_m + ḡ_m``
+    (``g`` the image's gradient, ``ḡ`` the weights'), ``∂/∂c_m = g w_m`` and ``∂/∂α_m = T_m q_m − Σ_{i<m} w_i q_i /
+    (1 − α_m)``. The background is one more layer at the bottom of the sum.
     """
 
     @staticmethod
@@ -157,12 +139,9 @@ class _OverComposite(torch.autograd.Function):
     def backward(ctx, grad_image, grad_weights):
         colours, alphas, transmit, weights, background_share = ctx.saved_tensors
         dim = ctx.dim
-        if grad_image is None:
-            grad_image = torch.zeros_like(background_share)
+        grad_image = torch.zeros_like(background_share) if grad_image is None else grad_image
         g = grad_image.unsqueeze(dim)
-        q = g * colours
-        if grad_weights is not None:
-            q = q + grad_weights
+        q = g * colours if grad_weights is None else torch.addcmul(grad_weights, g, colours)
         wq = weights * q
         below = wq.cumsum(dim) - wq                               # Σ_{i<m} w_i q_i
         if ctx.background != 0.0:
@@ -177,42 +156,33 @@ def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, ba
                    compiled: bool = False):
     """Fold :func:`alpha_over` over layers along ``dim`` (index 0 at the back), onto an opaque background.
 
-    This is the closed form of the fold. Layer ``m`` contributes ``α_m ∏_{j>m} (1 − α_j)`` and the background
-    gets what is left. The products are taken in log space as one cumulative sum
-    (``∏_{j>m} = exp(Σ_all − Σ_{j<=m})``), so there is no loop over layers. The backward is written by hand
-    (:class:`_OverComposite`). Alphas are clamped to ``1 − 1e-6`` so an opaque layer keeps a finite log. What
-    shows through it is then ``1e-6`` of the layers behind it, not exactly 0.
+    The closed form of the fold: layer ``m`` contributes ``α_m ∏_{j>m} (1 − α_j)``, the background what is left.
+    The products are one cumulative sum in log space (``∏_{j>m} = exp(Σ_all − Σ_{j<=m})``), with a hand-written
+    backward (:class:`_OverComposite`).  Alphas are clamped to ``1 − 1e-6`` so an opaque layer keeps a finite log
+    (``1e-6`` of the layers behind it shows through).
 
     Args:
-        colours: ``(..., M, C, H, W)`` layer colours (``dim`` indexes the layers).
-        alphas: alphas broadcastable to ``colours``.
-        compiled: run through ``torch.compile``, which fuses the ten or so passes that the forward and the backward
-            make over the layers into a few (the first call with a new shape pays for the compile).
+        colours: ``(..., M, C, H, W)`` layer colours (``dim`` indexes the layers); alphas: broadcastable to them.
+        compiled: through ``torch.compile``, which fuses the ten or so passes of the forward and the backward over
+            the layers into a few (the first call with a new shape pays for the compile).
     Returns:
-        ``(image, weights)``: the composite with ``dim`` reduced, and the per-layer weights. The weights sum to 1
-        together with the background's share.
+        ``(image, weights)``: the composite with ``dim`` reduced, and the per-layer weights (which sum to 1 with
+        the background's share).
     """
-    if compiled:
-        return _compiled("over")(colours, alphas, dim, float(background))
-    return _composite_over(colours, alphas, dim, float(background))
+    return (_compiled(_composite_over) if compiled else _composite_over)(colours, alphas, dim, float(background))
 
 
 def composite_layers(layers: torch.Tensor, dim: int = 1, background: float = 0.0, compiled: bool = False):
-    """:func:`composite_over` of rendered layers whose colour and alpha are channels 0 and 1 of one tensor.
+    """:func:`composite_over` of ``layers`` ``(..., M, 2, H, W)`` whose colour and alpha are channels 0 and 1 (``dim``
+    indexes the layers, the channel axis follows it), e.g. :func:`render_templates` of templates with alphas.
 
-    Args:
-        layers: ``(..., M, 2, H, W)`` (``dim`` indexes the layers; the channel axis follows it), e.g. the output of
-            :func:`render_templates` for templates stacked with their alphas.
-    Returns:
-        ``(image (..., 1, H, W), weights (..., M, 1, H, W))`` as :func:`composite_over`.  Compiled, the split into
-        colour and alpha is inside the compiled graph, so the backward writes the layers' gradient in one pass.
+    Returns ``(image (..., 1, H, W), weights (..., M, 1, H, W))`` as :func:`composite_over`.  Compiled, the split into
+    colour and alpha is inside the compiled graph, so the backward writes the layers' gradient in one pass.
     """
-    if layers.shape[dim + 1 if dim >= 0 else dim + layers.dim() + 1] != 2:
+    if layers.shape[dim % layers.dim() + 1] != 2:
         raise ValueError(f"composite_layers: expected 2 channels (colour, alpha) after the layer axis, got "
                          f"{tuple(layers.shape)}")
-    if compiled:
-        return _compiled("layers")(layers, dim, float(background))
-    return _composite_layers(layers, dim, float(background))
+    return (_compiled(_composite_layers) if compiled else _composite_layers)(layers, dim, float(background))
 
 
 def _composite_over(colours, alphas, dim: int, background: float):
@@ -231,13 +201,11 @@ def _composite_layers(layers, dim: int, background: float):
 _COMPILED: dict = {}
 
 
-def _compiled(kind: str):
-    """The compiled form of :func:`_composite_over` (``"over"``) or :func:`_composite_layers` (``"layers"``),
-    built on first use: a cache of compiled functions, used only by calls that ask for them."""
-    if kind not in _COMPILED:
-        fn = {"over": _composite_over, "layers": _composite_layers}[kind]
-        _COMPILED[kind] = torch.compile(fn, dynamic=False)
-    return _COMPILED[kind]
+def _compiled(fn):
+    """``fn`` through ``torch.compile``, built on first use (only by the calls that ask for it)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
 
 
 # ----------------------------------------------------------------------------------------- footprint rendering
@@ -245,47 +213,36 @@ def _compiled(kind: str):
 def footprints(poses: torch.Tensor, template_size: tuple[int, int], out_size: tuple[int, int]) -> torch.Tensor:
     """The canvas pixels each template rendered at ``poses`` can touch: ``(..., 4)`` int64 ``(x0, y0, x1, y1)``.
 
-    Inclusive pixel ranges, clamped to the canvas (``x1 < x0`` where the template lies wholly off it).  Bilinear
-    sampling reads a source pixel up to one source pixel past its centre, so the template's support is the square
-    ``[-(1 + 1/t), 1 + 1/t]²`` of its own coordinates; its image under ``P S`` lies in ``centre ± |P S| e``.
-    Every canvas pixel whose centre lies in that box, edges included, is in the range (a pixel exactly on the
-    support's edge has the value 0 but a non-zero gradient w.r.t. the pose).
-
-    Args:
-        poses: ``(..., 3, 3)`` template -> canvas maps.
+    Inclusive pixel ranges of ``poses`` ``(..., 3, 3)``, clamped to the canvas (``x1 < x0`` where the template lies
+    wholly off it).  Bilinear sampling reads a source pixel up to one pixel past its centre, so the support is the
+    square ``[-(1 + 1/t), 1 + 1/t]²`` of the template's coordinates, and its image under ``P S`` lies in ``centre ±
+    |P S| e``.  Every pixel whose centre lies in that box, edges included, is in the range (on the edge a pixel has
+    the value 0 but a non-zero gradient w.r.t. the pose).
     """
     (t_h, t_w), (H, W) = template_size, out_size
     with torch.no_grad():
         half_source = poses.new_tensor([(1 + 1 / t_w) * t_w / W, (1 + 1 / t_h) * t_h / H])
         half = poses[..., :2, :2].abs() @ half_source                             # (..., 2) canvas half-extents
-        centre = poses[..., :2, 2]
-        size = poses.new_tensor([W, H])
-        # canvas coordinate u -> pixel index ((u + 1) size - 1) / 2 (pixel centres at integers)
-        low = (((centre - half) + 1) * size - 1) / 2
-        high = (((centre + half) + 1) * size - 1) / 2
-        # rounded outwards: a pixel within rounding error of the edge is kept (its value and gradient are ~0)
-        lo = torch.floor(low).clamp(-1, max(H, W)).long()
-        hi = torch.ceil(high).clamp(-1, max(H, W)).long()
-        limit = torch.tensor([W - 1, H - 1], device=poses.device)
-        return torch.cat([torch.minimum(lo.clamp_min(0), limit), torch.minimum(hi.clamp_min(-1), limit)], -1)
+        centre, size = poses[..., :2, 2], poses.new_tensor([W, H])
+        # canvas coordinate u -> pixel index ((u + 1) size - 1) / 2 (pixel centres at integers), rounded outwards:
+        # a pixel within rounding error of the edge is kept (its value and gradient are ~0)
+        lo = torch.floor((((centre - half) + 1) * size - 1) / 2).clamp(0, max(H, W)).long()
+        hi = torch.ceil((((centre + half) + 1) * size - 1) / 2).clamp(-1, max(H, W)).long()
+        return torch.minimum(torch.cat([lo, hi], -1), torch.tensor([W - 1, H - 1] * 2, device=poses.device))
 
 
 #: What one more window size costs in :func:`window_sides`, in sampled pixels (a few more kernel calls).
 WINDOW_SIZE_COST = 20_000
 #: :func:`render_over` takes the full renderer when the windows would hold more than this share of the full layers'
-#: pixels: the footprint compositing's fixed passes over its ``(B, H W, M)`` buffer are then not paid back.
+#: pixels: the footprint compositing's fixed passes over its ``(chunk, M, H W)`` buffers are then not paid back.
 MAX_WINDOW_SHARE = 0.5
 
 
 def window_sides(extents: torch.Tensor, out_size: tuple[int, int], max_sizes: int = 3) -> list[int]:
-    """Up to ``max_sizes`` square window sides that minimise the pixels sampled when every part is rendered in the
-    smallest of them that holds its footprint (``Σ_parts side² + WINDOW_SIZE_COST`` per size; a side as large as
-    the canvas is the whole canvas).  An exact dynamic programme over the ``max(H, W)`` possible sides.
-
-    Args:
-        extents: ``(N,)`` each part's footprint side (the larger of its width and height in pixels).
-    Returns:
-        the sides, increasing; the last holds the largest footprint.
+    """Up to ``max_sizes`` square window sides, increasing, that minimise the pixels sampled when each part, of
+    footprint side ``extents`` ``(N,)`` (the larger of its width and height), is rendered in the smallest that holds
+    it (``Σ_parts side² + WINDOW_SIZE_COST`` per size; a side as large as the canvas is the whole canvas).  An exact
+    dynamic programme over the ``max(H, W)`` possible sides; the last side holds the largest footprint.
     """
     H, W = out_size
     S = max(H, W)
@@ -294,15 +251,13 @@ def window_sides(extents: torch.Tensor, out_size: tuple[int, int], max_sizes: in
     covered = torch.bincount(extents.clamp(1, S).cpu(), minlength=S + 1).cumsum(0).to(torch.float64)  # ext <= s
     largest = int(extents.max().clamp(1, S))
     # cost[j][s]: the least cost of rendering every part with extent <= s in j + 1 sizes, the largest s
-    inf = torch.tensor(float("inf"), dtype=torch.float64)
     best = area * covered + WINDOW_SIZE_COST
-    best[0] = inf
+    best[0] = float("inf")
     choices, costs = [], [best]
-    below = torch.ones(S + 1, S + 1, dtype=torch.bool).triu(1)                    # [s', s]: s' < s
+    not_below = torch.ones(S + 1, S + 1, dtype=torch.bool).tril()                # [s', s]: s' >= s
     for _ in range(max_sizes - 1):
         step = costs[-1][:, None] + area[None, :] * (covered[None, :] - covered[:, None]) + WINDOW_SIZE_COST
-        step = torch.where(below, step, inf)
-        value, previous = step.min(0)
+        value, previous = step.masked_fill(not_below, float("inf")).min(0)
         choices.append(previous)
         costs.append(value)
     n = int(torch.stack([c[largest] for c in costs]).argmin())
@@ -320,29 +275,16 @@ def _window_cost(extents: torch.Tensor, sides: list[int], out_size: tuple[int, i
     return sum(c * min(s, H) * min(s, W) for c, s in zip(counts, sides))
 
 
-def _layer_cumsum_(buffer: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """Cumulative sum in place over the layers of a ``(B, M, HW)`` buffer, from the front (``reverse``) or the back.
-
-    One add of two ``(B, HW)`` slices a layer: on CPU several times faster than ``torch.cumsum`` over a dimension
-    that is not the last, which walks each pixel's layers ``HW`` elements apart.
-    """
-    M = buffer.shape[1]
-    for m in range(M - 2, -1, -1) if reverse else range(1, M):
-        buffer[:, m].add_(buffer[:, m + 1 if reverse else m - 1])
-    return buffer
-
-
 #: The footprint compositing sums over the layers ``chunk`` images at a time, in a ``(chunk, M, H W)`` buffer of
 #: about this many elements: small enough to stay in cache between its passes.
 CHUNK_ELEMENTS = 1 << 20
 
 
 def _layer_sums(values, entries, layout, reverse: bool, base=None):
-    """Each footprint pixel's sum over the layers at or in front of (``reverse``) or at or behind its own.
-
-    ``values`` are the groups' ``(n, h, w)`` footprints, scattered chunk by chunk into a zeroed ``(chunk, M, H W)``
-    buffer at their ``entries``, summed there (``base`` ``(B, H W)`` added to the back layer first) and read back.
-    Returns the sums, shaped as ``values``, and ``(B, H W)``: each pixel's sum over all the layers.
+    """Each footprint pixel's sum over the layers at or in front of (``reverse``) or at or behind its own: the
+    groups' ``values`` ``(n, h, w)`` copied chunk by chunk into a zeroed ``(chunk, M, H W)`` buffer at their
+    ``entries``, summed there (``base`` ``(B, H W)`` added to the back layer first) and read back.  Returns the sums,
+    shaped as ``values``, and ``(B, H W)``: each pixel's sum over all the layers.
     """
     B, M, HW, chunk, bounds = layout
     buffer = values[0].new_empty(min(chunk, B) * M * HW)
@@ -357,7 +299,10 @@ def _layer_sums(values, entries, layout, reverse: bool, base=None):
         layers = flat.view(nb, M, HW)
         if base is not None:
             layers[:, 0] += base[b0:b0 + nb]
-        _layer_cumsum_(layers, reverse)
+        # the cumulative sum as one add of two (nb, H W) slices a layer: on CPU several times faster than cumsum over
+        # a dimension that is not the last, which walks each pixel's layers H W elements apart
+        for m in range(M - 2, -1, -1) if reverse else range(1, M):
+            layers[:, m] += layers[:, m + 1 if reverse else m - 1]
         for s, entry, (lo, hi) in zip(sums, entries, cuts):
             torch.index_select(flat, 0, entry[lo:hi], out=s.view(-1)[lo:hi])
         total[b0:b0 + nb] = layers[:, 0 if reverse else M - 1]
@@ -367,17 +312,14 @@ def _layer_sums(values, entries, layout, reverse: bool, base=None):
 class _FootprintOver(torch.autograd.Function):
     """:class:`_OverComposite` for layers given only where they can be non-zero: their footprints.
 
-    A layer is zero outside its footprint, so its log-clearance ``log(1 − α)`` is zero there, and the sums over
-    layers that the dense form takes at each pixel are sums over the layers whose footprints cover the pixel
-    (:func:`_layer_sums`): ``T_m = exp(Σ_{j>=m} log(1 − α_j) − log(1 − α_m))``.  The image is the footprints'
-    weighted colours added into ``(B, H W)``.  The backward sums ``w q`` from the back layer, the background's
-    ``w q`` below it (the formulas are :class:`_OverComposite`'s).
+    A layer's log-clearance ``log(1 − α)`` is zero outside its footprint, so the dense form's sums over layers
+    are sums over the footprints covering a pixel (:func:`_layer_sums`): ``T_m = exp(Σ_{j>=m} log(1 − α_j) −
+    log(1 − α_m))``.  The backward sums ``w q`` from the back, the background's below (as :class:`_OverComposite`).
 
-    The footprints come in groups, one per window size: ``layers`` ``(n, 2, h, w)`` (colour, alpha) with
-    ``entries`` ``(n h w,)``, each pixel's index ``((b mod chunk) M + m) H W + pixel`` in its chunk's buffer, and
-    ``pixels`` ``(n h w,)``, its index ``b H W + pixel`` in the image.  ``layout`` is ``(B, M, H W, chunk,
-    bounds)``, ``bounds`` per group the first window of each chunk of images and ``n``.  The outputs are the image
-    ``(B, H W)`` and each group's weights ``w_m`` ``(n, h, w)``.
+    The footprints come in groups, one per window size: ``layers`` ``(n, 2, h, w)`` (colour, alpha), ``entries``
+    ``(n h w,)`` (each pixel's index ``((b mod chunk) M + m) H W + pixel`` in its chunk's buffer) and ``pixels``
+    ``(n h w,)`` (``b H W + pixel`` in the image).  ``layout``: ``(B, M, H W, chunk, bounds)``, ``bounds`` per group
+    the first window of each chunk and ``n``.  Outputs: the image ``(B, H W)``, each group's weights ``(n, h, w)``.
     """
 
     @staticmethod
@@ -403,19 +345,13 @@ class _FootprintOver(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_image, *grad_weights):
         background_share, *saved = ctx.saved_tensors
-        n = ctx.n
-        layers, entries, pixels, transmits, weights = (saved[i * n:(i + 1) * n] for i in range(5))
+        layers, entries, pixels, transmits, weights = (saved[i * ctx.n:(i + 1) * ctx.n] for i in range(5))
         B, _, HW = ctx.layout[:3]
         grad_image = background_share.new_zeros(B * HW) if grad_image is None else grad_image.reshape(-1)
-        gs, qs, wqs = [], [], []
-        for lay, pixel, weight, grad_weight in zip(layers, pixels, weights, grad_weights):
-            g = grad_image.index_select(0, pixel).view_as(weight)
-            q = g * lay[:, 0]
-            if grad_weight is not None:
-                q += grad_weight
-            gs.append(g)
-            qs.append(q)
-            wqs.append(weight * q)
+        gs = [grad_image.index_select(0, pixel).view_as(weight) for pixel, weight in zip(pixels, weights)]
+        qs = [g * lay[:, 0] if gw is None else torch.addcmul(gw, g, lay[:, 0])
+              for g, lay, gw in zip(gs, layers, grad_weights)]
+        wqs = [weight * q for weight, q in zip(weights, qs)]
         behind = (background_share * grad_image).mul_(ctx.background).view(B, HW) if ctx.background else None
         belows, _ = _layer_sums(wqs, entries, ctx.layout, reverse=False, base=behind)
         grads = []
@@ -430,24 +366,19 @@ class _FootprintOver(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[int, int] | int,
-                background: float = 0.0, footprint: bool = True, compiled: bool = False,
-                contributions: bool = False):
+def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[int, int] | int, background: float = 0.0,
+                footprint: bool = True, compiled: bool = False, contributions: bool = False):
     """Render templates with alphas at per-image poses and composite them "over" (part 0 at the back).
 
     ``footprint=True`` samples each template only over the canvas window it can touch (:func:`footprints`) and
     composites from those windows (:class:`_FootprintOver`); ``footprint=False`` renders every template over the
-    whole canvas (:func:`render_templates`) and composites the full layers (:func:`composite_layers`).  Both give
-    the same image and gradients.  The parts are grouped by the window sides :func:`window_sides` picks for the
-    batch's footprints (up to three; each part with the smallest side that holds its footprint, a side as large
-    as the canvas is the whole canvas), and each group's windows are as wide and as tall as its widest and tallest
-    footprint; when the windows would hold more than
-    :data:`MAX_WINDOW_SHARE` of the full layers' pixels the call takes the full renderer.
+    whole canvas (:func:`render_templates`) and composites the full layers (:func:`composite_layers`): the same
+    image and gradients.  Each part goes to the smallest of the window sides :func:`window_sides` picks that holds
+    its footprint, each such group's windows as wide and as tall as its widest and tallest footprint.  Windows
+    holding more than :data:`MAX_WINDOW_SHARE` of the full layers' pixels take the full renderer.
 
     Args:
-        templates: ``(M, 2, t, t)`` shared by the batch or ``(B, M, 2, t, t)``: colour and alpha channels.
-        poses: ``(B, M, 3, 3)`` template -> canvas maps.
-        out_size: canvas ``H`` (square) or ``(H, W)``.
+        templates, poses, out_size: as :func:`render_templates`, with two channels: colour and alpha.
         background: the colour behind every layer.
         compiled: the full renderer's compositing through ``torch.compile`` (:func:`composite_layers`).
         contributions: also return each part's share of the image, ``w_m c_m``.
@@ -480,36 +411,32 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
     A = _canvas_to_source(P, (t_h, t_w), out_size)                                # (N, 2, 3)
     tier = torch.searchsorted(torch.tensor(sides, device=P.device), extents)
     chunk = max(1, CHUNK_ELEMENTS // (M * H * W))
+    canvas = torch.tensor([W, H], device=P.device)
     groups, bounds, group_parts = [], [], []
-    for i, side in enumerate(sides):
+    for i in range(len(sides)):
         parts = (tier == i).nonzero().squeeze(1)
         if not parts.numel():
             continue
-        # the window: the tier's widest and tallest footprints (at most side x side)
-        win_w = int((box[parts, 2] - box[parts, 0]).max().clamp(0, W - 1)) + 1
-        win_h = int((box[parts, 3] - box[parts, 1]).max().clamp(0, H - 1)) + 1
-        # the window's top-left pixel, kept on the canvas: the window still covers the footprint's part on it
-        x0 = box[parts, 0].clamp(max=W - win_w)
-        y0 = box[parts, 1].clamp(max=H - win_h)
+        # the window: the group's widest and tallest footprints; its top-left pixel (x0, y0) kept on the canvas, where
+        # the window still covers the footprint's part on the canvas
+        win = torch.minimum((box[parts, 2:] - box[parts, :2]).amax(0).clamp_min(0) + 1, canvas)
+        corner = torch.minimum(box[parts, :2], canvas - win)                       # (n, 2)
         # canvas x of window column c: (2 (x0 + c) + 1) / W - 1 = u_c win_w / W + (win_w + 2 x0) / W - 1, where
         # u_c is the column's coordinate in the window's own [-1, 1] frame (the one sampling_grid writes)
-        A_part = A[parts]
-        shift_x = ((win_w + 2 * x0).to(A.dtype) / W - 1)[:, None]
-        shift_y = ((win_h + 2 * y0).to(A.dtype) / H - 1)[:, None]
-        A_window = torch.stack([A_part[..., 0] * (win_w / W), A_part[..., 1] * (win_h / H),
-                                torch.addcmul(torch.addcmul(A_part[..., 2], A_part[..., 0], shift_x),
-                                              A_part[..., 1], shift_y)], -1)
-        windows = F.grid_sample(sources.index_select(0, parts), sampling_grid(A_window, (win_h, win_w)), mode="bilinear",
-                                padding_mode="zeros", align_corners=False)      # (n, 2, h, w)
+        A_part, shift = A[parts], ((win + 2 * corner).to(A.dtype) / canvas - 1)[..., None]
+        A_window = torch.cat([A_part[..., :2] * (win.to(A.dtype) / canvas),
+                              torch.baddbmm(A_part[..., 2:], A_part[..., :2], shift)], -1)
+        win_w, win_h = win.tolist()
+        windows = F.grid_sample(sources.index_select(0, parts), sampling_grid(A_window, (win_h, win_w)),
+                                align_corners=False)                              # (n, 2, h, w)
         # each window pixel's index in a canvas; in the image b H W + pixel, in the layers (b M + m) H W + pixel
         window_pixel = (torch.arange(win_h, device=P.device)[:, None] * W + torch.arange(win_w, device=P.device))
-        window_pixel = window_pixel.view(-1)
-        start = y0 * W + x0
+        start = (corner[:, 1] * W + corner[:, 0])[:, None] + window_pixel.view(-1)  # (n, h w)
         group_parts.append(parts)
         bounds.append(torch.searchsorted(parts, torch.arange(0, B, chunk, device=P.device) * M).tolist()
                       + [parts.numel()])
-        groups += [windows, ((parts % (chunk * M) * (H * W) + start)[:, None] + window_pixel).view(-1),
-                   (((parts // M) * (H * W) + start)[:, None] + window_pixel).view(-1)]
+        groups += [windows, (parts[:, None] % (chunk * M) * (H * W) + start).view(-1),
+                   ((parts[:, None] // M) * (H * W) + start).view(-1)]
     image, *weights = _FootprintOver.apply((B, M, H * W, chunk, bounds), float(background), *groups)
     shares = None
     if contributions:

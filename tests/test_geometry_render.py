@@ -397,7 +397,7 @@ def test_compiled_compositing_matches_eager():
     assert all(torch.allclose(got, want, atol=1e-6) for got, want in zip(image_and_grads_of_layers(), eager))
     compiled = image_and_grads(compiled=True)
     compiled_layers = image_and_grads_of_layers(compiled=True)
-    assert {"over", "layers"} <= set(render._COMPILED)  # the compiled path really ran
+    assert {render._composite_over, render._composite_layers} <= set(render._COMPILED)  # the compiled path ran
     for got, want in zip(compiled, eager):
         assert torch.allclose(got, want, atol=1e-5)
     for got, want in zip(compiled_layers, eager):
