@@ -145,14 +145,13 @@ def main(argv=None) -> int:
         n = min(args.ttvi_limit, len(ood_images))
         res = ttvi_batches(system.model, system.guide, ood_images[:n], steps=args.ttvi_steps, device=args.device,
                            progress=progress, seed=0)
-        readings = {"objects": probe_features(res.latents),
+        readings = {"encoder": {key: f[:n] for key, f in feats["ood"].items()}, "objects": probe_features(res.latents),
                     "reencoded": probe_features(reencode_parents(enc, res.latents, device=args.device))}
-        metrics["ttvi"] = {"n_images": n, "steps": args.ttvi_steps, "wall_time_s": res.wall_time_s,
-                           "elbo_encoder": float(res.elbo_start.mean()), "elbo_ttvi": float(res.elbo_end.mean())}
+        t = metrics["ttvi"] = {"n_images": n, "steps": args.ttvi_steps, "wall_time_s": res.wall_time_s,
+                               "elbo_encoder": float(res.elbo_start.mean()), "elbo_ttvi": float(res.elbo_end.mean())}
         for key in FEATURES:
-            metrics["ttvi"][f"encoder_probe_{key}_acc"] = probes[key].accuracy(feats["ood"][key][:n], ood_labels[:n])
             for reading, f in readings.items():
-                metrics["ttvi"][f"{reading}_probe_{key}_acc"] = probes[key].accuracy(f[key], ood_labels[:n])
+                t[f"{reading}_probe_{key}_acc"] = probes[key].accuracy(f[key], ood_labels[:n])
     metrics["cnn"] = cnn_baseline(train_images, train_labels,
                                   {"mnist": (mnist_images, mnist_labels), "ood": (ood_images, ood_labels)},
                                   args.cnn_steps, args.cnn_seeds, Path(args.out), args.device, progress) \

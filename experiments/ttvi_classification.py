@@ -57,8 +57,8 @@ def readme_table(m: dict, prov: dict) -> str:
     """The README table of ``results_dir/<name>.json`` (``--name``, e.g. for another checkpoint)."""
     lines = ["| latents of the test digits | probe, presences + poses (%) | probe, presences (%) |",
              "| --- | --- | --- |"]
-    for key, label in LATENTS.items():
-        lines.append(f"| {label} | {100 * m[f'{key}_presence_pose_acc']:.1f} | {100 * m[f'{key}_presence_acc']:.1f} |")
+    lines += [f"| {label} | {100 * m[f'{key}_presence_pose_acc']:.1f} | {100 * m[f'{key}_presence_acc']:.1f} |"
+              for key, label in LATENTS.items()]
     lines += ["", f"{m['n_test']} MNIST test digits (rotated {m['rotation_deg']:g}°), {m['steps']} steps of test-time "
               f"VI (ELBO per image {m['elbo_encoder']:.0f} → {m['elbo_ttvi']:.0f}); probes fit on the encoder's "
               f"features of {m['n_train']} training digits; checkpoint `{prov.get('checkpoint')}`; "
@@ -99,13 +99,12 @@ def fair_table(m: dict, prov: dict) -> str | None:
         return f"| {label} | {fit} | " + " | ".join(f"{100 * m[f'{prefix}_{k}_acc']:.1f}" for k in FAIR_FEATURES) + " |"
 
     n, n_all = m["n_train_ttvi"], m["n_train"]
-    lines.append(row("encoder", f"encoder, {n_all} training digits", "encoder"))
-    lines.append(row("encoder", f"encoder, first {n} training digits", "fair_encoder"))
     readings = {k: v for k, v in READINGS.items() if k != "encoder" and f"fair_{k}_presence_acc" in m}
-    for key, label in readings.items():
-        lines.append(row(label, f"encoder, {n_all} training digits", key))
-    for key, label in readings.items():
-        lines.append(row(f"**fair**: {label}", f"the same, first {n} training digits", f"fair_{key}"))
+    lines += [row("encoder", f"encoder, {n_all} training digits", "encoder"),
+              row("encoder", f"encoder, first {n} training digits", "fair_encoder")]
+    lines += [row(label, f"encoder, {n_all} training digits", key) for key, label in readings.items()]
+    lines += [row(f"**fair**: {label}", f"the same, first {n} training digits", f"fair_{key}")
+              for key, label in readings.items()]
     parts = (f", one-sample estimate {m['elbo_trace_parts_start']:.0f} → {m['elbo_trace_parts_end']:.0f} for the "
              f"parts alone" if "elbo_trace_parts_start" in m else "")
     lines += ["", f"{m['n_test']} MNIST test digits and the first {n} training digits (rotated "

@@ -224,10 +224,8 @@ class CapsuleModel(PyroModule):
 
     # ---------------------------------------------------------------- plain-torch reference
     def log_joint(self, x, z1, y1, z0, y0, expected_parents: float | None = None) -> torch.Tensor:
-        """``log p(x, z1, y1, z0, y0)`` per image ``(B,)``, with ``s`` summed out by ``logsumexp`` in plain torch.
-
-        The same density the Pyro model's enumerated ELBO scores; used as the reference in tests and benchmarks.
-        """
+        """``log p(x, z1, y1, z0, y0)`` per image ``(B,)``, with ``s`` summed out by ``logsumexp`` in plain torch: the
+        density the Pyro model's enumerated ELBO scores, the reference in tests and benchmarks."""
         cfg = self.config
         x = self._check_images(x)
         tau = x.new_tensor(cfg.temperature)

@@ -1,8 +1,8 @@
 """Evaluation metrics: linear probes, cluster accuracy, per-class reports, class purity, R^2 and reconstruction error.
 
-Every function accepts numpy arrays or torch tensors (anything ``np.asarray`` understands,
-plus tensors on any device / with gradients) and returns plain Python floats or numpy arrays.
-Bad input raises ``ValueError`` whose message names the offending argument.
+Every function accepts numpy arrays or torch tensors (anything ``np.asarray`` understands, plus tensors on any device
+/ with gradients) and returns plain Python floats or numpy arrays.  Bad input raises ``ValueError`` whose message
+names the offending argument.
 """
 
 from __future__ import annotations
@@ -68,11 +68,8 @@ def _rows(x: Any, x_name: str, y: Any, y_name: str, x_as=_features) -> tuple[np.
 
 
 class LinearProbe:
-    """Multinomial logistic regression on standardised features.
-
-    ``StandardScaler`` followed by ``LogisticRegression(solver="lbfgs")`` in a scikit-learn
-    ``Pipeline``. ``C`` is the inverse L2 regularisation strength.
-    """
+    """Multinomial logistic regression on standardised features: ``StandardScaler`` followed by
+    ``LogisticRegression(solver="lbfgs")`` in a scikit-learn ``Pipeline``; ``C`` is the inverse L2 strength."""
 
     def __init__(self, C: float = 1.0, max_iter: int = 1000, tol: float = 1e-4, seed: int = 0):
         if not (C > 0):
@@ -140,10 +137,9 @@ def probe_accuracy(train_features: Any, train_labels: Any, test_features: Any, t
 def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
     """Accuracy under the best one-to-one assignment of clusters to labels.
 
-    Builds the (n_clusters, n_labels) contingency matrix and maximises the matched count
-    with ``scipy.optimize.linear_sum_assignment``. With more clusters than labels the
-    surplus clusters are unmatched (their points count as errors), and vice versa.
-    """
+    Maximises the matched count of the (n_clusters, n_labels) contingency matrix with
+    ``scipy.optimize.linear_sum_assignment``.  With more clusters than labels the surplus clusters are unmatched
+    (their points count as errors), and vice versa."""
     from scipy.optimize import linear_sum_assignment
     from sklearn.metrics.cluster import contingency_matrix
 
@@ -221,8 +217,7 @@ def class_purity(weights: Any, labels: Any) -> float:
     """Mean over objects of the largest class share of each object's weight (:func:`object_class_shares`).
 
     1.0: every object explains the images of one class only; ``1 / C`` for objects spread evenly over ``C``
-    balanced classes (0.1 on MNIST: no specialisation).  Objects with no weight are left out; NaN if all are.
-    """
+    balanced classes (0.1 on MNIST: no specialisation).  Objects with no weight are left out; NaN if all are."""
     shares, _ = object_class_shares(weights, labels)
     used = ~np.isnan(shares[:, 0])
     return float(shares[used].max(1).mean()) if used.any() else float("nan")
@@ -244,10 +239,8 @@ def _pair(pred: Any, true: Any, pred_name: str = "pred", true_name: str = "true"
 def r2_scores(pred: Any, true: Any) -> np.ndarray:
     """Per-column coefficient of determination ``1 - SS_res / SS_tot`` for (N, K) inputs.
 
-    A 1-D input is treated as a single column; >2-D inputs are flattened to (N, -1).
-    A column whose target is constant (SS_tot = 0) gets 1.0 if predicted exactly and 0.0
-    otherwise (scikit-learn's convention), never NaN.
-    """
+    A 1-D input is treated as a single column; >2-D inputs are flattened to (N, -1).  A column whose target is
+    constant (SS_tot = 0) gets 1.0 if predicted exactly and 0.0 otherwise (scikit-learn's convention), never NaN."""
     p, t = _pair(pred, true)
     p, t = p.reshape(p.shape[0], -1), t.reshape(t.shape[0], -1)
     ss_res = ((t - p) ** 2).sum(axis=0)

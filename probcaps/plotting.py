@@ -43,8 +43,7 @@ def _to_numpy(x: Any, name: str) -> np.ndarray:
 
 
 def _images(x: Any, name: str, lead_dims: int) -> np.ndarray:
-    """Array of ``lead_dims`` leading dims followed by (H, W) or (H, W, 3); a singleton channel
-    dim right after the leading dims, (..., 1, H, W), is squeezed away."""
+    """Array of ``lead_dims`` leading dims, then (H, W) or (H, W, 3); a singleton channel (..., 1, H, W) is dropped."""
     arr = _to_numpy(x, name)
     if arr.ndim == lead_dims + 3 and arr.shape[lead_dims] == 1:
         arr = arr.reshape(arr.shape[:lead_dims] + arr.shape[lead_dims + 1 :])
@@ -129,10 +128,8 @@ def plot_templates(templates: Any, path: str | os.PathLike, alphas: Any = None, 
 def colour_parts(weights: Any, colours: Any = None) -> np.ndarray:
     """Colour each part's contribution: ``(N, M, H, W)`` weights -> ``(N, H, W, 3)`` RGB in [0, 1].
 
-    ``weights[n, m]`` is part ``m``'s contribution to image ``n`` (compositing weight times template
-    intensity). Part ``m`` gets ``colours[m % len(colours)]`` (default :data:`PART_PALETTE`); the
-    coloured contributions are summed and clipped to [0, 1].
-    """
+    ``weights[n, m]`` is part ``m``'s contribution to image ``n`` (compositing weight times template intensity).
+    Part ``m`` gets ``colours[m % len(colours)]`` (default :data:`PART_PALETTE`); the sum is clipped to [0, 1]."""
     W = _to_numpy(weights, "weights")
     if W.ndim != 4:
         raise ValueError(f"weights must have shape (N, M, H, W), got {W.shape}")
@@ -150,9 +147,8 @@ def plot_reconstructions(inputs: Any, recons: Any, path: str | os.PathLike, part
                          title: str | None = None) -> Path:
     """Rows: inputs / reconstructions / (coloured parts, if given); one column per image.
 
-    ``inputs`` and ``recons`` are ``(N, H, W)`` (or ``(N, 1, H, W)``); ``part_colours`` is
-    ``(N, H, W, 3)``, e.g. from :func:`colour_parts`. ``titles`` label the rows.
-    """
+    ``inputs`` and ``recons`` are ``(N, H, W)`` (or ``(N, 1, H, W)``); ``part_colours`` is ``(N, H, W, 3)``, e.g.
+    from :func:`colour_parts`. ``titles`` label the rows."""
     X = _images(inputs, "inputs", 1)
     R = _images(recons, "recons", 1)
     _check_len(R, len(X), "recons", f"inputs has {len(X)}")
@@ -263,8 +259,7 @@ def plot_curve_panels(panels: Sequence[Mapping[str, Any]], path: str | os.PathLi
     ``xlabel`` and ``ylabel``, and optionally ``title``, ``logy`` (bool), ``ylim`` ``(low, high)``,
     ``references`` (``{name: (x, y)}`` drawn as star markers with a black edge and no line), ``vlines``
     (x positions, dashed grey) and ``colours`` (``{name: colour}`` for curves or references; others take
-    :data:`PART_PALETTE` by position, references after the curves).
-    """
+    :data:`PART_PALETTE` by position, references after the curves)."""
     if isinstance(panels, Mapping) or not isinstance(panels, Sequence) or len(panels) == 0:
         raise ValueError("panels must be a non-empty list of dicts (one per panel)")
 
@@ -276,12 +271,9 @@ def plot_curve_panels(panels: Sequence[Mapping[str, Any]], path: str | os.PathLi
 
 def plot_curves(curves: Mapping[str, Sequence[Any]], path: str | os.PathLike, xlabel: str, ylabel: str,
                 title: str | None = None, logy: bool = False) -> Path:
-    """Line plot of ``{name: (x, y)}`` or ``{name: (x, y, yerr)}`` (error bars), one line per name.
-
-    One panel of :func:`plot_curve_panels`.
-    """
+    """Line plot of ``{name: (x, y)}`` or ``{name: (x, y, yerr)}`` (error bars), one line per name: one panel of
+    :func:`plot_curve_panels`, whose errors name this function's arguments (``curves[...]``)."""
     panel = {"curves": curves, "xlabel": xlabel, "ylabel": ylabel, "title": title, "logy": logy}
-    # Errors name this function's own arguments (``curves[...]``) rather than ``panels[0][...]``.
     return _curve_figure([panel], path, lambda i: (lambda key: "curves" if key is None else key))
 
 
@@ -322,9 +314,8 @@ def plot_heatmap(values: Any, path: str | os.PathLike, row_labels: Sequence[str]
                  marked_label: str | None = None) -> Path:
     """Heat map of ``(R, C)`` ``values`` (row 0 at the top) with a colour bar.
 
-    ``row_labels`` / ``col_labels`` (R and C entries) label every row / column. ``outlined`` and ``marked``
-    are ``(K, 2)`` (row, col) cells, outlined in red and dotted in white (``marked_label`` names the dots
-    in a legend).
+    ``row_labels`` / ``col_labels`` (R and C entries) label every row / column. ``outlined`` and ``marked`` are
+    ``(K, 2)`` (row, col) cells, outlined in red and dotted in white (``marked_label`` names the dots in a legend).
     """
     V = _to_numpy(values, "values")
     if V.ndim != 2 or V.size == 0:
