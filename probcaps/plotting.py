@@ -192,7 +192,7 @@ def _named_specs(specs: Any, name: str, required: bool) -> Mapping[str, Any]:
     return specs
 
 
-def _draw_curve_panel(ax, panel: Any, where) -> list:
+def _draw_curve_panel(ax, panel: Any, where) -> None:
     """Draw one panel (see :func:`plot_curve_panels`) on ``ax``; ``where(key)`` names a key in errors."""
     if not isinstance(panel, Mapping):
         raise ValueError(f"{where(None)} must be a dict with keys curves, xlabel, ylabel, ...")
@@ -234,13 +234,9 @@ def _draw_curve_panel(ax, panel: Any, where) -> list:
         if ylim.shape != (2,) or not np.all(np.isfinite(ylim)) or ylim[0] >= ylim[1]:
             raise ValueError(f"{where('ylim')} must be (low, high) with low < high, got {panel['ylim']!r}")
         ax.set_ylim(float(ylim[0]), float(ylim[1]))
-    ax.set_xlabel(panel["xlabel"])
-    ax.set_ylabel(panel["ylabel"])
-    if panel.get("title"):
-        ax.set_title(panel["title"])
+    _label_axes(ax, xlabel=panel["xlabel"], ylabel=panel["ylabel"], title=panel.get("title"), title_size=None)
     ax.grid(True, alpha=0.3)
     ax.legend(handles=handles, fontsize=8)  # in the dicts' order, curves then references
-    return handles
 
 
 def _curve_figure(panels: Sequence[Mapping[str, Any]], path: str | os.PathLike, where_of) -> Path:
@@ -293,7 +289,7 @@ def _cells(cells: Any, name: str, shape: tuple[int, int]) -> np.ndarray:
 
 
 def _label_axes(ax, xticks: Sequence | None = None, yticks: Sequence | None = None, xlabel: str | None = None,
-                ylabel: str | None = None, title: str | None = None, title_size: float = 9) -> None:
+                ylabel: str | None = None, title: str | None = None, title_size: float | None = 9) -> None:
     """Label every column / row of a table drawn on ``ax`` with ``xticks`` / ``yticks``; axis labels and title."""
     if xticks is not None:
         ax.set_xticks(range(len(xticks)), [str(s) for s in xticks], fontsize=7)
