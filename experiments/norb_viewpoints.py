@@ -341,12 +341,11 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         for kind in args.models:
             out = Path(args.out) / f"seed{seed}" / kind
-            if args.resume and run_finished(out, cfg[f"{kind}_train"].steps):
-                continue
-            train_one(kind, cfg, sets, out, seed, args.device, args.resume, not args.quiet)
+            if not (args.resume and run_finished(out, cfg[f"{kind}_train"].steps)):
+                train_one(kind, cfg, sets, out, seed, args.device, args.resume, not args.quiet)
     if args.train_only:
         return 0
-    runs, logs_by_seed, walls = [], {}, {}
+    runs, logs_by_seed = [], {}
     all_views = cfg["data"].train_views == "all"
     for seed in args.seeds:
         logs = {k: read_jsonl(Path(args.out) / f"seed{seed}" / k / "eval.jsonl") for k in MODELS}
@@ -359,18 +358,15 @@ def main(argv=None) -> int:
         # one that fits the familiar views but does not carry them to new instances
         train_acc = {k: float(correct_on(trained_model(k, cfg, finals[k], paths[k], args.device), sets["train_eval"],
                                          cfg["data"], args.device).float().mean()) for k in MODELS}
-        walls[seed] = {k: finals[k]["state"]["wall_time_s"] for k in MODELS}
         runs.append(r := {"seed": seed, **(final_reading(logs) if all_views else matched_comparison(logs)),
                           **{f"{k}_final_train_acc": train_acc[k] for k in MODELS},
-                          **{f"{k}_train_wall_time_s": walls[seed][k] for k in MODELS},
+                          **{f"{k}_train_wall_time_s": finals[k]["state"]["wall_time_s"] for k in MODELS},
                           **{f"{k}_steps": finals[k]["state"]["step"] for k in MODELS}})
-        if all_views:
-            print(f"seed {seed} (trained on all views): novel caps {r['caps_final_novel_acc']:.3f}, CNN "
-                  f"{r['cnn_final_novel_acc']:.3f}")
-        else:
-            print(f"seed {seed}: target familiar {r['target_familiar_acc']:.3f}; novel caps {r['caps_novel_acc']:.3f} "
-                  f"(step {r['caps_step']}), CNN {r['cnn_novel_acc']:.3f} (step {r['cnn_step']}); novel error "
-                  f"reduction {100 * r['novel_error_reduction']:.1f}%")
+        print(f"seed {seed} (trained on all views): novel caps {r['caps_final_novel_acc']:.3f}, CNN "
+              f"{r['cnn_final_novel_acc']:.3f}" if all_views else
+              f"seed {seed}: target familiar {r['target_familiar_acc']:.3f}; novel caps {r['caps_novel_acc']:.3f} "
+              f"(step {r['caps_step']}), CNN {r['cnn_novel_acc']:.3f} (step {r['cnn_step']}); novel error "
+              f"reduction {100 * r['novel_error_reduction']:.1f}%")
     summary = {"per_seed": runs, "split": cfg["data"].split, "dataset": cfg["data"].dataset,
                "train_views": cfg["data"].train_views, "n_train": len(sets["train"]),
                "n_familiar_eval": len(sets["familiar"]), "n_novel_eval": len(sets["novel"]),
@@ -383,7 +379,7 @@ def main(argv=None) -> int:
         "cnn_final_train_acc") if key in runs[0]]))
     results = Path(args.results_dir)
     prov = provenance(seed=args.seeds, steps={k: runs[0][f"{k}_steps"] for k in MODELS}, device=args.device,
-                      wall_time_s=sum(sum(w.values()) for w in walls.values()), threads=args.threads,
+                      wall_time_s=sum(r[f"{k}_train_wall_time_s"] for r in runs for k in MODELS), threads=args.threads,
                       configs=config_dicts(cfg), report_wall_time_s=time.perf_counter() - t0)
     prov["device"] = device_description(args.device)
     write_results(results / f"{name}.json", summary, prov)

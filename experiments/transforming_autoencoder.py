@@ -40,7 +40,7 @@ from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoenc
                                                       estimate_transform, pose_consistency, transform_components)
 from probcaps.provenance import provenance, write_results
 from probcaps.render import warp
-from probcaps.report import fmt_mean_std, results_in, write_table
+from probcaps.report import fmt_mean_std, load_result, results_in, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams
@@ -450,19 +450,17 @@ def readme_table(results_dir: Path) -> str | None:
                  ("training wall time (s), shared 2-core CPU, 1 thread", "train_wall_time_s", 0,
                   "≤ 300" if mode == "translation" else "—",
                   f"~{WRITEUP['wall_s']} (M-series Mac)")]
-        for label, key, digits, target, anchor in rows:
-            lines.append(f"| {mode} | {label} | {fmt_mean_std([r[key] for r in runs], 1.0, digits)} | {target} | "
-                         f"{anchor} |")
+        lines += [f"| {mode} | {label} | {fmt_mean_std([r[key] for r in runs], 1.0, digits)} | {target} | {anchor} |"
+                  for label, key, digits, target, anchor in rows]
         # the same models re-scored with eval.test_time_warps > 0 (--resume --name <name>_tta), if that was run
         tta_note = []
-        if (tta_path := results_dir / f"{NAME}_{mode}_tta.json").is_file():
-            tta_data = json.loads(tta_path.read_text())
-            tta = tta_data["metrics"]["per_seed"]
-            for c in tta[0]["components"]:
-                lines.append(f"| {mode} | R²({c}), recognition averaged over {tta[0]['test_time_warps']} known warps "
-                             f"of each image | {fmt_mean_std([r[f'r2_{c}'] for r in tta], 1.0, 3)} | {r2_target} | — |")
-            tta_note.append(f"{mode}, averaged over warps: seeds {', '.join(str(r['seed']) for r in tta)}; command: "
-                          f"`{tta_data['provenance'].get('command', '?')}`.")
+        if tta_result := load_result(results_dir, f"{NAME}_{mode}_tta"):
+            tta = tta_result[0]["per_seed"]
+            lines += [f"| {mode} | R²({c}), recognition averaged over {tta[0]['test_time_warps']} known warps of each "
+                      f"image | {fmt_mean_std([r[f'r2_{c}'] for r in tta], 1.0, 3)} | {r2_target} | — |"
+                      for c in tta[0]["components"]]
+            tta_note = [f"{mode}, averaged over warps: seeds {', '.join(str(r['seed']) for r in tta)}; command: "
+                        f"`{tta_result[1].get('command', '?')}`."]
         maps = {p: f"rotation ±{rng.get(p + 'rotation_deg')}°, scales 1 ± {rng.get(p + 'scale')}, shear "
                    f"±{rng.get(p + 'shear')}, translation ±{rng.get(p + 'translation_px')} px" for p in ("", "jitter_")}
         ranges = (f"jitter ±{rng.get('jitter_translation_px')} px, shift ±{rng.get('translation_px')} px"
