@@ -287,25 +287,26 @@ def _layer_sums(values, entries, layout, reverse: bool, base=None):
     shaped as ``values``, and ``(B, H W)``: each pixel's sum over all the layers.
     """
     B, M, HW, chunk, bounds = layout
-    buffer = values[0].new_empty(min(chunk, B) * M * HW)
+    chunk = min(chunk, B)
+    flat = values[0].new_empty(chunk * M * HW)
+    layers = flat.view(chunk, M, HW).unbind(1)                                   # (chunk, H W) each, made once
     sums = [torch.empty_like(v) for v in values]
     total = values[0].new_empty(B, HW)
     for c, b0 in enumerate(range(0, B, chunk)):
         nb = min(chunk, B - b0)
-        flat = buffer[:nb * M * HW].zero_()
+        flat.zero_()
         cuts = [(bound[c] * v[0].numel(), bound[c + 1] * v[0].numel()) for bound, v in zip(bounds, values)]
         for v, entry, (lo, hi) in zip(values, entries, cuts):
             flat.index_copy_(0, entry[lo:hi], v.view(-1)[lo:hi])
-        layers = flat.view(nb, M, HW)
         if base is not None:
-            layers[:, 0] += base[b0:b0 + nb]
-        # the cumulative sum as one add of two (nb, H W) slices a layer: on CPU several times faster than cumsum over
-        # a dimension that is not the last, which walks each pixel's layers H W elements apart
+            layers[0][:nb] += base[b0:b0 + nb]
+        # the cumulative sum as one add of two (chunk, H W) slices a layer: on CPU several times faster than cumsum
+        # over a dimension that is not the last, which walks each pixel's layers H W elements apart
         for m in range(M - 2, -1, -1) if reverse else range(1, M):
-            layers[:, m] += layers[:, m + 1 if reverse else m - 1]
+            layers[m].add_(layers[m + 1 if reverse else m - 1])
         for s, entry, (lo, hi) in zip(sums, entries, cuts):
             torch.index_select(flat, 0, entry[lo:hi], out=s.view(-1)[lo:hi])
-        total[b0:b0 + nb] = layers[:, 0 if reverse else M - 1]
+        total[b0:b0 + nb] = layers[0 if reverse else M - 1][:nb]
     return sums, total
 
 
@@ -358,7 +359,9 @@ class _FootprintOver(torch.autograd.Function):
         for lay, transmit, weight, g, q, wq, below in zip(layers, transmits, weights, gs, qs, wqs, belows):
             alpha = lay[:, 1]
             # Σ_{i<m} w_i q_i / (1 − α_m); the clamp stops the gradient through log(1 − α) where α is at the clamp
-            below = below.sub_(wq).div_(1 - alpha).masked_fill_(alpha >= ALPHA_CLAMP, 0.0)
+            below = below.sub_(wq).div_(1 - alpha)
+            if alpha.max() >= ALPHA_CLAMP:
+                below.masked_fill_(alpha >= ALPHA_CLAMP, 0.0)
             grad = torch.empty_like(lay)
             torch.mul(g, weight, out=grad[:, 0])
             torch.addcmul(below.neg_(), transmit, q, out=grad[:, 1])
@@ -431,12 +434,12 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
                                 align_corners=False)                              # (n, 2, h, w)
         # each window pixel's index in a canvas; in the image b H W + pixel, in the layers (b M + m) H W + pixel
         window_pixel = (torch.arange(win_h, device=P.device)[:, None] * W + torch.arange(win_w, device=P.device))
-        start = (corner[:, 1] * W + corner[:, 0])[:, None] + window_pixel.view(-1)  # (n, h w)
+        start, window_pixel = corner[:, 1] * W + corner[:, 0], window_pixel.view(-1)
         group_parts.append(parts)
         bounds.append(torch.searchsorted(parts, torch.arange(0, B, chunk, device=P.device) * M).tolist()
                       + [parts.numel()])
-        groups += [windows, (parts[:, None] % (chunk * M) * (H * W) + start).view(-1),
-                   ((parts[:, None] // M) * (H * W) + start).view(-1)]
+        groups += [windows, ((parts % (chunk * M) * (H * W) + start)[:, None] + window_pixel).view(-1),
+                   ((parts // M * (H * W) + start)[:, None] + window_pixel).view(-1)]
     image, *weights = _FootprintOver.apply((B, M, H * W, chunk, bounds), float(background), *groups)
     shares = None
     if contributions:

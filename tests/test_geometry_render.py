@@ -513,6 +513,27 @@ def test_footprint_rendering_all_parts_too_large_falls_back_to_full_canvas():
         assert (got is None and want is None) or torch.equal(got, want)
 
 
+def test_footprint_rendering_of_opaque_layers_equals_full_canvas():
+    # catches: the footprint compositing's backward missing the clamp's stopped gradient where α reaches 1
+    gen = torch.Generator().manual_seed(2)
+    B, M, t, size = 2, 6, 5, 24
+    templates = torch.rand(M, 2, t, t, generator=gen, dtype=torch.float64)
+    templates[:, 1, 1:4, 1:4] = 1.0                                   # opaque centres
+    presences = torch.ones(B, M, dtype=torch.float64)
+    scale = 0.8 + 0.4 * torch.rand(B, M, generator=gen, dtype=torch.float64)
+    poses = affine_matrix(scale, scale, torch.rand(B, M, generator=gen, dtype=torch.float64), torch.zeros(B, M),
+                          *(0.5 * torch.rand(2, B, M, generator=gen, dtype=torch.float64) - 0.25))
+    box = footprints(poses.view(-1, 3, 3), (t, t), (size, size))
+    extents = torch.maximum(box[:, 2] - box[:, 0], box[:, 3] - box[:, 1]) + 1
+    cost = render._window_cost(extents, window_sides(extents, (size, size)), (size, size))
+    assert cost <= render.MAX_WINDOW_SHARE * B * M * size * size  # the footprint path is taken
+    footprint = _render_and_grads(templates, presences, poses, size, True)
+    full = _render_and_grads(templates, presences, poses, size, False)
+    assert render_templates(templates, poses, size)[:, :, 1].max() >= render.ALPHA_CLAMP  # α at the clamp
+    for name, got, want in zip(["image", "contributions", "templates", "presences", "poses"], footprint, full):
+        assert (got is None and want is None) or torch.allclose(got, want, atol=1e-10, rtol=1e-10), name
+
+
 def test_footprint_of_a_template_hand_computed():
     # catches: the reach of bilinear sampling past the template's edge pixels left out, or the box rounded inwards
     # a 2x2 template at the identity on an 8x8 canvas puts its pixels on canvas pixels 3..4; bilinear sampling
