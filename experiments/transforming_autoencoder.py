@@ -83,8 +83,7 @@ class TAEEvalConfig:
     presence_threshold: float = 0.1  # "active" capsule (the numpy reproduction's threshold)
     curve_pairs: int = 500        # held-out pairs scored at every checkpoint (the R² training curve)
     figures: bool = True
-    test_time_warps: int = 0      # > 0: recognition averaged over this many known warps of each image (the identity
-                                  # and draws from the jitter range; TransformingAutoencoder.recognise_averaged)
+    test_time_warps: int = 0      # > 0: recognition averaged over this many known warps (recognise_averaged)
 
 
 @dataclass
@@ -359,9 +358,8 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
                                     scores=[float(v) for v in r2_scores(res["pred"], res["true"])])
     n = min(10, res["recon"].shape[0])
     grey = lambda x: x[:n, 0, ..., None].expand(-1, -1, -1, 3).numpy()  # noqa: E731 - (n, H, W, 3)
-    coloured = plotting.colour_parts(res["contrib"][:n, :, 0])
     grid = np.stack([grey(pairs["input"].cpu()), grey(pairs["target"].cpu()), grey(res["recon"].clamp(0, 1)),
-                     coloured])
+                     plotting.colour_parts(res["contrib"][:n, :, 0])])
     plotting.plot_image_grid(grid, results_dir / f"{prefix}_reconstructions.png",
                              row_labels=["input", "target", "output", "capsules"],
                              title=f"{mode}: input, transformed target, reconstruction, capsule contributions")

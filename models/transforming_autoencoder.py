@@ -222,12 +222,8 @@ class TransformingAutoencoder(nn.Module):
         logits, points, centres = self._keypoint_outputs(images)
         top = logits.mean(-1).argmax(1)                                                  # (B,)
         rows = torch.arange(images.shape[0], device=images.device)
-
-        def spread(p: torch.Tensor) -> torch.Tensor:  # (B, M, K, 2) -> (B,)
-            p = p[rows, top]
-            return (p - p.mean(1, keepdim=True)).norm(dim=-1).mean(1)
-
-        return spread(points), spread(centres)
+        picked = (p[rows, top] for p in (points, centres))                                # (B, K, 2) each
+        return tuple((p - p.mean(1, keepdim=True)).norm(dim=-1).mean(1) for p in picked)
 
     def pose_from_points(self, points: torch.Tensor) -> torch.Tensor:
         """``(..., K, 2)`` keypoints on the canvas -> the least-squares affine pose ``(..., 3, 3)`` taking the
