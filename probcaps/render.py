@@ -37,8 +37,7 @@ def sampling_grid(A: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
     ``F.affine_grid``.  ``A`` must be finite (the basis' zeros would turn ``inf`` into ``NaN``).  Returns
     ``(N, H, W, 2)``.
     """
-    H, W = out_size
-    N = A.shape[0]
+    (H, W), N = out_size, A.shape[0]
     a = A.transpose(1, 2)  # (N, 3, 2): the x, y and constant coefficients of (gx, gy)
     row_starts = torch.addcmul(a[:, 2, None, :], a[:, 1, None, :], _pixel_centres(H, A.device, A.dtype).view(1, H, 1))
     rows = torch.cat([row_starts, a[:, 0, None, :].expand(N, H, 2)], -1)  # (N, H, 4)
@@ -103,8 +102,7 @@ def alpha_over(a: torch.Tensor, alpha_a: torch.Tensor, b: torch.Tensor, alpha_b:
     Returns ``(colour, alpha)``; where both alphas are zero the colour is 0.
     """
     alpha = alpha_a + alpha_b * (1 - alpha_a)
-    colour = (a * alpha_a + b * alpha_b * (1 - alpha_a)) / alpha.clamp_min(eps)
-    return colour, alpha
+    return (a * alpha_a + b * alpha_b * (1 - alpha_a)) / alpha.clamp_min(eps), alpha
 
 
 #: Alphas are clamped below 1 in the log-space products, so an opaque layer keeps a finite log.
@@ -337,8 +335,7 @@ class _FootprintOver(torch.autograd.Function):
             image.index_add_(0, pixel, (weight * lay[:, 0]).view(-1))
             weights.append(weight)
         background_share = total.exp_().view(-1)
-        if background != 0.0:
-            image.add_(background_share, alpha=background)
+        image.add_(background_share, alpha=background)
         ctx.save_for_backward(background_share, *layers, *entries, *pixels, *transmits, *weights)
         ctx.layout, ctx.background, ctx.n = layout, background, len(layers)
         return (image.view(B, HW), *weights)
@@ -433,19 +430,18 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
         windows = F.grid_sample(sources.index_select(0, parts), sampling_grid(A_window, (win_h, win_w)),
                                 align_corners=False)                              # (n, 2, h, w)
         # each window pixel's index in a canvas; in the image b H W + pixel, in the layers (b M + m) H W + pixel
-        window_pixel = (torch.arange(win_h, device=P.device)[:, None] * W + torch.arange(win_w, device=P.device))
-        start, window_pixel = corner[:, 1] * W + corner[:, 0], window_pixel.view(-1)
+        rows, cols = torch.arange(win_h, device=P.device), torch.arange(win_w, device=P.device)
+        window_pixel, start = (rows[:, None] * W + cols).view(-1), corner[:, 1] * W + corner[:, 0]
         group_parts.append(parts)
         bounds.append(torch.searchsorted(parts, torch.arange(0, B, chunk, device=P.device) * M).tolist()
                       + [parts.numel()])
         groups += [windows, ((parts % (chunk * M) * (H * W) + start)[:, None] + window_pixel).view(-1),
                    ((parts // M * (H * W) + start)[:, None] + window_pixel).view(-1)]
     image, *weights = _FootprintOver.apply((B, M, H * W, chunk, bounds), float(background), *groups)
-    shares = None
-    if contributions:
-        shares = image.new_zeros(B * M * H * W)
-        for lay, pixel, weight, parts in zip(groups[0::3], groups[2::3], weights, group_parts):
-            entry = pixel.view(len(parts), -1) + ((parts - parts // M) * (H * W))[:, None]   # (b M + m) H W + pixel
-            shares = shares.index_put((entry.view(-1),), (weight * lay[:, 0]).reshape(-1))
-        shares = shares.view(B, M, 1, H, W)
-    return image.view(B, 1, H, W), shares
+    if not contributions:
+        return image.view(B, 1, H, W), None
+    shares = image.new_zeros(B * M * H * W)
+    for lay, pixel, weight, parts in zip(groups[0::3], groups[2::3], weights, group_parts):
+        entry = pixel.view(len(parts), -1) + ((parts - parts // M) * (H * W))[:, None]   # (b M + m) H W + pixel
+        shares = shares.index_put((entry.view(-1),), (weight * lay[:, 0]).reshape(-1))
+    return image.view(B, 1, H, W), shares.view(B, M, 1, H, W)
