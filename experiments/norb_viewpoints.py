@@ -438,34 +438,25 @@ def run_line(m: dict, prov: dict) -> str:
             f"command: `{prov.get('command', '?')}`; commit {prov.get('git_commit', '?')}.")
 
 
-def all_views_table(m: dict, prov: dict, label: str) -> str:
-    """The all-views reference: each model's accuracy at the end of training on every view of the training
-    instances, on the same test subsets as the matched comparison."""
-    runs = m["per_seed"]
-    col = lambda key: fmt_mean_std([r[key] for r in runs], scale=100.0)  # noqa: E731
-    familiar, novel = (("azimuths 300–40", "azimuths 60–280") if m["split"] == "azimuth"
-                       else ("the 3 lowest elevations", "the 6 highest elevations"))
-    rows = [(f"accuracy at the paper's familiar views ({familiar})", "familiar"),
-            (f"accuracy at the paper's novel views ({novel})", "novel"),
-            (f"training-image accuracy ({m['n_train_eval']} training images, centre crops)", "train")]
-    lines = [f"| trained on all views ({label}), mean ± std over {len(runs)} seeds, end of training (%) | "
-             f"matrix capsules | CNN |", "| --- | --- | --- |",
-             *[f"| {text} | {col(f'caps_final_{key}_acc')} | {col(f'cnn_final_{key}_acc')} |" for text, key in rows]]
-    return "\n".join(lines + ["", run_line(m, prov)])
-
-
 def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmark: bool = True) -> str | None:
-    """The README table, built only from ``results/<name>.json`` (and the benchmark's JSON when
-    ``with_benchmark``)."""
+    """The README table, built only from ``results/<name>.json`` (and the benchmark's JSON when ``with_benchmark``);
+    for the all-views reference, each model's accuracy at the end of training on the same test subsets."""
     if (loaded := load_result(results_dir, name)) is None:
         return None
     m, prov = loaded
     runs = m["per_seed"]
     col = lambda key: fmt_mean_std([r[key] for r in runs], scale=100.0)  # noqa: E731
     label = dataset_label(prov.get("configs", {}).get("data", {"dataset": m["dataset"]}))
-    if m.get("train_views") == "all":
-        return all_views_table(m, prov, label)
     pair = lambda key: f"{col(f'caps_{key}')} | {col(f'cnn_{key}')}"  # noqa: E731
+    if m.get("train_views") == "all":
+        familiar, novel = (("azimuths 300–40", "azimuths 60–280") if m["split"] == "azimuth"
+                           else ("the 3 lowest elevations", "the 6 highest elevations"))
+        rows = [(f"accuracy at the paper's familiar views ({familiar})", "familiar"),
+                (f"accuracy at the paper's novel views ({novel})", "novel"),
+                (f"training-image accuracy ({m['n_train_eval']} training images, centre crops)", "train")]
+        return "\n".join([f"| trained on all views ({label}), mean ± std over {len(runs)} seeds, end of training (%) | "
+                          f"matrix capsules | CNN |", "| --- | --- | --- |",
+                          *[f"| {text} | {pair(f'final_{key}_acc')} |" for text, key in rows], "", run_line(m, prov)])
     rows = [("familiar-view accuracy at the matched checkpoint (%)", pair("familiar_acc"), "matched | —"),
             ("novel-view accuracy at the matched checkpoint (%)", pair("novel_acc"),
              "about 30% less error for capsules | 72.6 vs 69.6"),
