@@ -106,10 +106,8 @@ def config_record(cfg: dict) -> dict:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
-    """The config of one recipe (its mode is ``model.mode``), then the ``--set`` items.
-
-    Returns ``{"name", "mode", "data", "model", "loss", "train", "eval", "range"}``.
-    """
+    """The config of one recipe, then the ``--set`` items: ``{"name", "mode" (``model.mode``), "data", "model",
+    "loss", "train", "eval", "range"}``."""
     cfg = load_sections(path, SCHEMA, overrides)  # types, ranges and each section's validate()
     label, mode = path or "<defaults>", cfg["model"].mode
     if mode == "translation" and any(getattr(cfg["range"], f"{jitter}{k}") for jitter in ("jitter_", "")
@@ -278,12 +276,11 @@ def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, warp
         x1, T, x2, placement = (pairs[k][s:s + batch_size] for k in ("input", "transform", "target", "placement"))
         (p1, P1), (p2, P2) = recognise(x1), recognise(x2)
         recon, contributions = model.render(p1, model.apply_transform(P1, T))
-        mask = window_mask(placement, canvas).float()
-        err = (recon - x2) ** 2
+        mask, err = window_mask(placement, canvas).float(), (recon - x2) ** 2
+        area = mask.sum((1, 2, 3))
         rows.append({"pred": transform_components(estimate_transform(P1, P2, p1 * p2, mode), mode, canvas)[0],
                      "true": transform_components(T, mode, canvas)[0], "p1": p1, "sq_err": err.mean((1, 2, 3)),
-                     **{k: (e * mask).sum((1, 2, 3)) / mask.sum((1, 2, 3)) for k, e in (("win_err", err),
-                                                                                         ("win_zero", x2 ** 2))}})
+                     "win_err": (err * mask).sum((1, 2, 3)) / area, "win_zero": (x2 ** 2 * mask).sum((1, 2, 3)) / area})
         if s == 0:
             first = {"recon": recon, "contrib": contributions}
     return {**{k: torch.cat([r[k].cpu() for r in rows]) for k in rows[0]}, **{k: v.cpu() for k, v in first.items()}}
