@@ -114,14 +114,10 @@ class TransformingAutoencoder(nn.Module):
         self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
 
     def _init_conv_recognition(self) -> None:
-        """A shared conv trunk, then one 1x1 conv whose output channels are grouped per capsule and keypoint
-        (:class:`probcaps.encoders.PartEncoder` with ``M·K`` "parts"): keypoint ``k`` of capsule ``m`` has its own
-        attention map over the feature grid, and sits where it looks plus a bounded learned offset.
-
-        The offsets start at ``keypoint_offset_gain`` times the canonical points ``u_k``, so (at gain 1) a
-        capsule's first pose maps the template onto the canvas at its native size wherever its keypoints look (they
-        all look at nearly the same place at first).
-        """
+        """A shared conv trunk, then one 1x1 conv grouped per capsule and keypoint (:class:`PartEncoder` with ``M·K``
+        "parts"): keypoint ``k`` of capsule ``m`` sits where its own attention map looks plus a bounded offset.  The
+        offsets start at ``keypoint_offset_gain`` times the canonical points ``u_k``, so (at gain 1) a capsule's first
+        pose maps the template onto the canvas at its native size wherever its keypoints look."""
         cfg = self.config
         M, K = cfg.num_capsules, cfg.keypoints
         with torch.random.fork_rng(devices=[]):
@@ -168,7 +164,11 @@ class TransformingAutoencoder(nn.Module):
         """Presences ``(B, M)`` in ``(0, 1)`` and poses ``(B, M, 3, 3)`` of every capsule, from ``(B, 1, H, W)``."""
         cfg, B = self.config, images.shape[0]
         if cfg.recognition == "conv":
-            return self._recognise_conv(images)
+            logits, points, _ = self._keypoint_outputs(images)
+            pose = self.pose_from_points(points)
+            if cfg.mode == "translation":  # keep only where the capsule is
+                pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])
+            return self.presence(logits.mean(-1)), pose  # a capsule's presence logit: its keypoints' mean
         x = images.reshape(B, -1)
         if x.shape[1] != self.hidden_weight.shape[0]:
             raise ValueError(f"recognise: expected images of {cfg.canvas_size}x{cfg.canvas_size} pixels, got "
@@ -204,13 +204,6 @@ class TransformingAutoencoder(nn.Module):
         B, M, K = images.shape[0], self.config.num_capsules, self.config.keypoints
         out = self.encoder(images)
         return out.presence_logit.view(B, M, K), out.pose.view(B, M, K, 6)[..., [2, 5]], out.centre.view(B, M, K, 2)
-
-    def _recognise_conv(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, points, _ = self._keypoint_outputs(images)
-        pose = self.pose_from_points(points)
-        if self.config.mode == "translation":  # keep only where the capsule is
-            pose = translation_matrix(pose[..., 0, 2], pose[..., 1, 2])
-        return self.presence(logits.mean(-1)), pose  # a capsule's presence logit: its keypoints' mean
 
     @torch.no_grad()
     def keypoint_spread(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
