@@ -48,7 +48,7 @@ RECIPES = [ROOT / "experiments" / "configs" / f"{NAME}_{mode}.toml" for mode in 
 DIGIT_WINDOW = 22  # the numpy reproduction scores its MSE on a 22x22 crop: the same window, centred on the target digit
 
 # anchors from a numpy reproduction (translation only, 28x28 canvas)
-WRITEUP = {"r2_dx": 0.78, "r2_dy": 0.67, "recon_mse": 0.063, "active_median": 9, "wall_s": 100}
+NUMPY_REFERENCE = {"r2_dx": 0.78, "r2_dy": 0.67, "recon_mse": 0.063, "active_median": 9, "wall_s": 100}
 
 
 @dataclass
@@ -432,19 +432,19 @@ def readme_table(results_dir: Path) -> str | None:
         runs, prov = data["metrics"]["per_seed"], data["provenance"]
         rng = prov.get("configs", {}).get("range", {})
         r2_target = "≥ 0.95" if mode == "translation" else "≥ 0.9"
-        rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target, WRITEUP.get(f"r2_{c}", "—"))
+        rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target, NUMPY_REFERENCE.get(f"r2_{c}", "—"))
                 for c in runs[0]["components"]]
         rows += [("min R² over components, linear readout fit on training pairs", "r2_linear_min", 3, "—", "—"),
                  ("reconstruction MSE per pixel, 22×22 window on the target digit", "recon_mse_window", 4,
-                  f"< {WRITEUP['recon_mse']}", f"{WRITEUP['recon_mse']} (22×22 crop)"),
+                  f"< {NUMPY_REFERENCE['recon_mse']}", f"{NUMPY_REFERENCE['recon_mse']} (22×22 crop)"),
                  ("same window, all-black output (reference)", "zero_image_mse_window", 4, "—", "—"),
                  ("reconstruction MSE per pixel, whole 40×40 canvas", "recon_mse", 4, "—", "—"),
                  ("active capsules per image (p > 0.1), mean", "active_capsules_mean", 1, "—",
-                  f"{WRITEUP['active_median']} (median)"),
+                  f"{NUMPY_REFERENCE['active_median']} (median)"),
                  # the 5-minute budget is set for the translation mode only
                  ("training wall time (s), shared 2-core CPU, 1 thread", "train_wall_time_s", 0,
                   "≤ 300" if mode == "translation" else "—",
-                  f"~{WRITEUP['wall_s']} (M-series Mac)")]
+                  f"~{NUMPY_REFERENCE['wall_s']} (M-series Mac)")]
         lines += [f"| {mode} | {label} | {fmt_mean_std([r[key] for r in runs], 1.0, digits)} | {target} | {anchor} |"
                   for label, key, digits, target, anchor in rows]
         # the same models re-scored with eval.test_time_warps > 0 (--resume --name <name>_tta), if that was run
