@@ -27,12 +27,11 @@ import pyro
 import pyro.distributions as dist
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import posterior_part_counts, readout_features
 from probcaps.inference.guides import Latents
-from probcaps.inference.ttvi import fit_guide, reencode_parents, ttvi_batches
+from probcaps.inference.ttvi import fit_guide, frozen_and_seeded, reencode_parents, run_chunks, ttvi_batches
 from probcaps.distributions import ClampedRelaxedBernoulli
 from probcaps import plotting
 from probcaps.data import rotate, to_float
@@ -154,35 +153,19 @@ class PartsGuide(nn.Module):
 
 def ttvi_parts_batches(model, encoder, images: torch.Tensor, batch_size: int = 250, steps: int = 200,
                        lr: float = 0.03, device: str = "cpu", progress: bool = True, seed: int = 0):
-    """Test-time VI of the parts alone (:class:`PartsGuide`), ``batch_size`` images at a time, each chunk ``i``
-    under the torch seed ``seed + i``; the model and the encoder are frozen.  ``images``: ``(N, H, W)`` uint8 or
-    floats in [0, 1].  Returns ``(latents (on the CPU), elbo_trace, wall_time_s)``: the trace is the mean over
-    images of each step's one-sample ``TraceEnum_ELBO`` estimate, taken before the step's update."""
-    from probcaps.data import iterate_batches
-
+    """Test-time VI of the parts alone (:class:`PartsGuide`), ``batch_size`` images at a time
+    (:func:`~probcaps.inference.ttvi.run_chunks`), each chunk ``i`` under the torch seed ``seed + i``; the model and
+    the encoder are frozen.  Returns ``(latents (on the CPU), elbo_trace, wall_time_s)``."""
     t0 = time.perf_counter()
-    frozen = [(p, p.requires_grad) for p in list(model.parameters()) + list(encoder.parameters())]
-    n_chunks = -(-len(images) // batch_size)
-    bar = tqdm(total=steps * n_chunks, disable=not progress, desc="ttvi parts", unit="step", dynamic_ncols=True)
-    chunks, traces, sizes = [], [], []
-    labels = torch.zeros(len(images), dtype=torch.long)
-    try:
-        for p, _ in frozen:
-            p.requires_grad_(False)
-        for i, (x, _) in enumerate(iterate_batches(images, labels, batch_size, shuffle=False, device=device)):
-            with torch.random.fork_rng(devices=[]), pyro.settings.context(module_local_params=True):
-                torch.manual_seed(seed + i)
-                guide = PartsGuide(encoder, encoder.encode(x), temperature=model.config.temperature)
-                traces.append(fit_guide(model, guide, [guide.part_logits, guide.part_locs], x, steps, lr, bar,
-                                        what="test-time VI of the parts"))
-                chunks.append([t.cpu() for t in guide.latents()])
-                sizes.append(len(x))
-    finally:
-        bar.close()
-        for p, requires_grad in frozen:
-            p.requires_grad_(requires_grad)
-    weights = torch.tensor(sizes, dtype=torch.float64)
-    trace = ((torch.tensor(traces, dtype=torch.float64) * weights[:, None]).sum(0) / weights.sum()).tolist()
+
+    def chunk(i, x, bar):
+        with frozen_and_seeded((model, encoder), seed + i, x.device):
+            guide = PartsGuide(encoder, encoder.encode(x), temperature=model.config.temperature)
+            trace = fit_guide(model, guide, [guide.part_logits, guide.part_locs], x, steps, lr, bar,
+                              what="test-time VI of the parts")
+            return [t.cpu() for t in guide.latents()], trace
+
+    chunks, trace = run_chunks(chunk, images, batch_size, steps, device, progress, desc="ttvi parts")
     return Latents(*(torch.cat(parts) for parts in zip(*chunks))), trace, time.perf_counter() - t0
 
 

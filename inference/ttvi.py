@@ -30,8 +30,8 @@ from probcaps.inference.train import make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.errors import TrainingDiverged
 
-__all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "fit_guide", "run_ttvi", "ttvi_batches",
-           "reencode_parents"]
+__all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "fit_guide", "run_ttvi",
+           "frozen_and_seeded", "run_chunks", "ttvi_batches", "reencode_parents"]
 
 POSE_FAMILIES = ("delta", "normal")
 DEFAULT_INIT_SCALE = 0.02
@@ -238,26 +238,15 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
         raise ValueError(f"run_ttvi: steps must be >= 0, got {steps}")
     t0, c0 = time.perf_counter(), time.process_time()
     x = model._check_images(x)
-    frozen = [(p, p.requires_grad) for p in list(model.parameters()) + list(guide.parameters())]
-    rng = (torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else [])
-           if seed is not None else contextlib.nullcontext())
-    try:
-        for p, _ in frozen:
-            p.requires_grad_(False)
-        with rng, pyro.settings.context(module_local_params=True):
-            if seed is not None:
-                torch.manual_seed(seed)
-            part_scales, parent_scales, floor = _initial_scales(guide, pose_family, init_scale, min_scale)
-            init = guide.encoder.encode(x)
-            ff = FreeFormGuide(init, guide.temperature, pose_family, part_scales, parent_scales, floor)
-            elbo_start = per_image_elbo(model, ff, x, elbo_samples, elbo_seed)
-            with (contextlib.nullcontext(_bar) if _bar is not None else
-                  tqdm(total=steps, disable=not progress, desc="ttvi", unit="step", dynamic_ncols=True)) as bar:
-                trace = fit_guide(model, ff, list(ff.parameters()), x, steps, lr, bar, show_elbo=True)
-            elbo_end = per_image_elbo(model, ff, x, elbo_samples, elbo_seed)
-    finally:
-        for p, requires_grad in frozen:
-            p.requires_grad_(requires_grad)
+    with frozen_and_seeded((model, guide), seed, x.device):
+        part_scales, parent_scales, floor = _initial_scales(guide, pose_family, init_scale, min_scale)
+        init = guide.encoder.encode(x)
+        ff = FreeFormGuide(init, guide.temperature, pose_family, part_scales, parent_scales, floor)
+        elbo_start = per_image_elbo(model, ff, x, elbo_samples, elbo_seed)
+        with (contextlib.nullcontext(_bar) if _bar is not None else
+              tqdm(total=steps, disable=not progress, desc="ttvi", unit="step", dynamic_ncols=True)) as bar:
+            trace = fit_guide(model, ff, list(ff.parameters()), x, steps, lr, bar, show_elbo=True)
+        elbo_end = per_image_elbo(model, ff, x, elbo_samples, elbo_seed)
     part_s, parent_s = (None if s is None else s.detach().cpu() for s in ff.pose_scales())
     return TTVIResult(latents=Latents(*(t.cpu() for t in ff.latents())), elbo_trace=trace,
                       elbo_start=elbo_start.cpu(), elbo_end=elbo_end.cpu(), pose_family=pose_family, steps=steps,
@@ -265,31 +254,61 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
                       cpu_time_s=time.process_time() - c0)
 
 
+@contextlib.contextmanager
+def frozen_and_seeded(modules, seed: int | None, device: torch.device):
+    """The parameters of ``modules`` frozen (``requires_grad`` restored on leaving), Pyro's parameters module-local,
+    and with ``seed`` the torch RNG seeded inside ``fork_rng`` (the caller's RNG state is left as it was)."""
+    frozen = [(p, p.requires_grad) for m in modules for p in m.parameters()]
+    rng = (torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+           if seed is not None else contextlib.nullcontext())
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        with rng, pyro.settings.context(module_local_params=True):
+            if seed is not None:
+                torch.manual_seed(seed)
+            yield
+    finally:
+        for p, requires_grad in frozen:
+            p.requires_grad_(requires_grad)
+
+
+def run_chunks(run, images: torch.Tensor, batch_size: int, steps: int, device: str | torch.device = "cpu",
+               progress: bool = True, desc: str = "ttvi") -> tuple[list, list[float]]:
+    """``run(i, x, bar) -> (result, elbo_trace)`` on chunk ``i`` of ``images``: ``batch_size`` of them, in order, moved
+    to ``device`` (uint8 ``(N, H, W)`` or ``(N, 1, H, W)``, or floats in ``[0, 1]``), with one tqdm ``bar`` of
+    ``steps`` per chunk.  Returns the results and, per step, the mean ELBO per image over all ``N`` images (the
+    chunks' traces weighted by their sizes)."""
+    n_chunks = -(-images.shape[0] // batch_size)
+    labels = torch.zeros(images.shape[0], dtype=torch.long)
+    results, traces, sizes = [], [], []
+    with tqdm(total=steps * n_chunks, disable=not progress, desc=desc, unit="step", dynamic_ncols=True) as bar:
+        for i, (x, _) in enumerate(iterate_batches(images, labels, batch_size, shuffle=False, device=device)):
+            bar.set_description(f"{desc} {i + 1}/{n_chunks}")
+            result, trace = run(i, x, bar)
+            results.append(result)
+            traces.append(trace)
+            sizes.append(len(x))
+    if not results:
+        raise ValueError(f"{desc}: no images")
+    weights = torch.tensor(sizes, dtype=torch.float64)
+    traces = torch.tensor(traces, dtype=torch.float64).reshape(len(results), steps)
+    return results, ((traces * weights[:, None]).sum(0) / weights.sum()).tolist()
+
+
 def ttvi_batches(model, guide: DeltaGuide, images: torch.Tensor, batch_size: int = 250, steps: int = 200, *,
                  device: str | torch.device = "cpu", progress: bool = True, seed: int | None = None,
                  **kwargs) -> TTVIResult:
-    """:func:`run_ttvi` over many images, ``batch_size`` at a time, with the results concatenated.
-
-    ``images``: uint8 ``(N, H, W)`` (or ``(N, 1, H, W)``, or floats in ``[0, 1]``), in order; each chunk is moved to
-    ``device``.  The returned ``elbo_trace`` is, per step, the mean ELBO per image over all ``N`` images (the chunks'
-    traces weighted by their sizes).  With ``seed``, chunk ``i`` is run with seed ``seed + i``.  Other keyword
-    arguments go to :func:`run_ttvi`.
-    """
+    """:func:`run_ttvi` over many images, ``batch_size`` at a time (:func:`run_chunks`), the results concatenated.
+    With ``seed``, chunk ``i`` is run with seed ``seed + i``.  Other keyword arguments go to :func:`run_ttvi`."""
     t0, c0 = time.perf_counter(), time.process_time()
-    n = images.shape[0]
-    labels = torch.zeros(n, dtype=torch.long)
-    n_chunks = -(-n // batch_size)
-    results = []
-    with tqdm(total=steps * n_chunks, disable=not progress, desc="ttvi", unit="step", dynamic_ncols=True) as bar:
-        for i, (x, _) in enumerate(iterate_batches(images, labels, batch_size, shuffle=False, device=device)):
-            bar.set_description(f"ttvi {i + 1}/{n_chunks}")
-            results.append(run_ttvi(model, guide, x, steps=steps, progress=progress,
-                                    seed=None if seed is None else seed + i, _bar=bar, **kwargs))
-    if not results:
-        raise ValueError("ttvi_batches: no images")
-    sizes = torch.tensor([len(r) for r in results], dtype=torch.float64)
-    traces = torch.tensor([r.elbo_trace for r in results], dtype=torch.float64).reshape(len(results), steps)
-    trace = ((traces * sizes[:, None]).sum(0) / sizes.sum()).tolist()
+
+    def chunk(i, x, bar):
+        r = run_ttvi(model, guide, x, steps=steps, progress=progress, seed=None if seed is None else seed + i,
+                     _bar=bar, **kwargs)
+        return r, r.elbo_trace
+
+    results, trace = run_chunks(chunk, images, batch_size, steps, device, progress)
 
     def cat(field):
         parts = [getattr(r, field) for r in results]
