@@ -199,12 +199,8 @@ def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
 def _first_non_finite(tensors: dict) -> str | None:
     """The name of the first floating tensor of ``{name: tensor}`` holding a NaN or Inf, or None (one sync)."""
     named = [(k, t) for k, t in tensors.items() if torch.is_tensor(t) and t.is_floating_point() and t.numel()]
-    if not named:
-        return None
-    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named])
-    if bool(finite.all()):
-        return None
-    return named[int((~finite).nonzero()[0])][0]
+    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named]) if named else None
+    return None if finite is None or bool(finite.all()) else named[int((~finite).nonzero()[0])][0]
 
 
 def _optimiser_tensors(optimiser_state: dict) -> dict:
@@ -212,8 +208,7 @@ def _optimiser_tensors(optimiser_state: dict) -> dict:
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    """Read a checkpoint written by :func:`train_loop`; a missing, unreadable or non-finite one is a one-line
-    error."""
+    """Read a checkpoint written by :func:`train_loop`; a missing, unreadable or non-finite one is a one-line error."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
@@ -223,19 +218,15 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(ckpt, dict) or "module" not in ckpt:
         raise CheckpointError(f"{path}: not a probcaps checkpoint (no 'module' state)")
-    bad = _first_non_finite(ckpt["module"])
-    if bad is not None:
+    if (bad := _first_non_finite(ckpt["module"])) is not None:
         raise CheckpointError(f"{path}: '{bad}' holds NaN or Inf values; the model in this checkpoint diverged and "
                               f"cannot be used")
     return ckpt
 
 
 def run_finished(out_dir: str | Path, steps: int) -> bool:
-    """Whether ``out_dir`` holds a final model (``final.pt``) trained for at least ``steps`` steps.
-
-    ``--resume`` entry points reuse such a run as it is; a run with fewer steps (``train.steps`` raised since)
-    trains on from its last checkpoint instead of being silently re-evaluated at its old length.
-    """
+    """Whether ``out_dir`` holds a final model (``final.pt``) trained for at least ``steps`` steps: ``--resume``
+    entry points reuse such a run as it is, and train a shorter one on from its last checkpoint."""
     final = Path(out_dir) / "final.pt"
     return final.is_file() and int(load_checkpoint(final)["state"]["step"]) >= steps
 
@@ -273,15 +264,6 @@ def _run_folder(out_dir: str | Path) -> Path:
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise OutputError(f"{out_dir}: the run folder is not writable")
     return out_dir
-
-
-def _split_loss(out) -> tuple[torch.Tensor, dict]:
-    """``loss_fn``'s result as ``(scalar loss, {term name: tensor or float})``."""
-    if isinstance(out, tuple):
-        if len(out) != 2 or not isinstance(out[1], dict):
-            raise TypeError("train_loop: loss_fn must return a scalar loss or (loss, {name: float})")
-        return out
-    return out, {}
 
 
 class _LossModule(nn.Module):
@@ -412,8 +394,7 @@ class _Run:
                                   f"{world_size} (torchrun --nproc_per_node={world_size}), not {self.world.size}, "
                                   f"or the random draws would differ")
         load_module_state(self.module, ckpt["module"], self.ckpt_path)
-        bad = _first_non_finite(_optimiser_tensors(ckpt["optimiser"]))
-        if bad is not None:
+        if (bad := _first_non_finite(_optimiser_tensors(ckpt["optimiser"]))) is not None:
             raise CheckpointError(f"{self.ckpt_path}: '{bad}' holds NaN or Inf values")
         new_base = list(self.scheduler.base_lrs)
         try:
@@ -477,8 +458,7 @@ class _Run:
                 "lr_changes": list(self.lr_changes), "world_size": self.world.size}
         if rngs is not None:
             snap["rng_per_rank"] = rngs
-        bad = _first_non_finite(snap["module"]) or _first_non_finite(_optimiser_tensors(snap["optimiser"]))
-        if bad is not None:
+        if (bad := _first_non_finite(snap["module"]) or _first_non_finite(_optimiser_tensors(snap["optimiser"]))):
             raise self._diverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write {path}")
         atomic_torch_save(snap, path)
         if self.writer is not None:
@@ -613,7 +593,10 @@ class _Run:
         values = self.schedule_values = {name: float(fn(state.step)) for name, fn in self.schedules.items()}
         shard, n_local, n_global = self._shard(batch)
         self.optimiser.zero_grad(set_to_none=True)
-        loss, terms = _split_loss(self.forward(shard, **values) if values else self.forward(shard))
+        out = self.forward(shard, **values)
+        loss, terms = out if isinstance(out, tuple) else (out, {})
+        if not isinstance(terms, dict):
+            raise TypeError("train_loop: loss_fn must return a scalar loss or (loss, {name: float})")
         terms = {k: float(v) for k, v in terms.items()}
         signum = None
         if world.size > 1:
@@ -639,8 +622,7 @@ class _Run:
         self.scheduler.step()
         state.step += 1
         state.batch_in_epoch += 1
-        bad = _first_non_finite(dict(self.module.named_parameters()))
-        if bad is not None:
+        if (bad := _first_non_finite(dict(self.module.named_parameters()))) is not None:
             raise self._diverged(f"step {state.step - 1}: the update made '{bad}' NaN or Inf (learning rate "
                                  f"{self.optimiser.param_groups[0]['lr']:.3g} too large?); stopped without writing it")
         return float(loss_value), float(grad_norm), terms, n_global, signum

@@ -11,18 +11,11 @@ position, ``H = 16`` pose entries.
 - E-step: ``R_ij ∝ a_j N(V_ij; mu_j, sigma2_j)``, normalised over every parent an input votes for (``normalise``:
   log-softmax over ``j`` by default; convolutional layers also sum over the overlapping patches of an input).
 
-Everything is held as logarithms, so no activation or assignment underflows to an exact zero that a later ``log``
-would turn into ``-inf``.  Votes whose squares could overflow are routed in units of a power of two per row ``n``
-(an exact division; the variances' logarithms carry the scale) and half precision in float32, so the outputs stay
-finite for every finite float16, bfloat16, float32 and float64 input; other dtypes are refused
-(:class:`probcaps.errors.ConfigError`).
-
-Speed: the votes are stored once, centred per (n, j), with their squares beside them, ``VV (N, J, I, 2H)``: every
-M-step is one batched product ``w @ VV`` and every E-step one ``x @ VV^T`` (the Gaussian's quadratic form
-expanded), two passes over the votes per iteration.  Gradients: the last E-step's assignments are constants
-(stop-gradient through the iterations, as most implementations of the paper do); the final M-step's backward
-(:class:`_WeightedMoments`) is written by hand, so autograd stores no tensor of the votes' size, and convolutional
-layers rebuild their votes for it (one layer's votes in memory at a time).
+Everything is held as logarithms (no activation or assignment underflows to an exact zero), and votes whose
+squares could overflow are routed in units of a power of two per row ``n``, so the outputs stay finite for every
+finite float16, bfloat16, float32 and float64 input.  The votes are stored once, centred, beside their squares
+(:class:`VoteCache`): every M-step is one batched product ``w @ VV`` and every E-step one ``x @ VV^T``.  The last
+E-step's assignments are constants (stop-gradient through the iterations, as most implementations of the paper do).
 """
 
 from __future__ import annotations
@@ -34,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from probcaps.errors import ConfigError
+from probcaps.models.routing import _compute_dtype, _peak
 
 __all__ = ["EMConfig", "em_routing", "em_routing_conv", "votes_cache", "conv_votes_cache", "VoteCache",
            "log_softmax_parents", "weighted_moments", "pose_transform_matrix"]
@@ -238,8 +231,7 @@ def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_
 def _scale_exponent(x: torch.Tensor, above: float) -> torch.Tensor:
     """``(N,)`` per row of ``x`` ``(N, ...)``: the ``e`` with ``2^e <= max |x_n| < 2^(e + 1)`` where that maximum
     exceeds ``2^above``, else 0 (rows of ordinary magnitude are left exactly as they are)."""
-    lo, hi = torch.aminmax(x.detach().reshape(x.shape[0], -1), dim=1)  # (faster than vector_norm(ord=inf))
-    e = torch.frexp(torch.maximum(-lo, hi))[1] - 1
+    e = torch.frexp(_peak(x.reshape(x.shape[0], -1), dim=1))[1] - 1
     return torch.where(e >= above, e, torch.zeros_like(e))
 
 
@@ -269,15 +261,6 @@ def _unscaled(outputs, scale_exp: torch.Tensor | None, out_dtype: torch.dtype):
     return tuple(t.clamp(finfo.min, finfo.max).to(out_dtype) for t in (mu, var, log_a, log_R))
 
 
-def _in_compute_dtype(where: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    """``tensors`` in the dtype of the first's routing: half precision in float32 (squared votes leave float16's
-    range near 256), float32 and float64 in their own dtype; any other dtype is refused."""
-    dtype = torch.float32 if tensors[0].dtype in (torch.float16, torch.bfloat16) else tensors[0].dtype
-    if dtype not in (torch.float32, torch.float64):
-        raise ConfigError(f"{where}: dtype {dtype} is not supported (float16, bfloat16, float32 or float64)")
-    return [t.to(dtype) for t in tensors]
-
-
 def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor,
                cfg: EMConfig = EMConfig(), normalise: Callable[[torch.Tensor], torch.Tensor] = log_softmax_parents):
     """EM routing of votes ``(N, J, I, H)`` (``H = 16`` for 4x4 poses) given as a tensor, with the inputs' log
@@ -285,8 +268,8 @@ def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor
     ``normalise`` maps E-step logits ``(N, J, I)`` to ``log R`` (default: log-softmax over ``J``).  Returns ``mu (N, J,
     H)``, ``var (N, J, H)``, ``log a_out (N, J)`` and the last ``log R (N, J, I)``, in ``votes``' dtype (computed in
     float32 for half precision)."""
-    out_dtype = votes.dtype
-    votes, log_a_in, beta_v, beta_a = _in_compute_dtype("em_routing", votes, log_a_in, beta_v, beta_a)
+    out_dtype, dtype = votes.dtype, _compute_dtype(votes.dtype, "em_routing")
+    votes, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (votes, log_a_in, beta_v, beta_a))
     scale_exp = _scale_exponent(votes, _max_exponent(votes.dtype) / 4)
     if bool((scale_exp != 0).any()):
         votes = votes / torch.exp2(scale_exp.to(votes.dtype)).view(-1, 1, 1, 1)
@@ -301,9 +284,8 @@ def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, be
                     normalise: Callable[[torch.Tensor], torch.Tensor] = log_softmax_parents):
     """EM routing with the votes ``M[n, i] @ W[i, j]`` computed inside (never stored by autograd): ``M (N, I, 4, 4)``
     input poses per output position, ``W (I, J, 4, 4)``; otherwise as :func:`em_routing`."""
-    out_dtype = M.dtype
-    M, W, log_a_in, beta_v, beta_a = _in_compute_dtype("em_routing_conv", M, W, log_a_in, beta_v, beta_a)
-    dtype = M.dtype
+    out_dtype, dtype = M.dtype, _compute_dtype(M.dtype, "em_routing_conv")
+    M, W, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (M, W, log_a_in, beta_v, beta_a))
     above = _max_exponent(dtype) / 8
     e_M = _scale_exponent(M, above)                                     # (N,)
     e_W = _scale_exponent(W.reshape(1, -1), above)                      # (1,)

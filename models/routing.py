@@ -122,9 +122,6 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
     Returns:
         ``v`` ``(B, J, D)`` squashed parent capsules, and ``c`` ``(B, J, I)`` the final coupling coefficients
         (softmax over the parents ``J``: ``c.sum(1) == 1`` for every child).
-
-    Finite for every finite ``u_hat``: an example whose largest vote is far from 1 is routed in units of a power
-    of two (:func:`_routing_exponent`, :func:`_coupling`).
     """
     if iterations < 1:
         raise ValueError(f"dynamic_routing: iterations must be >= 1, got {iterations}")
