@@ -27,7 +27,7 @@ from probcaps import plotting
 from probcaps.cli import (
     add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run, table_writer,
 )
-from probcaps.config import load_sections
+from probcaps.config import DigitCanvas, Section, load_sections
 from probcaps.data import load_digits
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
 from probcaps.errors import ConfigError
@@ -47,7 +47,7 @@ PAPER_SET_ACC = 0.95
 
 
 @dataclass
-class MultiMNISTData:
+class MultiMNISTData(DigitCanvas):
     dataset: str = "mnist"        # "mnist" or "synthetic" (tests, smoke runs)
     canvas_size: int = 36
     max_shift: int = 4
@@ -57,19 +57,13 @@ class MultiMNISTData:
     test_pairs: int = 10000       # fixed test set: pairs of test digits (each test digit first once per 10,000)
     seed: int = 0                 # test-set pairs (training pairs follow train.seed)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
-class MultiMNISTEval:
+class MultiMNISTEval(Section):
     batch_size: int = 500
     curve_pairs: int = 2000       # test pairs scored at every checkpoint (training curve)
     figures: bool = True
     figure_pairs: int = 8         # test composites in the reconstruction figure
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 SCHEMA = {"name": str, "data": MultiMNISTData, "model": CapsNetConfig, "train": TrainConfig, "eval": MultiMNISTEval}
@@ -80,14 +74,9 @@ def load_config(path, overrides=()) -> dict:
     cfg = load_sections(path, SCHEMA, list(overrides))
     cfg["name"] = cfg["name"] or (Path(path).stem if path else "multimnist")
     data, model = cfg["data"], cfg["model"]
-    if data.dataset not in ("mnist", "synthetic"):
-        raise ConfigError(f"{path}: data.dataset must be 'mnist' or 'synthetic', got {data.dataset!r}")
-    if model.image_size != data.canvas_size:
+    if model.image_size != data.canvas_size:  # the data section's own checks: DigitCanvas.validate
         raise ConfigError(f"{path}: model.image_size ({model.image_size}) differs from data.canvas_size "
                           f"({data.canvas_size})")
-    if data.canvas_size < 28 + 2 * data.max_shift:
-        raise ConfigError(f"{path}: data.canvas_size ({data.canvas_size}) too small for 28-px digits shifted by "
-                          f"{data.max_shift}")
     return cfg
 
 

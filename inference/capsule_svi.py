@@ -46,15 +46,9 @@ def load_experiment_config(path: str | Path | None, overrides: list[str] = ()) -
     cfg = load_sections(path, SCHEMA, overrides)
     if cfg["name"] is None:
         cfg["name"] = Path(path).stem if path else "capsules"
-    if cfg["data"].dataset not in ("mnist", "synthetic"):
-        raise ConfigError(f"{path}: data.dataset must be 'mnist' or 'synthetic', got {cfg['data'].dataset!r}")
-    if cfg["model"].canvas_size != cfg["data"].canvas_size:
+    if cfg["model"].canvas_size != cfg["data"].canvas_size:  # the data section's own checks: DataConfig.validate
         raise ConfigError(f"{path}: model.canvas_size ({cfg['model'].canvas_size}) differs from data.canvas_size "
                           f"({cfg['data'].canvas_size})")
-    data = cfg["data"]
-    if data.canvas_size < 28 + 2 * data.max_shift:
-        raise ConfigError(f"{path}: data.canvas_size ({data.canvas_size}) is too small for a 28-px digit shifted by "
-                          f"up to {data.max_shift} px (needs >= {28 + 2 * data.max_shift})")
     return cfg
 
 

@@ -24,12 +24,30 @@ from typing import Any
 
 from probcaps.errors import ConfigError
 
-__all__ = ["DataConfig", "EvalConfig", "Range", "RULES", "check_sections", "load_sections", "parse_override",
+__all__ = ["Section", "DigitCanvas", "DataConfig", "EvalConfig", "Range", "RULES", "check_sections", "load_sections", "parse_override",
            "range_of", "read_toml", "replace_checked"]
 
 
+class Section:
+    """A config section's dataclass: ``to_dict()`` as results and checkpoints record it."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class DigitCanvas(Section):
+    """A data section that places 28-px digits on a canvas (``dataset``, ``canvas_size``, ``max_shift``)."""
+
+    def validate(self) -> None:
+        if self.dataset not in ("mnist", "synthetic"):
+            raise ValueError(f"data.dataset must be 'mnist' or 'synthetic', got {self.dataset!r}")
+        if self.canvas_size < 28 + 2 * self.max_shift:
+            raise ValueError(f"data.canvas_size ({self.canvas_size}) is too small for a 28-px digit shifted by up to "
+                             f"{self.max_shift} px (needs >= {28 + 2 * self.max_shift})")
+
+
 @dataclass
-class DataConfig:
+class DataConfig(DigitCanvas):
     dataset: str = "mnist"         # "mnist" (real files) or "synthetic" (generated, for tests and smoke runs)
     canvas_size: int = 40
     max_shift: int = 6             # SCAE placement: the 28x28 digit at a random offset of up to ±6 px
@@ -38,21 +56,15 @@ class DataConfig:
     seed: int = 0                  # placement offsets
     train_rotation: float = 0.0    # max |angle| in degrees of random training rotations
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
     batch_size: int = 500
     probe_train_limit: int = 0     # fit the probe on the first N training images (0: all)
     probe_max_iter: int = 2000
     probe_C: float = 1.0
     kmeans_n_init: int = 10
     figures: bool = True
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 # ------------------------------------------------------------------------------------------------------ ranges
