@@ -78,16 +78,6 @@ def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, dev
     return [str(p) for p in paths]
 
 
-def plot_presence_by_class(presences: torch.Tensor, labels: torch.Tensor, path: Path) -> Path:
-    """Heatmap of the mean object presence ``(N, K)`` per class: class-specific objects show as a scattered
-    pattern, objects that are on whatever the digit as full columns."""
-    classes = torch.unique(labels)
-    means = torch.stack([presences[labels == c].mean(0) for c in classes])
-    return plotting.plot_heatmap(means, path, row_labels=[str(int(c)) for c in classes], xlabel="object capsule",
-                                 ylabel="digit class", title="mean object presence per class (test set)",
-                                 vmin=0, vmax=1, colorbar_label="presence")
-
-
 @torch.no_grad()
 def parent_log_posterior(model, latents: Latents) -> torch.Tensor:
     """``(B, M, K+1)`` log q(s_m = k): the exact posterior over each part's parent (the dummy ``k = 0`` first).
@@ -190,20 +180,23 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     results_dir = Path(results_dir)
     figure_paths = []
     if ecfg.figures if figures is None else figures:
-        figure_paths = save_figures(system, test_images, results_dir / name, device=device)
-        figure_paths.append(str(plot_presence_by_class(test_presence, test_labels,
-                                                       results_dir / f"{name}_presence_by_class.png")))
         counts_by_class, classes = mean_by_class(test_counts, test_labels)
         presence_by_class, _ = mean_by_class(test_presence, test_labels)
-        figure_paths.append(str(plotting.plot_objects_by_class(
-            {"mean expected part count": counts_by_class, "mean presence": presence_by_class},
-            results_dir / f"{name}_objects_by_class.png", class_labels=[str(c) for c in classes],
-            title=f"objects by class (test set): class purity {metrics['object_class_purity']:.2f} by part counts, "
-                  f"{metrics['object_class_purity_presence']:.2f} by presences")))
-        figure_paths += [str(plotting.plot_confusion_matrix(
-            report["confusion"], results_dir / f"{name}_confusion_{key}.png", class_labels=report["classes"],
-            title=f"linear probe on {READOUTS[key]}: test accuracy {100 * report['accuracy']:.1f}%"))
-            for key, report in reports.items()]
+        # objects on whatever the digit show as full columns, class-specific ones as a scattered pattern
+        figure_paths = save_figures(system, test_images, results_dir / name, device=device) + [str(p) for p in [
+            plotting.plot_heatmap(presence_by_class.T, results_dir / f"{name}_presence_by_class.png",
+                                  row_labels=classes, xlabel="object capsule", ylabel="digit class",
+                                  title="mean object presence per class (test set)", vmin=0, vmax=1,
+                                  colorbar_label="presence"),
+            plotting.plot_objects_by_class(
+                {"mean expected part count": counts_by_class, "mean presence": presence_by_class},
+                results_dir / f"{name}_objects_by_class.png", class_labels=classes,
+                title=f"objects by class (test set): class purity {metrics['object_class_purity']:.2f} by part "
+                      f"counts, {metrics['object_class_purity_presence']:.2f} by presences"),
+            *(plotting.plot_confusion_matrix(
+                report["confusion"], results_dir / f"{name}_confusion_{key}.png", class_labels=report["classes"],
+                title=f"linear probe on {READOUTS[key]}: test accuracy {100 * report['accuracy']:.1f}%")
+              for key, report in reports.items())]]
     state = cfg.get("train_state", {})
     prov = provenance(seed=cfg["train"].seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,

@@ -148,13 +148,10 @@ class DeltaGuide(PyroModule):
 class NormalPoseGuide(DeltaGuide):
     """Amortised guide with Normal posteriors on the poses ("full variational poses", Smith et al. 2020, §2.3).
 
-    As :class:`DeltaGuide` but for the pose family: ``y0 ~ Normal(loc, σ_parts).to_event(1)`` and
-    ``y1 ~ Normal(loc, σ_parents).to_event(1)``, the locations from the encoder.  The scales ``σ_parts (M, 6)`` and
-    ``σ_parents (K, 6)``, each ``min_scale + softplus(raw)`` (raw: ``pose_scale_raw_parts`` / ``_parents``), are
-    the guide's own parameters, shared by every image: a per-image scale head would change the encoder's
-    ``state_dict``, which delta-trained checkpoints must keep loading into (test-time VI adds per-image scales).
-    The floor keeps the entropy term bounded (a collapsing scale would send the ELBO to +inf); its default, ``1e-3``,
-    is below the model's ``part_pose_std_min``, so it does not bind in practice.
+    As :class:`DeltaGuide` but ``y0 ~ Normal(loc, σ_parts)``, ``y1 ~ Normal(loc, σ_parents)`` (``.to_event(1)``),
+    the locations from the encoder.  The scales ``σ_parts (M, 6)``, ``σ_parents (K, 6)``, each ``min_scale +
+    softplus(raw)``, are shared by every image: a per-image scale head would change the encoder's ``state_dict``,
+    which delta-trained checkpoints must keep loading into.  The floor keeps the entropy term bounded.
     """
 
     def __init__(self, encoder: CapsuleEncoder, temperature: float, init_scale: float = 0.02,
@@ -164,12 +161,9 @@ class NormalPoseGuide(DeltaGuide):
             raise ValueError(f"NormalPoseGuide: need init_scale > min_scale >= 0, got init_scale={init_scale}, "
                              f"min_scale={min_scale}")
         self.min_scale = float(min_scale)
-        ref = next(encoder.parameters())
-        raw = inverse_softplus(init_scale - min_scale)
-        self.pose_scale_raw_parts = nn.Parameter(torch.full((encoder.num_parts, 6), raw, dtype=ref.dtype,
-                                                            device=ref.device))
-        self.pose_scale_raw_parents = nn.Parameter(torch.full((encoder.num_parents, 6), raw, dtype=ref.dtype,
-                                                              device=ref.device))
+        ref, raw = next(encoder.parameters()), inverse_softplus(init_scale - min_scale)
+        self.pose_scale_raw_parts = nn.Parameter(ref.new_full((encoder.num_parts, 6), raw))
+        self.pose_scale_raw_parents = nn.Parameter(ref.new_full((encoder.num_parents, 6), raw))
 
     def pose_scales(self, name: str) -> torch.Tensor:
         """``σ`` of the poses ``name`` (``"y0"``: ``(M, 6)``; ``"y1"``: ``(K, 6)``)."""
