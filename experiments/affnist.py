@@ -55,8 +55,7 @@ def cnn_baseline(train_images, train_labels, tests: dict, steps: int, seeds: lis
 
 def readme_table(results_dir: Path, name: str = "affnist") -> str | None:
     """The README table of ``results_dir/<name>.json`` (``--name``; e.g. ``affnist_ceiling`` for another checkpoint)."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
+    if (loaded := load_result(results_dir, name)) is None:
         return None
     m, prov = loaded
     cnn, ood = m["cnn"], m["ood_name"]

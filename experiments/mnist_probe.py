@@ -15,7 +15,6 @@ result can be evaluated without training: ``probcaps evaluate --checkpoint check
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from probcaps import plotting
 from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
 from probcaps.io import atomic_torch_save
 from probcaps.provenance import device_description, provenance, write_results
-from probcaps.report import fmt_mean_std, load_result, results_in, write_table
+from probcaps.report import fmt_mean_std, load_result, results_in, results_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
@@ -60,19 +59,6 @@ def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
     if curves:
         plotting.plot_curves(curves, path, xlabel="step", ylabel="negative ELBO per image (nats)",
                              title="training (SVI, TraceEnum_ELBO)")
-
-
-def results_table(default_name: str):
-    """Decorate ``table(metrics, provenance) -> str | None`` (of one results JSON) into ``table(results_dir,
-    name=default_name) -> str | None``, the table of ``results_dir/<name>.json``: None while that is absent."""
-
-    def decorate(table):
-        @functools.wraps(table)
-        def from_results(results_dir: Path, name: str = default_name) -> str | None:
-            loaded = load_result(results_dir, name)
-            return None if loaded is None else table(*loaded)
-        return from_results
-    return decorate
 
 
 @results_table("mnist_probe")
@@ -156,12 +142,11 @@ def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
     return "\n".join(lines)
 
 
-def write_tables(results_dir: Path, name: str) -> list[Path]:
+def write_tables(results_dir: Path, name: str) -> list[Path | None]:
     """Write ``results_dir/<name>.md`` and, when ``results_dir/mnist_ablations/`` holds tries,
-    ``results_dir/mnist_ablations.md`` from the results JSON there; returns the files written."""
-    written = [write_table(results_dir, name, readme_table(results_dir, name)),
-               write_table(results_dir, ABLATIONS, ablations_table(results_dir))]
-    return [path for path in written if path is not None]
+    ``results_dir/mnist_ablations.md`` from the results JSON there; returns the files written (None: not written)."""
+    return [write_table(results_dir, name, readme_table(results_dir, name)),
+            write_table(results_dir, ABLATIONS, ablations_table(results_dir))]
 
 
 @one_line_errors("mnist_probe")

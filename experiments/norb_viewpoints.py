@@ -45,7 +45,7 @@ from probcaps.inference.train import (TrainConfig, load_checkpoint, load_module_
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
 from probcaps.provenance import device_description, provenance, write_results
-from probcaps.report import fmt_mean_std, load_result, results_in, write_table
+from probcaps.report import fmt_mean_std, results_in, results_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_azimuth.toml"
@@ -438,12 +438,10 @@ def run_line(m: dict, prov: dict) -> str:
             f"command: `{prov.get('command', '?')}`; commit {prov.get('git_commit', '?')}.")
 
 
-def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmark: bool = True) -> str | None:
-    """The README table, built only from ``results/<name>.json`` (and the benchmark's JSON when ``with_benchmark``);
-    for the all-views reference, each model's accuracy at the end of training on the same test subsets."""
-    if (loaded := load_result(results_dir, name)) is None:
-        return None
-    m, prov = loaded
+@results_table("norb_viewpoints")
+def readme_table(m: dict, prov: dict, benchmark: Path | None = None) -> str:
+    """The README table of ``results_dir/<name>.json`` (and of the speed benchmark's JSON ``benchmark`` when it is
+    there); for the all-views reference, each model's accuracy at the end of training on the same test subsets."""
     runs = m["per_seed"]
     col = lambda key: fmt_mean_std([r[key] for r in runs], scale=100.0)  # noqa: E731
     label = dataset_label(prov.get("configs", {}).get("data", {"dataset": m["dataset"]}))
@@ -479,9 +477,8 @@ def readme_table(results_dir: Path, name: str = "norb_viewpoints", with_benchmar
     targets = ", ".join(f"{100 * r['target_familiar_acc']:.1f}" for r in runs)
     lines += ["", error_reduction_line(runs), "", f"Matched familiar accuracy (per seed, the lower of the two "
               f"models' best): {targets}%. " + run_line(m, prov)]
-    bench = Path(results_dir) / "bench_matrix_capsules.json"
-    if with_benchmark and bench.is_file():  # the speed of the paper's network, from benchmarks/bench_matrix_capsules.py
-        net = (b := json.loads(bench.read_text()))["network"]
+    if benchmark and benchmark.is_file():  # the speed of the paper's network, from benchmarks/bench_matrix_capsules.py
+        net = (b := json.loads(benchmark.read_text()))["network"]
         lines += ["", "| speed (`benchmarks/bench_matrix_capsules.py`) | training images/s | inference images/s | "
                       "training images/s from CPU time | peak memory (MB) |", "| --- | --- | --- | --- | --- |",
                   f"| A, B, C, D = {net['A']}, {net['B']}, {net['C']}, {net['D']}; {net['input_size']}x"
@@ -517,16 +514,15 @@ def ablations_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
-def write_tables(results_dir: Path, name: str) -> list[Path]:
+def write_tables(results_dir: Path, name: str) -> list[Path | None]:
     """Write ``results_dir/<name>.md`` (with the matrix-capsule speed table for the default ``norb_viewpoints``)
     and the table of tries, ``norb_ablations.md``, beside the ``norb_ablations/`` folder when a run wrote into it or it
-    is there; returns the files written."""
+    is there; returns the files written (None: not written)."""
     results_dir = Path(results_dir)
     history = results_dir.parent if results_dir.name == NORB_ABLATIONS else results_dir
-    table = readme_table(results_dir, name, with_benchmark=name == "norb_viewpoints")
-    written = [write_table(results_dir, name, table),
-               write_table(history, NORB_ABLATIONS, ablations_table(history))]
-    return [path for path in written if path is not None]
+    bench = results_dir / "bench_matrix_capsules.json" if name == "norb_viewpoints" else None
+    return [write_table(results_dir, name, readme_table(results_dir, name, benchmark=bench)),
+            write_table(history, NORB_ABLATIONS, ablations_table(history))]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from probcaps.experiments.mnist_probe import (HEADLINE_CHECKPOINT, checkpoint_out_path, export_checkpoint,
-                                             plot_training_curves, results_table)
+                                             plot_training_curves)
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules
 from probcaps.inference.evaluate import test_elbo
 from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished
@@ -29,7 +29,7 @@ from probcaps.cli import (add_run_args, finite_positive_float, setup_run, table_
 from probcaps.errors import ProbcapsError
 from probcaps.metrics import LinearProbe
 from probcaps.provenance import provenance, write_results
-from probcaps.report import provenance_line
+from probcaps.report import provenance_line, results_table
 
 
 def evaluate(system, cfg: dict, train, test, elbo_images: torch.Tensor, elbo_samples: int, device: str,

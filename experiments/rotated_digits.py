@@ -31,7 +31,7 @@ from probcaps.inference.evaluate import reconstruction_error
 from probcaps.inference.guides import Latents
 from probcaps.inference.ttvi import ttvi_batches
 from probcaps.provenance import provenance, write_results
-from probcaps.report import load_result, provenance_line
+from probcaps.report import provenance_line, results_table
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "mnist_probe.pt"
 
@@ -60,11 +60,9 @@ def checks(rows: list[dict]) -> dict:
     return out
 
 
-def readme_table(results_dir: Path, name: str = "rotated_digits") -> str | None:
-    loaded = load_result(results_dir, name)
-    if loaded is None:
-        return None
-    m, prov = loaded
+@results_table("rotated_digits")
+def readme_table(m: dict, prov: dict) -> str:
+    """The README table of ``results_dir/<name>.json``: ELBO and reconstruction error per angle."""
     lines = ["| rotation | ELBO, encoder | ELBO, + test-time VI | recon MSE ×100, encoder | recon MSE ×100, + TTVI | "
              "MSE reduction |", "| --- | --- | --- | --- | --- | --- |"]
     for r in m["per_angle"]:

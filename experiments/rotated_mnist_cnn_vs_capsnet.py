@@ -37,7 +37,7 @@ from probcaps.inference.train import TrainConfig, load_checkpoint, load_module_s
 from probcaps.models.capsnet import CapsNet, CapsNetConfig
 from probcaps.models.lenet import LeNet5
 from probcaps.provenance import provenance, write_results
-from probcaps.report import fmt_mean_std, load_result, provenance_line
+from probcaps.report import fmt_mean_std, provenance_line, results_table
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "rotated_mnist_cnn_vs_capsnet"
@@ -238,13 +238,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def readme_table(results_dir: Path, name: str = NAME) -> str | None:
+@results_table(NAME)
+def readme_table(m: dict, prov: dict) -> str:
     """Accuracy per angle for LeNet-5, CapsNet and the probe, with the numpy reproduction's 0° and 35° numbers
     (``results_dir/<name>.json``)."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
-        return None
-    m, prov = loaded
     runs, probe, steps = m["per_seed"], m.get("probcaps"), prov.get("steps", {})
     head = "| rotation | LeNet-5 (%) | CapsNet (%) |" + (" probabilistic capsules, probe (%) |" if probe else "") + \
         " numpy reproduction, LeNet-5 | numpy reproduction, CapsNet |"

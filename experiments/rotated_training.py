@@ -37,7 +37,7 @@ from probcaps.inference.train import load_checkpoint, run_finished
 from probcaps.io import write_json
 from probcaps.metrics import LinearProbe, class_purity
 from probcaps.provenance import provenance, write_results
-from probcaps.report import fmt_mean_std, load_result, provenance_line
+from probcaps.report import fmt_mean_std, provenance_line, results_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "rotated_training.toml"
@@ -100,12 +100,9 @@ def plot(summary: dict, path: Path) -> Path:
                                 title=f"rotated MNIST (test rotated within ±θmax); mean ± std, {n} seeds")
 
 
-def readme_table(results_dir: Path, name: str = "rotated_training") -> str | None:
+@results_table("rotated_training")
+def readme_table(m: dict, prov: dict) -> str:
     """The README table of ``results_dir/<name>.json``: probe accuracy and parent class purity per θmax."""
-    loaded = load_result(results_dir, name)
-    if loaded is None:
-        return None
-    m, prov = loaded
     lines = ["| θmax (train and test) | probe, presences + poses (%) | probe, presences (%) | parent class purity | "
              "training (min per run) |", "| --- | --- | --- | --- | --- |"]
     for p in m["per_theta"]:

@@ -501,12 +501,12 @@ def ablations_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
-def write_tables(results_dir: Path) -> list[Path]:
+def write_tables(results_dir: Path) -> list[Path | None]:
     """Write the table of the shipped recipes (``results_dir/transforming_autoencoder.md``) and of the tries
-    (``results_dir/transforming_autoencoder_ablations.md``) from the results JSON there; returns the files written."""
-    written = [write_table(results_dir, NAME, readme_table(results_dir)),
-               write_table(results_dir, TAE_ABLATIONS, ablations_table(results_dir))]
-    return [path for path in written if path is not None]
+    (``results_dir/transforming_autoencoder_ablations.md``) from the results JSON there; returns the files written
+    (None: not written)."""
+    return [write_table(results_dir, NAME, readme_table(results_dir)),
+            write_table(results_dir, TAE_ABLATIONS, ablations_table(results_dir))]
 
 
 def _error_note(mode: str, runs: list[dict]) -> list[str]:

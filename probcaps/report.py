@@ -9,6 +9,7 @@ imports the models, the inference code or the experiments; the helpers at the en
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -18,7 +19,7 @@ from probcaps.io import atomic_write
 from probcaps.provenance import repo_relative
 
 __all__ = ["MARKER", "write_table", "splice_file", "splice_tables", "update_readme", "documents", "fmt_mean_std",
-           "load_result", "provenance_line", "results_in"]
+           "load_result", "provenance_line", "results_in", "results_table"]
 
 #: one table block: ``<!-- results:NAME -->``, the table, ``<!-- /results:NAME -->``
 MARKER = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
@@ -97,6 +98,20 @@ def load_result(results_dir: str | Path, name: str) -> tuple[dict, dict] | None:
         return None
     data = json.loads(path.read_text())
     return data["metrics"], repo_relative(data["provenance"])
+
+
+def results_table(default_name: str):
+    """Decorate ``table(metrics, provenance, **options) -> str | None`` (of one results JSON) into
+    ``table(results_dir, name=default_name, **options) -> str | None``, the table of ``results_dir/<name>.json``:
+    None while that is absent."""
+
+    def decorate(table):
+        @functools.wraps(table)
+        def from_results(results_dir: str | Path, name: str = default_name, **options) -> str | None:
+            loaded = load_result(results_dir, name)
+            return None if loaded is None else table(*loaded, **options)
+        return from_results
+    return decorate
 
 
 def results_in(results_dir: str | Path, folder: str) -> list[tuple[Path, dict]]:

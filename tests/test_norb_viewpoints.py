@@ -157,7 +157,7 @@ def test_all_views_reference_trains_on_every_view_and_reports_the_ends(tmp_path)
     assert "novel_error_reduction" not in run and "target_familiar_acc" not in run
     last = json.loads((tmp_path / "runs" / "seed0" / "cnn" / "eval.jsonl").read_text().splitlines()[-1])
     assert run["cnn_final_novel_acc"] == last["novel_acc"] and run["cnn_novel_by_azimuth"] == last["novel_by_azimuth"]
-    table = norb_viewpoints.readme_table(results, name=name, with_benchmark=False)
+    table = norb_viewpoints.readme_table(results, name=name)
     assert table.startswith("| trained on all views (synthetic, asymmetric)") and "matched" not in table
     assert f"| {100 * run['cnn_final_novel_acc']:.1f} |" in table.splitlines()[3]
 
