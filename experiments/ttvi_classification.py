@@ -23,16 +23,14 @@ import argparse
 import time
 from pathlib import Path
 
-import pyro
-import pyro.distributions as dist
 import torch
 import torch.nn as nn
 
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import posterior_part_counts, readout_features
 from probcaps.inference.guides import Latents
-from probcaps.inference.ttvi import fit_guide, frozen_and_seeded, reencode_parents, run_chunks, ttvi_batches
-from probcaps.distributions import ClampedRelaxedBernoulli
+from probcaps.inference.ttvi import (FreeFormGuide, fit_guide, frozen_and_seeded, reencode_parents, run_chunks,
+                                     ttvi_batches)
 from probcaps import plotting
 from probcaps.data import rotate, to_float
 from probcaps.cli import (add_run_args, setup_run, table_writer, finite_float, finite_positive_float,
@@ -120,29 +118,20 @@ def table_text(results_dir: Path, name: str) -> str | None:
     return fair_table(results_dir, name) or readme_table(results_dir, name)
 
 
-class PartsGuide(nn.Module):
+class PartsGuide(FreeFormGuide):
     """Test-time VI of the parts alone: free-form part presence logits ``(B, M)`` and pose locations ``(B, M, 6)``
     for each of ``B`` images; the objects are inferred from the sampled parts by the amortised encoder's set
     transformer, exactly as :class:`probcaps.inference.guides.DeltaGuide` infers them, so they keep the meaning the
-    model was trained with.  Sites and plates match the model's; poses are point masses (the delta guide's)."""
+    model was trained with.  Poses are point masses (the delta guide's)."""
 
     def __init__(self, encoder, init: Latents, temperature: float):
-        super().__init__()
-        self.encoder, self.temperature = encoder, float(temperature)
+        nn.Module.__init__(self)
+        self.encoder, self.temperature, self.pose_family = encoder, float(temperature), "delta"
         self.part_logits = nn.Parameter(init.part_logits.detach().clone())
         self.part_locs = nn.Parameter(init.part_poses.detach().clone())
 
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        B, M = self.part_logits.shape
-        tau = self.part_logits.new_tensor(self.temperature)
-        data = pyro.plate("data", B, dim=-2)
-        with data, pyro.plate("children", M, dim=-1):
-            z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=self.part_logits))
-            y0 = pyro.sample("y0", dist.Delta(self.part_locs).to_event(1))
-        parent_logits, parent_poses = self.encoder.encode_parents(y0, z0)
-        with data, pyro.plate("parents", parent_logits.shape[-1], dim=-1):
-            pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
-            pyro.sample("y1", dist.Delta(parent_poses).to_event(1))
+    def parents(self, z0: torch.Tensor, y0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.encoder.encode_parents(y0, z0)
 
     @torch.no_grad()
     def latents(self) -> Latents:

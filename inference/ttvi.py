@@ -109,20 +109,24 @@ class FreeFormGuide(nn.Module):
     def _pose(self, loc: torch.Tensor, scale: torch.Tensor | None):
         return dist.Delta(loc).to_event(1) if scale is None else dist.Normal(loc, scale).to_event(1)
 
-    def forward(self, x: torch.Tensor):
+    def parents(self, z0: torch.Tensor, y0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parents' presence logits ``(B, K)`` and pose locations ``(B, K, 6)`` given the sampled parts."""
+        return self.parent_logits, self.parent_locs
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
         B, M = self.part_logits.shape
-        K = self.parent_logits.shape[1]
         if x.shape[0] != B:
-            raise ValueError(f"FreeFormGuide: built for {B} images, called with {x.shape[0]}")
+            raise ValueError(f"{type(self).__name__}: built for {B} images, called with {x.shape[0]}")
         tau = self.part_logits.new_tensor(self.temperature)
         part_scale, parent_scale = self.pose_scales()
         data = pyro.plate("data", B, dim=-2)
         with data, pyro.plate("children", M, dim=-1):
             z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=self.part_logits))
             y0 = pyro.sample("y0", self._pose(self.part_locs, part_scale))
-        with data, pyro.plate("parents", K, dim=-1):
-            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=self.parent_logits))
-            y1 = pyro.sample("y1", self._pose(self.parent_locs, parent_scale))
+        parent_logits, parent_locs = self.parents(z0, y0)
+        with data, pyro.plate("parents", parent_logits.shape[-1], dim=-1):
+            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
+            y1 = pyro.sample("y1", self._pose(parent_locs, parent_scale))
         return z1, y1, z0, y0
 
 
