@@ -314,8 +314,7 @@ def train_loop(module: nn.Module, loss_fn: Callable[..., torch.Tensor | tuple[to
     with _StopSignals() as stop:  # first: a signal during the start-up below is honoured before the first step
         cfg.check()
         schedules = dict(schedules or {})
-        clash = sorted(set(schedules) & set(LOG_KEYS))
-        if clash:
+        if clash := sorted(set(schedules) & set(LOG_KEYS)):
             raise ValueError(f"train_loop: schedule names {clash} clash with the log's own keys")
         world = distributed.init_from_env()
         out_dir = _run_folder(out_dir) if world.rank == 0 else Path(out_dir)
@@ -324,15 +323,15 @@ def train_loop(module: nn.Module, loss_fn: Callable[..., torch.Tensor | tuple[to
         started = (out_dir / "log.jsonl").exists()
         world.barrier()
         with RunLock(out_dir) if world.rank == 0 else contextlib.nullcontext():
-            run = _Run(module, loss_fn, batches, cfg, out_dir, world, stop, metadata=metadata, progress=progress,
-                       on_checkpoint=on_checkpoint, schedules=schedules)
-            return run.train(resume=resume, force=force, tensorboard=tensorboard, started=started)
+            run = _Run(module, loss_fn, batches, cfg, out_dir, world, stop, metadata, progress, on_checkpoint,
+                       schedules)
+            return run.train(resume, force, tensorboard, started)
 
 
 class _Run:
     """One call of :func:`train_loop`: the optimiser, scheduler, state and files of a run."""
 
-    def __init__(self, module, loss_fn, batches, cfg, out_dir, world, stop, *, metadata, progress, on_checkpoint,
+    def __init__(self, module, loss_fn, batches, cfg, out_dir, world, stop, metadata, progress, on_checkpoint,
                  schedules):
         self.module, self.loss_fn, self.batches, self.cfg = module, loss_fn, batches, cfg
         self.out_dir, self.world, self.stop = out_dir, world, stop
@@ -411,8 +410,7 @@ class _Run:
         if self.is_main:
             truncate_log(self.log_path, self.state.step)
         pending = ckpt.get("callback_pending", False)
-        if not pending:
-            self.callback_done_at = self.state.step
+        self.callback_done_at = -1 if pending else self.state.step
         return pending
 
     def _apply_config_lr(self, new_base: list[float]) -> None:

@@ -69,13 +69,10 @@ def _rows(x: Any, x_name: str, y: Any, y_name: str, x_as=_features) -> tuple[np.
 
 class LinearProbe:
     """Multinomial logistic regression on standardised features: ``StandardScaler`` followed by
-    ``LogisticRegression(solver="lbfgs")`` in a scikit-learn ``Pipeline``; ``C`` is the inverse L2 strength."""
+    ``LogisticRegression(solver="lbfgs")`` in a scikit-learn ``Pipeline``; ``C`` is the inverse L2 strength
+    (scikit-learn refuses ``C <= 0`` and ``max_iter < 1`` when fitting)."""
 
     def __init__(self, C: float = 1.0, max_iter: int = 1000, tol: float = 1e-4, seed: int = 0):
-        if not (C > 0):
-            raise ValueError(f"C must be > 0, got {C}")
-        if int(max_iter) < 1:
-            raise ValueError(f"max_iter must be >= 1, got {max_iter}")
         self.C, self.max_iter, self.tol, self.seed = float(C), int(max_iter), float(tol), seed
         self.pipeline_ = None
 
@@ -129,8 +126,6 @@ def probe_accuracy(train_features: Any, train_labels: Any, test_features: Any, t
     """Fit a :class:`LinearProbe` (``**kw`` go to its constructor) on train, return test accuracy."""
     Xtr, ytr = _rows(train_features, "train_features", train_labels, "train_labels")
     Xte, yte = _rows(test_features, "test_features", test_labels, "test_labels")
-    if Xtr.shape[1] != Xte.shape[1]:
-        raise ValueError(f"test_features has {Xte.shape[1]} columns but train_features has {Xtr.shape[1]}")
     return LinearProbe(**kw).fit(Xtr, ytr).accuracy(Xte, yte)
 
 
@@ -154,8 +149,6 @@ def kmeans_accuracy(features: Any, labels: Any, n_clusters: int = 10, seed: int 
     from sklearn.cluster import KMeans
 
     X, y = _rows(features, "features", labels, "labels")
-    if int(n_clusters) < 1:
-        raise ValueError(f"n_clusters must be >= 1, got {n_clusters}")
     if int(n_clusters) > X.shape[0]:
         raise ValueError(f"n_clusters={n_clusters} exceeds the number of samples in features ({X.shape[0]})")
     ids = KMeans(n_clusters=int(n_clusters), random_state=seed, n_init=int(n_init)).fit_predict(X)
@@ -163,14 +156,12 @@ def kmeans_accuracy(features: Any, labels: Any, n_clusters: int = 10, seed: int 
 
 
 def classification_summary(true_labels: Any, predicted: Any, classes: Any = None) -> dict:
-    """Per-class accuracy and the confusion matrix of a classifier's predictions.
+    """Per-class accuracy and the confusion matrix of a classifier's predictions: ``{"classes": [...], "accuracy":
+    float, "per_class_accuracy": {str(c): float}, "confusion": [[int]]}``.
 
-    ``classes``: the label values, in the order of the matrix's rows and columns (default: every value in
-    ``true_labels`` or ``predicted``, sorted).  Returns ``{"classes": [...], "accuracy": float,
-    "per_class_accuracy": {str(c): float}, "confusion": [[int]]}``: ``confusion[i][j]`` counts the images of class
-    ``classes[i]`` predicted as ``classes[j]`` (scikit-learn's ``confusion_matrix``); the accuracy of class ``c`` is
-    its recall, the share of its images predicted as ``c`` (``classification_report``), given only for classes
-    with images in ``true_labels``.
+    ``classes``: the label values in the matrix's order (default: every value in ``true_labels`` or ``predicted``,
+    sorted); ``confusion[i][j]`` counts the images of class ``classes[i]`` predicted as ``classes[j]``; the accuracy
+    of a class is its recall, given only for classes with images in ``true_labels``.
     """
     from sklearn.metrics import classification_report, confusion_matrix
 

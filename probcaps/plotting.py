@@ -90,10 +90,8 @@ def _show(ax, img: np.ndarray) -> None:
         elif hi <= lo:
             hi = lo + 1.0
         ax.imshow(img, cmap="gray", vmin=lo, vmax=hi, interpolation="nearest")
-    ax.set_xticks([])
-    ax.set_yticks([])
-    for spine in ax.spines.values():
-        spine.set_visible(False)
+    ax.set(xticks=[], yticks=[])
+    ax.spines[:].set_visible(False)
 
 
 def plot_templates(templates: Any, path: str | os.PathLike, alphas: Any = None, ncols: int | None = None,
@@ -192,8 +190,13 @@ def _named_specs(specs: Any, name: str, required: bool) -> Mapping[str, Any]:
     return specs
 
 
-def _draw_curve_panel(ax, panel: Any, where) -> None:
-    """Draw one panel (see :func:`plot_curve_panels`) on ``ax``; ``where(key)`` names a key in errors."""
+def _draw_curve_panel(ax, panel: Any, prefix: str) -> None:
+    """Draw one panel (see :func:`plot_curve_panels`) on ``ax``; errors name its keys after ``prefix``
+    (``panels[i]``; empty for :func:`plot_curves`, whose errors name its arguments)."""
+
+    def where(key: str | None) -> str:
+        return prefix if key is None else f"{prefix}[{key!r}]" if prefix else key
+
     if not isinstance(panel, Mapping):
         raise ValueError(f"{where(None)} must be a dict with keys curves, xlabel, ylabel, ...")
     unknown = sorted(set(panel) - set(_PANEL_KEYS))
@@ -239,12 +242,12 @@ def _draw_curve_panel(ax, panel: Any, where) -> None:
     ax.legend(handles=handles, fontsize=8)  # in the dicts' order, curves then references
 
 
-def _curve_figure(panels: Sequence[Mapping[str, Any]], path: str | os.PathLike, where_of) -> Path:
+def _curve_figure(panels: Sequence[Mapping[str, Any]], path: str | os.PathLike, prefix: str = "panels") -> Path:
     ncols = min(len(panels), 3)
     nrows = math.ceil(len(panels) / ncols)
     fig = _new_figure(6.0 * ncols, 4.0 * nrows)
     for i, panel in enumerate(panels):
-        _draw_curve_panel(fig.add_subplot(nrows, ncols, i + 1), panel, where_of(i))
+        _draw_curve_panel(fig.add_subplot(nrows, ncols, i + 1), panel, prefix and f"{prefix}[{i}]")
     return _save(fig, path)
 
 
@@ -258,11 +261,7 @@ def plot_curve_panels(panels: Sequence[Mapping[str, Any]], path: str | os.PathLi
     :data:`PART_PALETTE` by position, references after the curves)."""
     if isinstance(panels, Mapping) or not isinstance(panels, Sequence) or len(panels) == 0:
         raise ValueError("panels must be a non-empty list of dicts (one per panel)")
-
-    def where_of(i):
-        return lambda key: f"panels[{i}]" if key is None else f"panels[{i}][{key!r}]"
-
-    return _curve_figure(panels, path, where_of)
+    return _curve_figure(panels, path)
 
 
 def plot_curves(curves: Mapping[str, Sequence[Any]], path: str | os.PathLike, xlabel: str, ylabel: str,
@@ -270,7 +269,7 @@ def plot_curves(curves: Mapping[str, Sequence[Any]], path: str | os.PathLike, xl
     """Line plot of ``{name: (x, y)}`` or ``{name: (x, y, yerr)}`` (error bars), one line per name: one panel of
     :func:`plot_curve_panels`, whose errors name this function's arguments (``curves[...]``)."""
     panel = {"curves": curves, "xlabel": xlabel, "ylabel": ylabel, "title": title, "logy": logy}
-    return _curve_figure([panel], path, lambda i: (lambda key: "curves" if key is None else key))
+    return _curve_figure([panel], path, prefix="")
 
 
 def _cells(cells: Any, name: str, shape: tuple[int, int]) -> np.ndarray:
@@ -295,10 +294,7 @@ def _label_axes(ax, xticks: Sequence | None = None, yticks: Sequence | None = No
         ax.set_xticks(range(len(xticks)), [str(s) for s in xticks], fontsize=7)
     if yticks is not None:
         ax.set_yticks(range(len(yticks)), [str(s) for s in yticks], fontsize=7)
-    if xlabel:
-        ax.set_xlabel(xlabel)
-    if ylabel:
-        ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel or "", ylabel=ylabel or "")
     if title:
         ax.set_title(title, fontsize=title_size)
 
@@ -352,7 +348,7 @@ def plot_confusion_matrix(confusion: Any, path: str | os.PathLike, class_labels:
         raise ValueError("confusion must hold non-negative counts")
     C = M.shape[0]
     _check_len(class_labels, C, "class_labels", f"confusion has {C} classes")
-    labels = [str(c) for c in (class_labels if class_labels is not None else range(C))]
+    labels = class_labels if class_labels is not None else range(C)
     rows = M.sum(1, keepdims=True)
     shares = np.divide(M, rows, out=np.zeros_like(M), where=rows > 0)
     side = max(3.5, 0.45 * C + 1.8)
@@ -382,7 +378,7 @@ def plot_objects_by_class(panels: Mapping[str, Any], path: str | os.PathLike, cl
         raise ValueError(f"panels must be non-empty 2-D tables of one shape (objects, classes), got {sorted(shapes)}")
     K, C = shapes.pop()
     _check_len(class_labels, C, "class_labels", f"the tables have {C} columns")
-    labels = [str(c) for c in (class_labels if class_labels is not None else range(C))]
+    labels = class_labels if class_labels is not None else range(C)
     n = len(tables)
     fig = _new_figure(n * max(3.2, 0.3 * C + 1.8), max(3.0, 0.25 * K + 1.4))
     for i, (name, table) in enumerate(tables.items()):
