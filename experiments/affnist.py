@@ -111,8 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--cnn-seeds", type=non_negative_int, nargs="*", default=[0])
     add_run_args(p, name="affnist", out="runs/affnist", out_help="run folder of the CNN baseline")
     args = p.parse_args(argv)
-    tables = table_writer(readme_table, args.name)
-    if setup_run(args, tables):
+    if setup_run(args, tables := table_writer(readme_table, args.name)):
         return 0
     t0 = time.perf_counter()
     progress = not args.quiet

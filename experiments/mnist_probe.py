@@ -26,7 +26,7 @@ from probcaps import plotting
 from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
 from probcaps.io import atomic_torch_save
 from probcaps.provenance import device_description, provenance, write_results
-from probcaps.report import fmt_mean_std, load_result, results_in, results_table, write_table
+from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, results_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
@@ -40,6 +40,15 @@ def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
     if arg is None:
         return ROOT / "checkpoints" / f"{name}.pt"
     return Path(arg) if arg else None
+
+
+def train_run(cfg: dict, out: Path, args, **kw) -> Path:
+    """Train ``cfg`` into the run folder ``out`` (with ``--resume``: from its checkpoint, and not at all once
+    finished); returns its ``final.pt``.  ``kw`` go to :func:`train_capsules`."""
+    if not (args.resume and run_finished(out, cfg["train"].steps)):
+        train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
+                       data_dir=args.data_dir, progress=not args.quiet, **kw)
+    return out / "final.pt"
 
 
 def export_checkpoint(src: Path, dst: Path) -> Path:
@@ -90,8 +99,7 @@ def readme_table(metrics: dict, prov: dict) -> str:
     walls = ", ".join(f"{r['train_wall_time_s'] / 60:.0f}" for r in runs)
     lines.append("")
     lines.append(f"Seeds {seeds}; {runs[0]['steps']} steps of batch {prov.get('batch_size', '?')} each; "
-                 f"training wall time per seed (min): {walls}; device: {prov.get('device', '?')}; "
-                 f"command: `{prov.get('command', '?')}`; commit {prov.get('git_commit', '?')}.")
+                 f"training wall time per seed (min): {walls}; {provenance_line(prov)}")
     return "\n".join(lines)
 
 
@@ -174,12 +182,7 @@ def main(argv=None) -> int:
         flags = [f"train.{key}=true" for key in ("jit", "compile") if getattr(args, key)]
         overrides = [*args.set, f"train.seed={seed}", *flags]
         cfg = load_experiment_config(args.config, overrides)
-        out = Path(args.out) / f"seed{seed}"
-        final = out / "final.pt"
-        if not (args.resume and run_finished(out, cfg["train"].steps)):
-            resume = args.resume and (out / "checkpoint.pt").is_file()
-            train_capsules(cfg, out, resume=resume, device=args.device, data_dir=args.data_dir,
-                           progress=not args.quiet)
+        final = train_run(cfg, Path(args.out) / f"seed{seed}", args)
         if args.train_only:
             continue
         state = load_checkpoint(final)["state"]

@@ -23,7 +23,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from probcaps import plotting
 from probcaps.cli import add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run
-from probcaps.config import load_sections
+from probcaps.config import Section, load_sections
 from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator
 from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb
@@ -45,7 +45,7 @@ from probcaps.inference.train import (TrainConfig, load_checkpoint, load_module_
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
 from probcaps.provenance import device_description, provenance, write_results
-from probcaps.report import fmt_mean_std, results_in, results_table, write_table
+from probcaps.report import fmt_mean_std, provenance_line, results_in, results_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_azimuth.toml"
@@ -54,7 +54,7 @@ LABELS = {"caps": "matrix capsules", "cnn": "CNN"}
 
 
 @dataclass
-class NorbDataConfig:
+class NorbDataConfig(Section):
     dataset: str = "synthetic"     # "synthetic" (rendered, cached under the data root) or "smallnorb" (real files)
     split: str = "azimuth"         # "azimuth" or "elevation"
     seed: int = 0                  # the synthetic set's instances
@@ -70,9 +70,6 @@ class NorbDataConfig:
     train_eval: int = 1200         # training images the report scores each final model on (0: all): does it fit?
     eval_batch: int = 200
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     def validate(self) -> None:
         for key, choices in (("dataset", ("synthetic", "smallnorb")), ("variant", tuple(sorted(VARIANTS))),
                              ("split", ("azimuth", "elevation")), ("train_views", ("familiar", "all"))):
@@ -81,13 +78,10 @@ class NorbDataConfig:
 
 
 @dataclass
-class SpreadConfig:
+class SpreadConfig(Section):
     margin_start: float = 0.2
     margin_end: float = 0.9
     ramp_fraction: float = 0.5     # the margin reaches margin_end after this fraction of the training steps
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 SCHEMA = {"name": str, "data": NorbDataConfig, "caps": MatrixCapsConfig, "cnn": NorbCNNConfig,
@@ -434,8 +428,7 @@ def run_line(m: dict, prov: dict) -> str:
     return (f"Training images {m['n_train']}, evaluation subsets {m['n_familiar_eval']} familiar / "
             f"{m['n_novel_eval']} novel. Seeds {', '.join(str(r['seed']) for r in runs)}; steps capsules/CNN "
             f"{runs[0]['caps_steps']}/{runs[0]['cnn_steps']}; training wall time per seed capsules/CNN (min): "
-            f"{walls}; {prov.get('threads', '?')} thread(s) on a shared machine; device: {prov.get('device', '?')}; "
-            f"command: `{prov.get('command', '?')}`; commit {prov.get('git_commit', '?')}.")
+            f"{walls}; {prov.get('threads', '?')} thread(s) on a shared machine; {provenance_line(prov)}")
 
 
 @results_table("norb_viewpoints")

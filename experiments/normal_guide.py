@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from probcaps.experiments.mnist_probe import (HEADLINE_CHECKPOINT, checkpoint_out_path, export_checkpoint,
-                                             plot_training_curves)
-from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, train_capsules
+                                             plot_training_curves, train_run)
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import test_elbo
-from probcaps.inference.train import TrainConfig, load_checkpoint, run_finished
+from probcaps.inference.train import TrainConfig, load_checkpoint
 from probcaps.cli import (add_run_args, finite_positive_float, setup_run, table_writer, non_negative_int,
                           positive_int, launch, one_line_errors)
 from probcaps.errors import ProbcapsError
@@ -82,8 +82,7 @@ def main(argv=None) -> int:
     add_run_args(p, name="normal_guide", out="runs/normal_guide", out_help="run folder", resume=True,
                  checkpoint_out="export the trained model here (default: checkpoints/<name>.pt; '' for none)")
     args = p.parse_args(argv)
-    tables = table_writer(readme_table, args.name)
-    if setup_run(args, tables):
+    if setup_run(args, tables := table_writer(readme_table, args.name)):
         return 0
     cfg, delta = load_trained(args.checkpoint, device=args.device)
     if delta.guide_spec["family"] != "delta":
@@ -100,11 +99,7 @@ def main(argv=None) -> int:
                                   "checkpoint_every": 100,
                                   # the scales start far from where they end: Adam moves a raw parameter ~lr a step
                                   "lr_multipliers": {"guide.pose_scale_raw": args.scale_lr_multiplier}})
-    out = Path(args.out)
-    final = out / "final.pt"
-    if not (args.resume and run_finished(out, cfg["train"].steps)):
-        train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
-                       data_dir=args.data_dir, progress=not args.quiet, system=system)
+    final = train_run(cfg, Path(args.out), args, system=system)
     _, system = load_trained(final, device=args.device)
     metrics["normal"] = evaluate(system, cfg, train, test, elbo_images, args.elbo_samples, args.device)
     state = load_checkpoint(final)["state"]
@@ -119,7 +114,7 @@ def main(argv=None) -> int:
     results = Path(args.results_dir)
     write_results(results / f"{args.name}.json", metrics, prov)
     tables(results)
-    plot_training_curves({"Normal poses": out / "log.jsonl"}, results / f"{args.name}_training.png")
+    plot_training_curves({"Normal poses": final.parent / "log.jsonl"}, results / f"{args.name}_training.png")
     if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
         export_checkpoint(final, checkpoint_out)
     print(f"test ELBO per image: delta {metrics['delta']['test_elbo_per_image']:.1f}, Normal "

@@ -97,8 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=non_negative_int, default=0)
     add_run_args(p, name="rotated_digits", out=False)
     args = p.parse_args(argv)
-    tables = table_writer(readme_table, args.name)
-    if setup_run(args, tables):
+    if setup_run(args, tables := table_writer(readme_table, args.name)):
         return 0
     if not 0 <= args.example < args.n_images:
         raise ProbcapsError(f"--example {args.example}: must be in [0, --n-images={args.n_images})")

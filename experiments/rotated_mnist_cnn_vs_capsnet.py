@@ -28,7 +28,7 @@ from probcaps import plotting
 from probcaps.cli import (
     add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run, table_writer,
 )
-from probcaps.config import load_sections
+from probcaps.config import Section, load_sections
 from probcaps.data import iterate_batches, load_digits, place_on_canvas, random_offsets, rotate, to_float
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import ConfigError
@@ -48,26 +48,20 @@ MODELS = {"lenet": "LeNet-5", "capsnet": "CapsNet"}
 
 
 @dataclass
-class RotatedData:
+class RotatedData(Section):
     dataset: str = "mnist"        # "mnist" or "synthetic" (tests)
     train_shift: int = 2          # training digits shifted by up to ±2 px (0.0714 x 28)
     train_limit: int = 0
     test_limit: int = 0           # rotated test digits (0: all 10,000)
     angles: list = field(default_factory=lambda: [0, 15, 30, 35, 45, 60, 75, 90, 105, 120, 135, 150, 165, 180])
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass
-class ProbeEval:
+class ProbeEval(Section):
     train_limit: int = 10000      # unrotated training digits the probe is fit on (0: all)
     test_limit: int = 2000        # rotated test digits per angle (0: all)
     batch_size: int = 500
     max_iter: int = 2000
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 SCHEMA = {"name": str, "data": RotatedData, "lenet_train": TrainConfig, "capsnet": CapsNetConfig,

@@ -30,10 +30,11 @@ from probcaps.cli import (
     setup_run, table_writer,
 )
 from probcaps.inference.capsule_svi import (
-    encode_dataset, load_experiment_config, load_images, load_trained, probe_features, train_capsules,
+    encode_dataset, load_experiment_config, load_images, load_trained, probe_features,
 )
 from probcaps.inference.evaluate import posterior_part_counts
-from probcaps.inference.train import load_checkpoint, run_finished
+from probcaps.experiments.mnist_probe import train_run
+from probcaps.inference.train import load_checkpoint
 from probcaps.io import write_json
 from probcaps.metrics import LinearProbe, class_purity
 from probcaps.provenance import provenance, write_results
@@ -134,8 +135,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
     args.out = args.out or str(ROOT / "runs" / args.name)
-    tables = table_writer(readme_table, args.name)
-    if setup_run(args, tables):
+    if setup_run(args, tables := table_writer(readme_table, args.name)):
         return 0
     t0 = time.perf_counter()
     thetas = sorted(args.thetas)
@@ -145,16 +145,10 @@ def main(argv=None) -> int:
             cfg = load_experiment_config(args.config, [*args.set, f"train.seed={seed}", f"data.train_rotation={theta}",
                                                        *(["train.jit=true"] if args.jit else [])])
             out = Path(args.out) / f"theta{theta:g}_seed{seed}"
-            final, metrics_path = out / "final.pt", out / "metrics.json"
-            finished = args.resume and run_finished(out, cfg["train"].steps)
-            if finished and metrics_path.is_file() and metrics_path.stat().st_mtime > final.stat().st_mtime:
-                runs.append(json.loads(metrics_path.read_text()))
+            final, metrics_path = train_run(cfg, out, args), out / "metrics.json"
+            if args.resume and metrics_path.is_file() and metrics_path.stat().st_mtime > final.stat().st_mtime:
+                runs.append(json.loads(metrics_path.read_text()))  # a finished run's metrics, newer than its model
                 continue
-            if not finished:
-                if not args.quiet:
-                    print(f"theta_max {theta:g}, seed {seed}: training")
-                train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(),
-                               device=args.device, data_dir=args.data_dir, progress=not args.quiet)
             metrics = probe_rotated(final, theta, args.data_dir, args.device, progress=not args.quiet)
             state = load_checkpoint(final)["state"]
             metrics.update(seed=seed, steps=state["step"], train_wall_time_s=state["wall_time_s"])

@@ -40,7 +40,7 @@ from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoenc
                                                       estimate_transform, pose_consistency, transform_components)
 from probcaps.provenance import provenance, write_results
 from probcaps.render import warp
-from probcaps.report import fmt_mean_std, load_result, results_in, write_table
+from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams
@@ -468,9 +468,8 @@ def readme_table(results_dir: Path) -> str | None:
                  f"{model_cfg.get('combine', 'sum')!r}, pose-consistency weight {weight}"
                  + (f" (template frame{cap})" if weight else ""))
         footer += [f"{mode}: {ranges}; {setup}; seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} "
-                   f"steps of batch {prov.get('batch_size', '?')}; {runs[0].get('threads')} torch thread(s); device: "
-                   f"{prov.get('device', '?')}; command: `{prov.get('command', '?')}`; commit "
-                   f"{prov.get('git_commit', '?')}.", *tta_note, *_error_note(mode, runs)]
+                   f"steps of batch {prov.get('batch_size', '?')}; {runs[0].get('threads')} torch thread(s); "
+                   f"{provenance_line(prov)}", *tta_note, *_error_note(mode, runs)]
     return "\n".join(lines + [""] + footer)
 
 
