@@ -52,16 +52,14 @@ class CapsuleModelConfig:
     dummy_affinity: float = 0.05   # ρ_0m
     dummy_presence: float = 0.1    # γ_0m
     expected_parents: float = 2.0  # π_k = expected_parents / K: one or two objects per digit
-    # the training loop anneals the prior from expected_parents_start objects per image down to expected_parents over
-    # the first prior_anneal_steps steps (0: no annealing; see ``inference.capsule_svi.prior_schedule``): with many
-    # objects on early, every object gets children to explain and a shape of its own before the prior asks each image
-    # to keep only a few
+    # the prior anneals from expected_parents_start objects per image down to expected_parents over the first
+    # prior_anneal_steps steps (0: none; ``inference.capsule_svi.prior_schedule``): every object gets children to
+    # explain and a shape of its own before the prior asks each image to keep only a few
     expected_parents_start: float = 0.0
     prior_anneal_steps: int = 0
     init_offset_std: float = 0.5   # spread of the initial Δ_km translations
-    # upper bound on the affinities ρ_km (0: unbounded, the default).  Unbounded, a large ρ_km lets an object whose
-    # relaxed presence is sampled near 0 still win its parts from the dummy (ρ_0m = dummy_affinity), so presence
-    # has no absolute effect; bounded, ``log ρ_km = log(max_affinity) − softplus(−raw)``.
+    # upper bound on the affinities ρ_km (0: unbounded): an unbounded ρ_km lets an object whose presence is sampled
+    # near 0 still win its parts from the dummy, so presence has no absolute effect
     max_affinity: float = 0.0
     seed: int = 0                  # parameter initialisation
 
@@ -96,10 +94,9 @@ def select_parent(table: torch.Tensor, s: torch.Tensor, event_dims: int = 0) -> 
 class CapsuleModel(PyroModule):
     """Pyro generative model of Smith et al. 2020, §2: ``model(x)`` with ``x`` ``(B, 1, H, W)`` or ``(B, H, W)``.
 
-    ``footprint``: render each template only over the canvas window it can touch (the default; the same images
-    and gradients as rendering over the whole canvas, ``footprint=False``, see :func:`probcaps.render.render_over`).
-    ``compile``: ``torch.compile`` the whole-canvas compositing where it is used.  Both are plain attributes, not
-    part of the state dict.
+    ``footprint``: render each template only over the canvas window it can touch (the same images and gradients
+    as ``footprint=False``, :func:`probcaps.render.render_over`); ``compile``: ``torch.compile`` the whole-canvas
+    compositing.  Both are plain attributes, not part of the state dict.
     """
 
     def __init__(self, config: CapsuleModelConfig | None = None, *, footprint: bool = True, compile: bool = False):

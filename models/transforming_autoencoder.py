@@ -80,11 +80,8 @@ class TransformingAutoencoderConfig:
 
 
 def _blob_logits(M: int, t: int, gen: torch.Generator) -> torch.Tensor:
-    """``(M, 1, t, t)`` initial template logits: a soft round brush plus noise that breaks the capsules' symmetry.
-
-    A brush gives every pose a gradient from the first step (a pure-noise template barely changes the image when
-    it moves); the noise lets the capsules grow into different parts.
-    """
+    """``(M, 1, t, t)`` initial template logits: a soft round brush (every pose gets a gradient from the first
+    step) plus noise that breaks the capsules' symmetry."""
     r = torch.linspace(-1, 1, t)
     blob = 4.0 * torch.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / (2 * 0.4 ** 2)) - 3.0
     return blob + 0.5 * torch.randn(M, 1, t, t, generator=gen)
@@ -142,13 +139,9 @@ class TransformingAutoencoder(nn.Module):
 
     @torch.no_grad()
     def init_templates_from(self, images: torch.Tensor, scale: float = 1.0, contrast: float = 0.9) -> None:
-        """Start the templates from ``M`` images ``(M, 1, h, w)`` in ``[0, 1]`` (e.g. random training digits).
-
-        Each image is rendered onto the ``t x t`` template at ``scale`` times its own pixel size by the shared warp
-        and squeezed into ``[(1 - contrast)/2, (1 + contrast)/2]`` (the sigmoid's logit stays finite); no noise is
-        added.  A round blob turned inside its ellipse looks the same, so its affine pose is ambiguous; a
-        digit-shaped template has no such symmetry.
-        """
+        """Start the templates from ``M`` images ``(M, 1, h, w)`` in ``[0, 1]`` (e.g. training digits, which unlike a
+        round blob have no rotation symmetry), rendered at ``scale`` times their pixel size and squeezed into
+        ``[(1 - contrast)/2, (1 + contrast)/2]`` (the sigmoid's logit stays finite)."""
         M, t = self.config.num_capsules, self.config.template_size
         if images.dim() != 4 or images.shape[0] != M:
             raise ValueError(f"init_templates_from: expected ({M}, 1, h, w) images, got {tuple(images.shape)}")
@@ -179,12 +172,8 @@ class TransformingAutoencoder(nn.Module):
 
     def recognise_averaged(self, images: torch.Tensor, warps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Recognition averaged over known warps of each image (test-time augmentation): presences ``(B, M)`` and
-        poses ``(B, M, 3, 3)`` from ``images (B, 1, H, W)`` and ``warps (K, 3, 3)``.
-
-        Each image is warped by every ``A_k`` (:func:`probcaps.render.warp`) and recognised; an equivariant
-        capsule would see ``A_k P``, so ``A_k⁻¹`` maps its pose back.  Presences are the mean over the warps, poses
-        the presence-weighted mean: the part of a pose error that does not move with the image averages out.
-        """
+        poses ``(B, M, 3, 3)`` from ``images (B, 1, H, W)`` and ``warps (K, 3, 3)``.  The pose seen in the image
+        warped by ``A_k`` is mapped back by ``A_k⁻¹``; presences are the mean, poses the presence-weighted mean."""
         B, K = images.shape[0], warps.shape[0]
         A = warps.to(images).repeat_interleave(B, 0)                                   # (K·B, 3, 3), warp-major
         presence, poses = self.recognise(warp(images.repeat(K, 1, 1, 1), A, self.config.canvas_size))
@@ -227,12 +216,9 @@ class TransformingAutoencoder(nn.Module):
         return torch.cat([P[..., :2, :], P.new_tensor([0.0, 0.0, 1.0]).expand(*P.shape[:-2], 1, 3)], -2)
 
     def pose_matrix(self, raw: torch.Tensor) -> torch.Tensor:
-        """Recognition outputs ``(..., 2)`` (translation) or ``(..., 6)`` (affine) -> poses ``(..., 3, 3)``.
-
-        Translation: ``(x, y) = max_translation · tanh(raw)``; affine: SCAE's squashing (:func:`constrained_pose`,
-        invertible; the identity at ``raw = 0`` when ``min_scale + max_scale = 2``).  The bounded translation keeps a
-        capsule from parking its template off the canvas with a high presence: to add nothing it must switch off.
-        """
+        """Recognition outputs ``(..., 2)`` (translation: ``max_translation · tanh(raw)``, bounded so that a capsule
+        cannot park its template off the canvas) or ``(..., 6)`` (affine: SCAE's :func:`constrained_pose`) -> poses
+        ``(..., 3, 3)``."""
         cfg = self.config
         if cfg.mode == "translation":
             xy = cfg.max_translation * torch.tanh(raw)
@@ -253,12 +239,9 @@ class TransformingAutoencoder(nn.Module):
     def reconstruction_loss(self, presence: torch.Tensor, poses: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss of capsules ``presence (B, M)`` at ``poses (B, M, 3, 3)`` for ``targets (B, 1, H, W)``.
 
-        ``"sum"``: the MSE of the combined image (the paper's loss).  ``"mixture"``: the negative log-likelihood of
-        a mixture in which capsule ``m`` (weight ``π_m``, the presence) renders the whole image with Gaussian pixel
-        noise ``σ`` (``mixture_pixel_std``), scaled to read as a squared error: ``-(2σ²/D) log Σ_m π_m
-        exp(-SSE_m / 2σ²)`` (``D`` pixels), which tends to the best capsule's error.  A whole-digit template aligned
-        by its pose pins all six numbers of the pose; a sum of overlapping templates can blur into an ellipse,
-        inside which a rotation changes nothing.
+        ``"sum"``: the MSE of the combined image (the paper's loss).  ``"mixture"``: ``-(2σ²/D) log Σ_m π_m
+        exp(-SSE_m / 2σ²)`` (``D`` pixels, ``σ = mixture_pixel_std``), the negative log-likelihood of a mixture in
+        which capsule ``m`` (weight ``π_m``) renders the whole image, scaled to tend to the best capsule's error.
         """
         if self.config.combine != "mixture":
             return F.mse_loss(self.render(presence, poses)[0], targets)
@@ -324,13 +307,11 @@ def pose_consistency(pose1: torch.Tensor, pose2: torch.Tensor, transforms: torch
                      cap: float = 0.0) -> torch.Tensor:
     """How far the poses of two images are from being related by their known transformation: a scalar.
 
-    With ``E_bm = P2_bm⁻¹ T_b P1_bm`` (the identity exactly when the pose moved with the image, ``P2 = T P1``), the
-    value is ``mean_b [Σ_m w_bm (‖E_bm − I‖² + ‖E_bm⁻¹ − I‖²)] / Σ_m w_bm``: the mismatch in each capsule's own
-    template frame, both ways (on the canvas, ``‖P2 − T P1‖²``, a pose shrunk to a point would be a trivial minimum).
-    Not in the paper: with an exactly equivariant renderer the reconstruction loss alone is blind to ``T``.
-    ``pose1, pose2 (B, M, 3, 3)``: the poses of the two images, the second the first transformed by ``transforms
-    (B, 3, 3)``; ``weights (B, M)``: e.g. ``p1 * p2``, detached.  ``cap > 0``: each mismatch ``c`` counts as
-    ``cap · c / (cap + c)``, so a collapsing keypoint triangle (``E⁻¹`` exploding) does not swamp the others.
+    With ``E_bm = P2_bm⁻¹ T_b P1_bm`` (the identity when ``P2 = T P1``), ``mean_b [Σ_m w_bm (‖E_bm − I‖² +
+    ‖E_bm⁻¹ − I‖²)] / Σ_m w_bm``: the mismatch in each capsule's template frame, both ways (on the canvas a pose
+    shrunk to a point would be a trivial minimum).  ``pose1, pose2 (B, M, 3, 3)``, the second image the first
+    transformed by ``transforms (B, 3, 3)``; ``weights (B, M)``, e.g. ``p1 * p2``, detached.  ``cap > 0``: each
+    mismatch ``c`` counts as ``cap · c / (cap + c)``, so a collapsing keypoint triangle does not swamp the others.
     """
     if not cap >= 0:
         raise ValueError(f"pose_consistency: cap must be >= 0, got {cap}")

@@ -32,13 +32,11 @@ USE_SDPA = False
 
 
 def key_bias(key_weights: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """``(B, N)`` presence weights (float in [0, 1] or bool) -> additive logit bias ``(B, 1, 1, N)`` or None.
-
-    ``log(max(w, 1e-6))`` for ``w > 0``; ``finfo(dtype).min`` (exact masking) for ``w == 0``."""
+    """``(B, N)`` presence weights (float in [0, 1] or bool) -> the additive logit bias ``(B, 1, 1, N)`` of the
+    module docstring, or None."""
     if key_weights is None:
         return None
     w = key_weights.to(dtype)
-    # exact zeros: the most negative finite value (not -inf, so fully masked rows stay finite)
     return torch.log(w.clamp_min(MIN_KEY_WEIGHT)).masked_fill(w <= 0, torch.finfo(dtype).min)[:, None, None, :]
 
 
