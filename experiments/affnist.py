@@ -5,10 +5,9 @@ it on the affNIST-recipe stand-in (Tieleman 2013) generated from the 10,000 MNIS
     python experiments/affnist.py --ttvi-limit 1000                 # also: probe after test-time VI on 1000 images
     python experiments/affnist.py --affnist-mat test.mat            # the real affNIST file, for users who have it
 
-Reported as "affNIST-recipe", never as affNIST: the real set cannot be fetched on the machines this was run on.
-For scale, a supervised CNN (``models.cnn_classifier.ConvClassifier``) is trained on the same MNIST placement
-(40×40, ±6 px) and scored on the same images.  Writes ``results/affnist.json`` and ``results/affnist_examples.png``
-(affNIST-recipe inputs and the model's reconstructions).
+Reported as "affNIST-recipe", never as affNIST (the real set could not be fetched here).  For scale, a supervised
+CNN (``models.cnn_classifier.ConvClassifier``) is trained on the same MNIST placement (40×40, ±6 px).  Writes
+``results/<name>.json`` and ``<name>_examples.png`` (affNIST-recipe inputs and the model's reconstructions).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affn
 from probcaps.cli import add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors
 from probcaps.errors import ProbcapsError
 from probcaps.experiments.mnist_probe import HEADLINE_CHECKPOINT
+from probcaps.experiments.rotated_digits import reconstruct
 from probcaps.metrics import LinearProbe
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line
@@ -133,12 +133,10 @@ def main(argv=None) -> int:
              for name, imgs in (("train", train_images), ("mnist", mnist_images), ("ood", ood_images))}
     metrics: dict = {"ood_name": ood_name, "recipe": AFFNIST_RECIPE, "recipe_seed": args.recipe_seed,
                      "n_probe_train": len(train_images), "n_ood": len(ood_images)}
-    probes = {}
-    for key in FEATURES:
-        probes[key] = LinearProbe(C=cfg["eval"].probe_C, max_iter=cfg["eval"].probe_max_iter).fit(
-            feats["train"][key], train_labels)
-        metrics[f"mnist_probe_{key}_acc"] = probes[key].accuracy(feats["mnist"][key], mnist_labels)
-        metrics[f"ood_probe_{key}_acc"] = probes[key].accuracy(feats["ood"][key], ood_labels)
+    probes = {key: LinearProbe(C=cfg["eval"].probe_C, max_iter=cfg["eval"].probe_max_iter).fit(
+        feats["train"][key], train_labels) for key in FEATURES}
+    metrics.update({f"{split}_probe_{key}_acc": probes[key].accuracy(feats[split][key], labels) for key in FEATURES
+                    for split, labels in (("mnist", mnist_labels), ("ood", ood_labels))})
     if args.ttvi_limit:
         n = min(args.ttvi_limit, len(ood_images))
         res = ttvi_batches(system.model, system.guide, ood_images[:n], steps=args.ttvi_steps, device=args.device,
@@ -147,18 +145,15 @@ def main(argv=None) -> int:
                     "reencoded": probe_features(reencode_parents(enc, res.latents, device=args.device))}
         t = metrics["ttvi"] = {"n_images": n, "steps": args.ttvi_steps, "wall_time_s": res.wall_time_s,
                                "elbo_encoder": float(res.elbo_start.mean()), "elbo_ttvi": float(res.elbo_end.mean())}
-        for key in FEATURES:
-            for reading, f in readings.items():
-                t[f"{reading}_probe_{key}_acc"] = probes[key].accuracy(f[key], ood_labels[:n])
+        t.update({f"{reading}_probe_{key}_acc": probes[key].accuracy(f[key], ood_labels[:n]) for key in FEATURES
+                  for reading, f in readings.items()})
     metrics["cnn"] = cnn_baseline(train_images, train_labels,
                                   {"mnist": (mnist_images, mnist_labels), "ood": (ood_images, ood_labels)},
                                   args.cnn_steps, args.cnn_seeds, Path(args.out), args.device, progress) \
         if args.cnn_seeds and args.cnn_steps > 0 else []
     results = Path(args.results_dir)
-    with torch.no_grad():
-        x = ood_images[:8].float().div(255).unsqueeze(1).to(args.device)
-        lat = enc.encode(x)
-        recon, _ = system.model.render(torch.sigmoid(lat.part_logits), lat.part_poses)
+    x = ood_images[:8].float().div(255).unsqueeze(1).to(args.device)
+    recon = reconstruct(system.model, system.encoder.encode(x))
     plotting.plot_image_grid(torch.stack([x[:, 0].cpu(), recon[:, 0].cpu()]), results / f"{args.name}_examples.png",
                              row_labels=[ood_name, "reconstruction"], title=f"{ood_name}: inputs and the "
                              f"model's reconstructions (encoder only)")

@@ -5,11 +5,9 @@ probes and k-means accuracy (paper §5, Table 1; SCAE's anchors).
     python experiments/mnist_probe.py --seeds 0 --resume               # continue interrupted runs
     python experiments/mnist_probe.py --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
-With the config's ``name`` (``mnist`` for configs/mnist.toml; ``--name`` to run it under another), writes
-``results/<name>_seed<S>.json`` per seed, ``results/<name>.json`` (per-seed metrics, mean and std), the figures of
-the first seed, and ``checkpoints/<name>.pt`` (the first seed's final model, without optimiser state) so the
-result can be evaluated without training: ``probcaps evaluate --checkpoint checkpoints/mnist.pt``.  Runs go to
-``runs/<name>/seed<S>``.
+Writes ``results/<name>_seed<S>.json`` per seed, ``results/<name>.json`` (per-seed metrics, mean and std), the first
+seed's figures and its final model without optimiser state, ``checkpoints/<name>.pt`` (for ``probcaps evaluate``);
+``name`` is the config's (``mnist`` for configs/mnist.toml) unless ``--name``.  Runs go to ``runs/<name>/seed<S>``.
 """
 
 from __future__ import annotations

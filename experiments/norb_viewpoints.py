@@ -6,12 +6,10 @@ viewpoints (Hinton, Sabour & Frosst 2018, section 5.1).
     python experiments/norb_viewpoints.py --config experiments/configs/norb_elevation.toml --seeds 0 1 2
     python experiments/norb_viewpoints.py --seeds 0 --set data.dataset="smallnorb" --name norb_azimuth_smallnorb
 
-Protocol (the paper's matched comparison): both models train on the training instances at the familiar
-viewpoints only (azimuths {300, .., 40} or the 3 lowest elevations); every ``train.checkpoint_every`` steps each is
-evaluated on fixed subsets of the test instances at familiar and at novel viewpoints (``eval.jsonl`` in its run
-folder).  Per seed, the target is the lower of the two models' best familiar accuracies; each model is read at
-the first evaluation where its familiar accuracy reaches the target, and the novel-viewpoint accuracies there
-are compared.  Writes ``results/<name>.json`` and the figures ``results/<name>_*.png`` (``name`` from the config
+Protocol: both models train on the training instances at the familiar viewpoints only (azimuths {300, .., 40} or
+the 3 lowest elevations), are evaluated every ``train.checkpoint_every`` steps on fixed test subsets at familiar and
+at novel viewpoints (``eval.jsonl`` in the run folder), and are compared at matched familiar accuracy
+(:func:`matched_comparison`).  Writes ``results/<name>.json`` and ``results/<name>_*.png`` (``name`` from the config
 unless ``--name``); runs go to ``runs/<name>/seed<S>/<model>`` unless ``--out``.
 """
 

@@ -6,10 +6,9 @@ from, on the same test images.
     python experiments/normal_guide.py --resume                          # continue an interrupted run
     probcaps ttvi --checkpoint checkpoints/normal_guide.pt --pose-family normal   # test-time VI with it
 
-Writes ``results/normal_guide.json`` (test ELBO of both, probe accuracies of both, the learned pose scales),
-``results/normal_guide_training.png`` and the trained model to ``checkpoints/normal_guide.pt``.  The delta model's
-"ELBO" gives its poses point masses (``log q = 0``): it is the MAP objective, not a bound on ``log p(x)``; the Normal
-guide's is a proper bound, so it pays the entropy of its pose posteriors.
+Writes ``results/<name>.json`` (test ELBO and probe accuracies of both, the learned pose scales),
+``<name>_training.png`` and the trained model, ``checkpoints/<name>.pt``.  The delta model's "ELBO" gives its poses
+point masses (``log q = 0``): the MAP objective, not a bound on ``log p(x)`` as the Normal guide's is.
 """
 
 from __future__ import annotations
@@ -39,11 +38,9 @@ def evaluate(system, cfg: dict, train, test, elbo_images: torch.Tensor, elbo_sam
     elbo = sum(test_elbo(system, elbo_images, device=device) for _ in range(elbo_samples)) / elbo_samples
     out = {"test_elbo_per_image": float(elbo)}
     ecfg = cfg["eval"]
-    tr = probe_features(encode_dataset(system.encoder, train[0], ecfg.batch_size, device))
-    te = probe_features(encode_dataset(system.encoder, test[0], ecfg.batch_size, device))
-    for key in tr:
-        probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(tr[key], train[1])
-        out[f"probe_{key}_test_acc"] = probe.accuracy(te[key], test[1])
+    tr, te = (probe_features(encode_dataset(system.encoder, x, ecfg.batch_size, device)) for x, _ in (train, test))
+    out.update({f"probe_{key}_test_acc": LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(
+        tr[key], train[1]).accuracy(te[key], test[1]) for key in tr})
     return out
 
 

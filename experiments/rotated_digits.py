@@ -5,10 +5,9 @@
     python experiments/rotated_digits.py --n-images 20 --steps 50           # quicker
     probcaps ttvi --checkpoint checkpoints/mnist_probe.pt --rotate 90       # the same optimisation as a command
 
-For each angle: the ELBO per image (the same fixed noise before and after, ``inference.ttvi.per_image_elbo``) and
-the reconstruction error per pixel, from the encoder's latents and after test-time VI.  Writes
-``results/<name>.json``, ``<name>_elbo.png``, ``<name>_mse.png`` and ``<name>_example.png`` (one digit across the
-angles: input, encoder and test-time VI reconstructions).
+Per angle, from the encoder's latents and after test-time VI: the ELBO per image (the same fixed noise before and
+after, ``inference.ttvi.per_image_elbo``) and the reconstruction error per pixel.  Writes ``results/<name>.json``,
+``<name>_elbo.png``, ``<name>_mse.png`` and ``<name>_example.png`` (one digit across the angles).
 """
 
 from __future__ import annotations
@@ -26,15 +25,13 @@ from probcaps.cli import (
 )
 from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
+from probcaps.experiments.mnist_probe import HEADLINE_CHECKPOINT
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import reconstruction_error
 from probcaps.inference.guides import Latents
 from probcaps.inference.ttvi import ttvi_batches
 from probcaps.provenance import provenance, write_results
 from probcaps.report import provenance_line, results_table
-
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "mnist_probe.pt"
-
 
 @torch.no_grad()
 def reconstruct(model, latents: Latents) -> torch.Tensor:
@@ -85,7 +82,7 @@ def readme_table(m: dict, prov: dict) -> str:
 @one_line_errors("rotated_digits")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT))
     p.add_argument("--angles", type=finite_float, nargs="+", default=[float(a) for a in range(0, 181, 15)])
     p.add_argument("--n-images", type=positive_int, default=100,
                    help="test digits per angle (the first N of the test set)")

@@ -1,15 +1,14 @@
 """Rotated MNIST: LeNet-5 vs CapsNet vs the probabilistic capsule model's probe.
 
-LeNet-5 and a (reduced) CapsNet are trained on MNIST digits shifted by up to ±2 px (the numpy reproduction's
-``RandomAffine(translate=0.0714)``) and tested on the test digits rotated by each angle (0° to 180°).  With
-``--probcaps-checkpoint`` the probabilistic capsule model is scored on the same digits by a linear probe.
+LeNet-5 and a (reduced) CapsNet train on MNIST digits shifted by up to ±2 px (the numpy reproduction's
+``RandomAffine(translate=0.0714)``) and are tested on the test digits rotated by each angle (0° to 180°); with
+``--probcaps-checkpoint``, so is the probabilistic capsule model's linear probe.
 
     python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --probcaps-checkpoint checkpoints/mnist_probe.pt
     python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --set data.dataset="synthetic" \\
         --set lenet_train.steps=5 --set capsnet_train.steps=5          # smoke test
 
-Writes ``results/<name>.json`` (accuracy per angle and model, per seed, mean and std), ``<name>_accuracy.png``
-(accuracy against angle) and ``<name>_examples.png``.
+Writes ``results/<name>.json`` (accuracy per angle, model and seed), ``<name>_accuracy.png`` and ``<name>_examples.png``.
 """
 
 from __future__ import annotations

@@ -420,16 +420,15 @@ def readme_table(results_dir: Path) -> str | None:
     """Ours (mean ± std over seeds) against the numpy reproduction's numbers, built only from the shipped recipes'
     results, ``results/transforming_autoencoder_<mode>.json`` (and ``..._<mode>_tta.json``, the same models
     re-scored with ``eval.test_time_warps > 0``, when present)."""
-    results_dir = Path(results_dir)
-    loaded = {m: json.loads(p.read_text()) for m in MODES if (p := results_dir / f"{NAME}_{m}.json").is_file()}
+    loaded = {mode: r for mode in MODES if (r := load_result(results_dir, f"{NAME}_{mode}"))}
     if not loaded:
         return None
-    n_seeds = max(len(d["metrics"]["per_seed"]) for d in loaded.values())
+    n_seeds = max(len(metrics["per_seed"]) for metrics, _ in loaded.values())
     lines = [f"| mode | metric (held-out MNIST-test pairs) | ours: mean ± std over {n_seeds} seeds | target | "
              "numpy reproduction (28×28) |", "| --- | --- | --- | --- | --- |"]
     footer = []
-    for mode, data in loaded.items():
-        runs, prov = data["metrics"]["per_seed"], data["provenance"]
+    for mode, (metrics, prov) in loaded.items():
+        runs = metrics["per_seed"]
         rng = prov.get("configs", {}).get("range", {})
         r2_target = "≥ 0.95" if mode == "translation" else "≥ 0.9"
         rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target, NUMPY_REFERENCE.get(f"r2_{c}", "—"))
