@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.config import range_of
+from probcaps.config import _check
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.io import (INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, atomic_torch_save, read_jsonl,
                          truncate_log)
@@ -67,16 +67,8 @@ class TrainConfig:
         """Refuse values the loop cannot honour by the config range rules (:data:`probcaps.config.RULES`), in one
         line naming the key (``train.steps: must be >= 1, got 0``)."""
         for f in fields(self):
-            if f.type == "bool":
-                continue
-            value = getattr(self, f.name)
-            named = {f"{f.name}.{k}": v for k, v in value.items()} if f.type == "dict" else {f.name: value}
-            for key, v in named.items():
-                if not isinstance(v, int if f.type == "int" else (int, float)) or isinstance(v, bool):
-                    raise ConfigError(f"train.{key}: expected {'an integer' if f.type == 'int' else 'a number'}, "
-                                      f"got {v!r}")
-                if problem := range_of(f).problem(v):
-                    raise ConfigError(f"train.{key}: {problem}")
+            _check(f, getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default,
+                   f"train.{f.name}")
         return self
 
     def to_dict(self) -> dict:
