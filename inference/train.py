@@ -279,24 +279,21 @@ def train_loop(module: nn.Module, loss_fn: Callable[..., torch.Tensor | tuple[to
 
     Args:
         module: holds every trainable parameter (e.g. ``nn.ModuleDict(model=..., guide=...)``).
-        loss_fn: ``batch -> scalar loss`` (mean over the batch, so the learning rate does not depend on it), or
-            ``batch -> (loss, {name: float})`` whose extra terms are logged (window means) beside the loss; with
-            ``schedules``, called as ``loss_fn(batch, **{name: schedule(step)})``.
+        loss_fn: ``batch -> scalar loss`` (a mean over the batch), or ``batch -> (loss, {name: float})`` whose
+            terms are logged (window means) beside the loss; called as ``loss_fn(batch, **{name: schedule(step)})``.
         batches: ``(epoch, start_batch) -> iterator of batches`` (a tensor, or a tuple/list of tensors, batch
-            first), deterministic in its arguments; under ``torch.distributed`` every process iterates the same
-            global batches and takes its contiguous share of each.
+            first), deterministic in its arguments; under ``torch.distributed`` each process takes its contiguous
+            share of every global batch.
         out_dir: receives ``checkpoint.pt`` (latest, periodic), ``final.pt``, ``log.jsonl`` and ``.lock``.
-        resume: continue exactly from ``out_dir/checkpoint.pt``, with the config's learning rate and schedule from
-            the resumed step on (a change is printed and logged).
-        force: start over in a folder holding a run (its checkpoints, log and TensorBoard events are deleted);
-            without it or ``resume`` such a folder is refused.
+        resume: continue exactly from ``out_dir/checkpoint.pt``, with this config's learning rate and schedule
+            from the resumed step on (a change is printed and logged).
+        force: start over in a folder holding a run (deleting its checkpoints, log and TensorBoard events); without
+            it or ``resume`` such a folder is refused.
         metadata: stored in every checkpoint (configs, so a checkpoint can rebuild its model).
-        on_checkpoint: called (on rank 0) with the state at every ``cfg.checkpoint_every`` steps and at the end,
-            once per step across interruptions and resumes; not at the off-schedule checkpoint of a Ctrl-C.
-        schedules: ``{name: step -> float}``, evaluated at the 0-based index of each step and passed to
-            ``loss_fn`` as keyword arguments; each record of ``log.jsonl`` holds the values of its last step.
-        tensorboard: mirror the log to ``out_dir/tensorboard`` (needs the ``tensorboard`` package); the writer is
-            ``state.summary_writer`` for ``on_checkpoint``.
+        on_checkpoint: called (on rank 0) with the state every ``cfg.checkpoint_every`` steps and at the end, once
+            per step across interruptions and resumes (not at the off-schedule checkpoint of a Ctrl-C).
+        schedules: ``{name: step -> float}`` of each 0-based step, passed to ``loss_fn``; logged at each record.
+        tensorboard: mirror the log to ``out_dir/tensorboard``; the writer is ``state.summary_writer``.
 
     Raises:
         KeyboardInterrupt: Ctrl-C (``Terminated`` for SIGTERM), after writing a checkpoint of the step boundary.

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from probcaps.models.routing import _compute_dtype, _peak
 
 __all__ = ["EMConfig", "em_routing", "em_routing_conv", "votes_cache", "conv_votes_cache", "VoteCache",
-           "log_softmax_parents", "weighted_moments", "pose_transform_matrix"]
+           "log_softmax_parents", "pose_transform_matrix"]
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -153,11 +153,6 @@ class _WeightedMoments(torch.autograd.Function):
         return (dwn, None, *cache.backward(dV))
 
 
-def weighted_moments(wn: torch.Tensor, cache: VoteCache) -> torch.Tensor:
-    """``(N, J, I)`` normalised weights -> ``(N, J, 2H)``: weighted means of the centred votes and their squares."""
-    return _WeightedMoments.apply(wn, cache, *cache.sources)
-
-
 def log_softmax_parents(logits: torch.Tensor) -> torch.Tensor:
     """``log R``: normalise ``(N, J, I)`` logits over the ``J`` parents of each input (no shared inputs)."""
     return torch.log_softmax(logits, dim=1)
@@ -223,8 +218,8 @@ def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_
                                      cfg.standardise_cost, log_scale2)
             log_R = normalise(_log_gaussian(cache, mu, var, log_scale2) + log_a[..., None])
     # the last M-step carries the gradient (the assignments log_R are constants here)
-    mu, var, log_a = _m_step(log_R + log_a_in[:, None, :], lambda wn: weighted_moments(wn, cache), bv, ba,
-                             cfg.inverse_temperature, var_floor, cfg.standardise_cost, log_scale2)
+    mu, var, log_a = _m_step(log_R + log_a_in[:, None, :], lambda wn: _WeightedMoments.apply(wn, cache, *cache.sources),
+                             bv, ba, cfg.inverse_temperature, var_floor, cfg.standardise_cost, log_scale2)
     return mu + cache.center, var, log_a, log_R
 
 
