@@ -19,17 +19,19 @@ from pathlib import Path
 from probcaps.inference.capsule_svi import (REMOVED_AFTER, REMOVED_OPTIONS, SCHEMA, load_experiment_config,
                                             train_capsules)
 from probcaps.inference.evaluate import evaluate_checkpoint
-from probcaps.inference.train import load_checkpoint, run_finished
+from probcaps.inference.train import load_checkpoint, read_jsonl, run_finished
 from probcaps import plotting
 from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
 from probcaps.io import atomic_torch_save
-from probcaps.provenance import device_description, provenance, write_results
+from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, results_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
 HEADLINE = "mnist_probe"  # the package's first full run, which the ablations changed one key at a time
 HEADLINE_CHECKPOINT = ROOT / "checkpoints" / f"{HEADLINE}.pt"  # where the other MNIST experiments start from
+#: the feature sets of the linear probes (keys of ``probcaps.inference.capsule_svi.probe_features``)
+FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 
 
 def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
@@ -59,9 +61,8 @@ def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
     """Negative ELBO per image against step, one line per run (from the runs' ``log.jsonl``)."""
     curves = {}
     for label, log in logs.items():
-        if log.is_file():
-            # last record per step wins: a run resumed by an older version appended after its stale records
-            by_step = {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, log.read_text().splitlines()))}
+        # last record per step wins: a run resumed by an older version appended after its stale records
+        if by_step := {r["step"]: r["loss"] for r in read_jsonl(log)}:
             curves[label] = (sorted(by_step), [by_step[s] for s in sorted(by_step)])
     if curves:
         plotting.plot_curves(curves, path, xlabel="step", ylabel="negative ELBO per image (nats)",
@@ -202,7 +203,6 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                       wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
                       configs=config_dicts(cfg))
-    prov["device"] = device_description(args.device)
     write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
     write_tables(Path(args.results_dir), args.name)
     plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},

@@ -42,7 +42,7 @@ from probcaps.inference.train import (TrainConfig, load_checkpoint, load_module_
                                       train_loop, truncate_log)
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
-from probcaps.provenance import device_description, provenance, write_results
+from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, provenance_line, results_in, results_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -373,7 +373,6 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.seeds, steps={k: runs[0][f"{k}_steps"] for k in MODELS}, device=args.device,
                       wall_time_s=sum(r[f"{k}_train_wall_time_s"] for r in runs for k in MODELS), threads=args.threads,
                       configs=config_dicts(cfg), report_wall_time_s=time.perf_counter() - t0)
-    prov["device"] = device_description(args.device)
     write_results(results / f"{name}.json", summary, prov)
     write_tables(results, name)
     if args.no_figures:

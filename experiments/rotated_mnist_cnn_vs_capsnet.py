@@ -8,7 +8,7 @@ LeNet-5 and a (reduced) CapsNet train on MNIST digits shifted by up to ±2 px (t
     python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --set data.dataset="synthetic" \\
         --set lenet_train.steps=5 --set capsnet_train.steps=5          # smoke test
 
-Writes ``results/<name>.json`` (accuracy per angle, model and seed), ``<name>_accuracy.png`` and ``<name>_examples.png``.
+Writes ``results/<name>.json`` (accuracy per angle, model and seed), ``<name>_accuracy.png``, ``<name>_examples.png``.
 """
 
 from __future__ import annotations

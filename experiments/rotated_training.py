@@ -31,7 +31,7 @@ from probcaps.inference.capsule_svi import (
     encode_dataset, load_experiment_config, load_images, load_trained, probe_features,
 )
 from probcaps.inference.evaluate import posterior_part_counts
-from probcaps.experiments.mnist_probe import train_run
+from probcaps.experiments.mnist_probe import FEATURES, train_run
 from probcaps.inference.train import load_checkpoint
 from probcaps.io import write_json
 from probcaps.metrics import LinearProbe, class_purity
@@ -40,7 +40,6 @@ from probcaps.report import fmt_mean_std, provenance_line, results_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "rotated_training.toml"
-FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 
 
 def probe_rotated(checkpoint: Path, theta_max: float, data_dir=None, device: str = "cpu",
