@@ -48,7 +48,7 @@ PAPER_SET_ACC = 0.95
 
 @dataclass
 class MultiMNISTData(DigitCanvas):
-    dataset: str = "mnist"        # "mnist" or "synthetic" (tests, smoke runs)
+    dataset: str = "mnist"
     canvas_size: int = 36
     max_shift: int = 4
     min_iou: float = 0.8

@@ -33,8 +33,8 @@ from probcaps.inference.ttvi import (FreeFormGuide, fit_guide, frozen_and_seeded
                                      ttvi_batches)
 from probcaps import plotting
 from probcaps.data import rotate, to_float
-from probcaps.cli import (add_run_args, setup_run, table_writer, finite_float, finite_positive_float,
-                          non_negative_int, positive_int, launch, one_line_errors)
+from probcaps.cli import (add_run_args, add_ttvi_args, setup_run, table_writer, finite_float, non_negative_int,
+                          positive_int, launch, one_line_errors)
 from probcaps.experiments.mnist_probe import HEADLINE_CHECKPOINT, results_table
 from probcaps.metrics import LinearProbe
 from probcaps.provenance import provenance, write_results
@@ -172,9 +172,7 @@ def main(argv=None) -> int:
     p.add_argument("--probe-train-limit", type=non_negative_int, default=None,
                    help="fit the probe on the first N training images (default: the checkpoint's eval config)")
     p.add_argument("--rotate", type=finite_float, default=0.0, help="rotate the test digits by this many degrees")
-    p.add_argument("--steps", type=positive_int, default=200)
-    p.add_argument("--lr", type=finite_positive_float, default=0.03)
-    p.add_argument("--batch-size", type=positive_int, default=250)
+    add_ttvi_args(p, pose_family=False)
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--n-train-ttvi", type=non_negative_int, default=500,
                    help="the fair protocol: test-time VI on the first N training images too, probes refit on them "

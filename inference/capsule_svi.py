@@ -1,7 +1,5 @@
-"""Train, load and evaluate the generative capsule model from an experiment config.
-
-This is what the ``probcaps train`` / ``probcaps evaluate`` commands and the experiment scripts call.
-"""
+"""Train, load and encode with the generative capsule model of an experiment config (``probcaps train`` /
+``probcaps evaluate`` and the experiment scripts)."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ def load_experiment_config(path: str | Path | None, overrides: list[str] = ()) -
 
 def load_images(data: DataConfig, split: str, data_dir=None, limit: int | None = None):
     """``(images uint8 (N, H, W), labels (N,))`` of a split, placed on the canvas as ``data`` says."""
-    limit = limit if limit is not None else (data.train_limit if split == "train" else data.test_limit)
-    limit = limit or None
+    limit = (limit if limit is not None else data.train_limit if split == "train" else data.test_limit) or None
     if data.dataset == "synthetic":
         n = limit or (2048 if split == "train" else 512)
         digits, labels = synthetic_digits(n, seed=data.seed + (0 if split == "train" else 1))
@@ -82,7 +79,7 @@ class CapsuleSystem(nn.Module):
     def __init__(self, model_cfg: CapsuleModelConfig, encoder_cfg: EncoderConfig, guide: dict | None = None,
                  compile: bool = False):
         super().__init__()
-        # compile (train.compile): the model's compositing and the part CNN through torch.compile; not state
+        # compile (train.compile): the model's compositing and the part CNN through torch.compile
         self.model = CapsuleModel(model_cfg, compile=compile)
         self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg, compile=compile)
         self.guide = DeltaGuide(self.encoder, model_cfg.temperature)
@@ -145,10 +142,9 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
     rotation = cfg["data"].train_rotation or None
 
     def batches(epoch: int, start: int):
-        for x, _ in iterate_batches(images, labels, tcfg.batch_size, shuffle=True, seed=tcfg.seed, epoch=epoch,
-                                    start_batch=start, drop_last=len(images) >= tcfg.batch_size, device=device,
-                                    rotation=rotation):
-            yield x
+        return (x for x, _ in iterate_batches(images, labels, tcfg.batch_size, shuffle=True, seed=tcfg.seed,
+                                              epoch=epoch, start_batch=start, drop_last=len(images) >= tcfg.batch_size,
+                                              device=device, rotation=rotation))
 
     metadata = {"name": cfg["name"], "configs": {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
                 "kind": "capsule_model", "guide": system.guide_spec}

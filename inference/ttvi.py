@@ -1,11 +1,9 @@
 """Free-form test-time variational inference (Smith et al. 2020, §2.4).
 
-Each image gets its own variational parameters, initialised at the amortised encoder's output and then optimised on
-the same enumerated ELBO (``s`` summed out) with the generative model frozen: part presence logits ``(B, M)`` and
-pose locations ``(B, M, 6)``, parent presence logits ``(B, K)`` and pose locations ``(B, K, 6)``, and for
-``pose_family="normal"`` per-image pose scales ``(B, M, 6)``, ``(B, K, 6)``, each ``min_scale + softplus(raw)``.
-It repairs amortisation failures, e.g. on rotated digits the encoder never saw.  The free-form guide is mean-field
-across layers: the encoder's parent path is used once, at initialisation.
+Each image gets its own variational parameters (:class:`FreeFormGuide`), initialised at the amortised encoder's
+output and optimised on the same enumerated ELBO (``s`` summed out) with the generative model frozen.  It repairs
+amortisation failures, e.g. on rotated digits the encoder never saw.  The guide is mean-field across layers: the
+encoder's parent path is used once, at initialisation.
 
     result = run_ttvi(system.model, system.guide, x, steps=200)           # x (B, 1, H, W) floats in [0, 1]
     result.latents.parent_logits                                           # features for the probes
@@ -69,7 +67,10 @@ class TTVIResult:
 
 
 class FreeFormGuide(nn.Module):
-    """A guide with its own variational parameters for each of ``B`` images (free-form, not amortised).
+    """A guide with its own variational parameters for each of ``B`` images (free-form, not amortised): part presence
+    logits ``(B, M)`` and pose locations ``(B, M, 6)``, parent presence logits ``(B, K)`` and pose locations
+    ``(B, K, 6)``, and for ``pose_family="normal"`` pose scales ``(B, M, 6)``, ``(B, K, 6)``, each
+    ``min_scale + softplus(raw)``.
 
     Sites and plates match :class:`CapsuleModel` (``data`` at dim -2, ``children`` / ``parents`` at dim -1).  A plain
     ``nn.Module`` rather than a ``PyroModule``: under Pyro's global parameter store a ``PyroModule`` would register
@@ -216,22 +217,21 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
     """Free-form test-time VI on a batch of images, all at once.
 
     Args:
-        model: a :class:`CapsuleModel`; its parameters are frozen (``requires_grad`` off) during the run and
-            restored afterwards; their values are never changed.  So are the guide's.
+        model: a :class:`CapsuleModel`; its parameters and the guide's are frozen during the run, never changed.
         guide: a :class:`DeltaGuide` (or :class:`NormalPoseGuide`) whose ``encoder`` gives the initialisation:
             ``encoder.encode(x)`` (part presences at ``sigmoid(logits)`` when encoding the parents).
         x: images ``(B, 1, H, W)`` or ``(B, H, W)``, floats in ``[0, 1]``, on the model's device.
         steps: Adam steps on ``TraceEnum_ELBO(max_plate_nesting=2)`` (one sample per step; the loss is summed over
             the batch, so each image's parameters get their own image's gradient).
-        lr: Adam learning rate (0.03: on a 600-step MNIST checkpoint and 8 test digits, 40 steps raised the
-            ELBO more with 0.03 than with 0.01 or 0.1, upright and rotated by 90 degrees).
+        lr: Adam learning rate (0.03: on a 600-step MNIST checkpoint, 40 steps on 8 test digits, upright and
+            rotated by 90 degrees, raised the ELBO more than 0.01 or 0.1).
         progress: show a tqdm bar.
         pose_family: ``"delta"`` (MAP poses) or ``"normal"`` (per-image Normal poses).
         init_scale, min_scale: ``"normal"`` only: starting scale (default: a :class:`NormalPoseGuide`'s own
             scales, otherwise 0.02) and floor (default: the guide's, otherwise 1e-3).
         elbo_samples, elbo_seed: the fixed-noise estimate of ``elbo_start`` / ``elbo_end`` (see :func:`per_image_elbo`).
-        seed: if given, the optimisation's samples come from the torch RNG seeded with it, inside ``fork_rng`` (the
-            caller's RNG state is left as it was); otherwise they come from the global RNG.
+        seed: if given, the optimisation's samples come from the torch RNG seeded with it (:func:`frozen_and_seeded`);
+            otherwise from the global RNG.
 
     Raises:
         TrainingDiverged: the loss became non-finite (the model is restored before raising).

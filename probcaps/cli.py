@@ -199,6 +199,15 @@ def add_run_args(p: argparse.ArgumentParser, *, name: str | bool | None = None, 
     add_common_args(p, results_dir=REPO / "results", threads=threads)
 
 
+def add_ttvi_args(p: argparse.ArgumentParser, pose_family: bool = True) -> None:
+    """The test-time VI options: ``--steps``, ``--lr``, ``--batch-size`` (and ``--pose-family``)."""
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--lr", type=finite_positive_float, default=0.03)
+    p.add_argument("--batch-size", type=positive_int, default=250, help="images optimised together")
+    if pose_family:
+        p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
+
+
 def table_writer(readme_table, name: str):
     """``results_dir -> write_table(results_dir, name, readme_table(results_dir, name))``: an experiment's README
     table file (None while there are no results)."""
@@ -210,7 +219,7 @@ def table_writer(readme_table, name: str):
 def setup_run(args, write_tables) -> bool:
     """With ``--tables-only``: ``write_tables(results_dir)`` (the table file or files it wrote, None for none), print
     each, True (the experiment stops there).  Otherwise set torch's CPU threads from ``--threads``; False."""
-    if args.tables_only:
+    if getattr(args, "tables_only", False):
         written = write_tables(Path(args.results_dir))
         written = written if isinstance(written, list) else [written]
         print("\n".join(f"wrote {path}" for path in written if path is not None))
@@ -274,6 +283,8 @@ def run_experiment(name: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import probcaps.experiments
+
     parser = argparse.ArgumentParser(prog="probcaps", description="Probabilistic capsule networks in Pyro.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -305,13 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ttvi", help="free-form test-time VI on test images with a trained checkpoint")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--split", default="test", choices=["train", "test"])
-    p.add_argument("--limit", type=positive_int, default=1000, help="number of images (the first N of the split; "
-                                                                   ">= 1)")
+    p.add_argument("--limit", type=positive_int, default=1000, help="number of images (the first N of the split)")
     p.add_argument("--rotate", type=finite_float, default=0.0, help="rotate every image by this many degrees first")
-    p.add_argument("--steps", type=positive_int, default=200)
-    p.add_argument("--lr", type=finite_positive_float, default=0.03)
-    p.add_argument("--batch-size", type=positive_int, default=250, help="images optimised together")
-    p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
+    add_ttvi_args(p)
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", type=output_file_arg, default=None,
                    help="results JSON file (default: results/ttvi_<run name>.json)")
@@ -322,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=None)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     add_common_args(p, results_dir="runs/demo/results")
+    # `train` with the demo recipe (a package file), then `evaluate`; running it again replaces its run folder
+    p.set_defaults(config=str(Path(probcaps.experiments.__path__[0]) / "configs" / "demo.toml"), resume=False,
+                   force=True, tensorboard=False, evaluate=True, seed=None, jit=False, compile=False, validate=False)
 
     found = experiments()
     width = max(map(len, found), default=0)
@@ -359,9 +369,14 @@ def _train(args) -> None:
                            progress=not args.quiet and world.rank == 0, **loop_options)
     if world.rank != 0:
         return
-    print(f"trained {state.step} steps in {state.wall_time_s:.0f} s; checkpoint: {Path(args.out) / 'final.pt'}")
+    print(f"trained {state.step} steps in {state.wall_time_s:.0f} s on {args.device}; checkpoint: "
+          f"{Path(args.out) / 'final.pt'}")
     if args.evaluate:
-        _print_metrics(_evaluate_path(Path(args.out) / "final.pt", args, name=cfg["name"]))
+        metrics = _evaluate_path(Path(args.out) / "final.pt", args, name=cfg["name"])
+        print("linear probe on the test images (fit on the training features):")
+        _print_metrics(metrics)
+        print(f"metrics and figures written under {args.results_dir}/ ({cfg['name']}.json, "
+              f"{cfg['name']}_templates.png, {cfg['name']}_reconstructions.png)")
 
 
 def _evaluate_path(checkpoint, args, name=None, overrides=()):
@@ -383,23 +398,6 @@ def _print_metrics(metrics: dict) -> None:
             print(f"  {key:34s} {value:.4f}" if isinstance(value, float) else f"  {key:34s} {value}")
 
 
-def _demo(args) -> None:
-    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
-
-    config = Path(__file__).resolve().parent.parent / "experiments" / "configs" / "demo.toml"
-    overrides = list(args.set) + ([f"train.steps={args.steps}"] if args.steps else [])
-    cfg = load_experiment_config(config if config.is_file() else None, overrides)
-    # the demo always starts afresh: running it again replaces its run folder
-    state = train_capsules(cfg, args.out, device=args.device, data_dir=args.data_dir, progress=not args.quiet,
-                           force=True)
-    print(f"trained {state.step} steps in {state.wall_time_s:.0f} s on {args.device}")
-    metrics = _evaluate_path(Path(args.out) / "final.pt", args, name="demo")
-    print("linear probe on MNIST test (fit on train features):")
-    _print_metrics(metrics)
-    print(f"metrics and figures written under {args.results_dir}/ (demo.json, demo_templates.png, "
-          f"demo_reconstructions.png)")
-
-
 def _ttvi(args) -> None:
     import torch
 
@@ -416,9 +414,7 @@ def _ttvi(args) -> None:
     if out.is_dir():  # refused before the optimisation, not after it
         raise ProbcapsError(f"--out {out}: is a folder (name the results JSON file)")
     images, _ = load_images(cfg["data"], args.split, args.data_dir, limit=args.limit)
-    x = to_float(images)
-    if args.rotate:
-        x = rotate(x, args.rotate).clamp(0, 1)
+    x = rotate(to_float(images), args.rotate).clamp(0, 1) if args.rotate else to_float(images)
     result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                           device=args.device, progress=not args.quiet, seed=args.seed, pose_family=args.pose_family)
     before = encode_dataset(system.encoder, x, args.batch_size, args.device)
@@ -457,12 +453,8 @@ def _command(args) -> None:
         from probcaps.report import update_readme
 
         update_readme(args.results_dir, args.readme)
-    else:
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        {"train": _train, "evaluate": _evaluate, "demo": _demo, "ttvi": _ttvi}[args.command](args)
+    elif not setup_run(args, None):
+        {"train": _train, "evaluate": _evaluate, "demo": _train, "ttvi": _ttvi}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from typing import Any
 
 from probcaps.errors import ConfigError
 
-__all__ = ["Section", "DigitCanvas", "DataConfig", "EvalConfig", "Range", "RULES", "check_sections", "load_sections", "parse_override",
-           "range_of", "read_toml", "replace_checked"]
+__all__ = ["Section", "DigitData", "DigitCanvas", "DataConfig", "EvalConfig", "Range", "RULES", "check_sections",
+           "load_sections", "parse_override", "range_of", "read_toml", "replace_checked"]
 
 
 class Section:
@@ -35,12 +35,19 @@ class Section:
         return dataclasses.asdict(self)
 
 
-class DigitCanvas(Section):
-    """A data section that places 28-px digits on a canvas (``dataset``, ``canvas_size``, ``max_shift``)."""
+class DigitData(Section):
+    """A data section of digits: ``dataset`` "mnist", or "synthetic" (generated, for tests and smoke runs)."""
 
     def validate(self) -> None:
         if self.dataset not in ("mnist", "synthetic"):
             raise ValueError(f"data.dataset must be 'mnist' or 'synthetic', got {self.dataset!r}")
+
+
+class DigitCanvas(DigitData):
+    """A data section that places 28-px digits on a ``canvas_size`` canvas, shifted by up to ``max_shift``."""
+
+    def validate(self) -> None:
+        super().validate()
         if self.canvas_size < 28 + 2 * self.max_shift:
             raise ValueError(f"data.canvas_size ({self.canvas_size}) is too small for a 28-px digit shifted by up to "
                              f"{self.max_shift} px (needs >= {28 + 2 * self.max_shift})")
@@ -48,7 +55,7 @@ class DigitCanvas(Section):
 
 @dataclass
 class DataConfig(DigitCanvas):
-    dataset: str = "mnist"         # "mnist" (real files) or "synthetic" (generated, for tests and smoke runs)
+    dataset: str = "mnist"
     canvas_size: int = 40
     max_shift: int = 6             # SCAE placement: the 28x28 digit at a random offset of up to ±6 px
     train_limit: int = 0           # use only the first N training images (0: all)
