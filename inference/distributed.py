@@ -2,11 +2,10 @@
 
     torchrun --nproc_per_node=2 -m probcaps train --config experiments/configs/mnist.toml --out runs/mnist2
 
-Every process gets the same global batch and computes the loss of its contiguous share inside
-``DistributedDataParallel``, weighed so that the update is one process's on the whole batch.  Rank 0 alone writes
-the log and the checkpoints; a checkpoint holds every process's RNG state and resumes only under the same number of
-processes.  Exactness against one process holds for a mean of per-item terms and, when the loss draws random
-numbers, up to those draws: each process has its own stream (seeded from ``(seed, rank)``).
+Every process computes the loss of its contiguous share of the global batch inside ``DistributedDataParallel``,
+weighed so that the update is one process's on the whole batch (exactly, for a mean of per-item terms drawing no
+random numbers).  Rank 0 alone writes the log and the checkpoints, which hold every process's RNG state and resume
+only under the same number of processes.
 """
 
 from __future__ import annotations

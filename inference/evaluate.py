@@ -80,12 +80,10 @@ def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, dev
 
 @torch.no_grad()
 def parent_log_posterior(model, latents: Latents) -> torch.Tensor:
-    """``(B, M, K+1)`` log q(s_m = k): the exact posterior over each part's parent (the dummy ``k = 0`` first).
-
-    ``q(s_m = k) ∝ P(s_m = k | z1) p(z0_m, y0_m | s_m = k, y1)``, normalised over ``k``; the parts are independent
-    given the objects, so this is the marginal the enumeration of ``TraceEnum_ELBO`` sums over.  The latents are
-    taken at the guide's point values: presences at ``sigmoid`` of their logits (as :meth:`CapsuleEncoder.encode`
-    passes the parts to the object encoder), clamped into the relaxed Bernoulli's support, poses as given.
+    """``(B, M, K+1)`` log q(s_m = k): the exact posterior over each part's parent (the dummy ``k = 0`` first),
+    ``q(s_m = k) ∝ P(s_m = k | z1) p(z0_m, y0_m | s_m = k, y1)``, the marginal ``TraceEnum_ELBO`` sums over.  The
+    latents are taken at the guide's point values: presences at ``sigmoid`` of their logits, clamped into the
+    relaxed Bernoulli's support, poses as given.
     """
     ref = model.offsets
     z1 = torch.sigmoid(latents.parent_logits.to(ref)).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)
@@ -110,12 +108,9 @@ def posterior_part_counts(model, latents: Latents, batch_size: int = 1000) -> to
 
 
 def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per :data:`READOUTS` key, ``(probe features, k-means features)``, each ``(N, D)``.
-
-    ``counts``: :func:`posterior_part_counts` of ``latents``.  The probe reads the presence logits (it standardises
-    its features); k-means reads presences as probabilities, SCAE's scale, except beside other features, where the
-    logits are kept so that the concatenation is the probe's.
-    """
+    """Per :data:`READOUTS` key, ``(probe features, k-means features)``, each ``(N, D)``, from ``counts``, the
+    :func:`posterior_part_counts` of ``latents``.  Presences alone: logits for the probe (it standardises them),
+    probabilities (SCAE's scale) for k-means."""
     logits = latents.parent_logits
     presence = torch.sigmoid(logits)
     both = torch.cat([logits, counts], 1)
@@ -131,13 +126,10 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     """Probe and k-means accuracies on every readout of :data:`READOUTS`, the objects' class purity, per-class
     accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a checkpoint.
 
-    The probes are fit on the training images' features and scored on both splits; k-means (10 clusters, matched to
-    the classes by the Hungarian algorithm) is fit on each split on its own.  Keys: ``probe_<readout>_<split>_acc``,
-    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` (per-class accuracy and confusion matrix),
-    ``object_class_purity`` (objects weighted by their expected part counts) and ``object_class_purity_presence``
-    (by their prior presences), ``published_scae``.  Writes ``results_dir/<name>.json`` (metrics + provenance) and,
-    with figures, ``<name>_*.png`` (templates, reconstructions, presence and objects by class, the probes' confusion
-    matrices); returns the metrics.
+    Probes are fit on the training features and scored on both splits; k-means (10 clusters, matched by the
+    Hungarian algorithm) is fit on each split.  Writes ``results_dir/<name>.json`` (metrics + provenance) and, with
+    figures, ``<name>_*.png``; returns the metrics (``probe_<readout>_<split>_acc``, ``kmeans_<readout>_<split>_acc``,
+    ``probe_<readout>_test_report``, ``object_class_purity[_presence]``, ``published_scae``, ...).
     """
     t0 = time.perf_counter()
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)

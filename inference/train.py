@@ -442,9 +442,7 @@ class _Run:
                 "train_config": self.cfg.to_dict(), "metadata": self.metadata or {},
                 "callback_pending": callback_pending,
                 "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
-                "lr_changes": list(self.lr_changes), "world_size": self.world.size}
-        if rngs is not None:
-            snap["rng_per_rank"] = rngs
+                "lr_changes": list(self.lr_changes), "world_size": self.world.size, "rng_per_rank": rngs}
         if (bad := _first_non_finite(snap["module"]) or _first_non_finite(_optimiser_tensors(snap["optimiser"]))):
             raise self._diverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write {path}")
         atomic_torch_save(snap, path)
@@ -498,8 +496,7 @@ class _Run:
             self._loop(callback_pending)
             self._checkpoint()
             self._write(self.final_path)
-            signum = self.world.agree_stop(self.stop.signum)
-            if signum:  # arrived during the final writes: the run is complete, but stop as asked
+            if signum := self.world.agree_stop(self.stop.signum):  # during the final writes: complete, but stop
                 raise _interrupt(signum)
         finally:
             self.bar.close()

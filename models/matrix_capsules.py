@@ -47,7 +47,7 @@ class MatrixCapsConfig:
     transform_init_std: float = 0.5  # std of the learned 4x4 transforms' entries around the identity
     coordinate_addition: bool = True
     standardise_cost: bool = True    # EM cost standardised over the parents at each position (see EMConfig)
-    conv1_batchnorm: bool = False    # batch normalisation between ReLU Conv1's convolution and its ReLU (not in the paper)
+    conv1_batchnorm: bool = False    # batch normalisation before ReLU Conv1's ReLU (not in the paper)
 
     def to_dict(self) -> dict:
         return asdict(self)

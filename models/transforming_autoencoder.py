@@ -111,10 +111,9 @@ class TransformingAutoencoder(nn.Module):
         self.template_logits = nn.Parameter(_blob_logits(M, t, gen))
 
     def _init_conv_recognition(self) -> None:
-        """A shared conv trunk, then one 1x1 conv grouped per capsule and keypoint (:class:`PartEncoder` with ``M·K``
-        "parts"): keypoint ``k`` of capsule ``m`` sits where its own attention map looks plus a bounded offset.  The
-        offsets start at ``keypoint_offset_gain`` times the canonical points ``u_k``, so (at gain 1) a capsule's first
-        pose maps the template onto the canvas at its native size wherever its keypoints look."""
+        """:class:`PartEncoder` with ``M·K`` "parts": keypoint ``k`` of capsule ``m`` sits where its own attention
+        map looks plus a bounded offset, starting at ``keypoint_offset_gain`` times the canonical point ``u_k`` (at
+        gain 1 a capsule's first pose maps the template onto the canvas at its native size)."""
         cfg = self.config
         M, K = cfg.num_capsules, cfg.keypoints
         with torch.random.fork_rng(devices=[]):
@@ -124,9 +123,8 @@ class TransformingAutoencoder(nn.Module):
             pose_kwargs["max_translation"] *= cfg.keypoint_offset_gain
             self.encoder = PartEncoder(M * K, channels=tuple(cfg.conv_channels), strides=tuple(cfg.conv_strides),
                                        feature_dim=0, pose_kwargs=pose_kwargs)
-        # canonical template points u_k (K, 2), evenly spaced on a circle, the first straight up: their mean is 0, so
-        # the pose's translation is the keypoints' mean; and the constant (3, K) -> (3, 3) least-squares map U⁺
-        # with P = Q U⁺
+        # canonical template points u_k (K, 2) on a circle, the first straight up (mean 0: the pose's translation is
+        # the keypoints' mean), and the least-squares map U⁺ with P = Q U⁺
         angle = 2 * math.pi * torch.arange(K, dtype=torch.float64) / K - math.pi / 2
         points = (cfg.keypoint_radius * torch.stack([angle.cos(), angle.sin()], -1)).float()
         self.register_buffer("canonical_points", points, persistent=False)

@@ -159,12 +159,9 @@ class PartEncoder(nn.Module):
     """Image -> ``num_parts`` part capsules: CNN, then attentive pooling (SCAE's primary-capsule encoder).
 
     A 1x1 conv maps the feature map to, per part, ``6`` raw pose parameters, ``1`` presence logit, ``feature_dim``
-    features and ``1`` attention logit; each part's parameters are their sum over positions weighted by the softmax
-    of its attention logits.  Padding ``kernel_size // 2``: a stride-2 layer halves the size (any ``H, W`` works).
-
-    ``forward(x (B, in_channels, H, W)) -> PartOutput``.  ``pose_kwargs`` go to
-    :func:`probcaps.geometry.constrained_pose`.  ``compile``: the CNN through ``torch.compile`` (each convolution
-    fused with its activation; each new input shape compiles again), a plain attribute, not in the state dict.
+    features and ``1`` attention logit; each part's parameters are pooled by the softmax of its attention logits.
+    ``forward(x (B, in_channels, H, W)) -> PartOutput``; ``pose_kwargs`` go to
+    :func:`probcaps.geometry.constrained_pose`; ``compile``: the CNN through ``torch.compile`` (a plain attribute).
     """
 
     def __init__(self, num_parts: int, in_channels: int = 1, channels: tuple[int, ...] = (128, 128, 128, 128),
