@@ -12,7 +12,6 @@ CNN (``models.cnn_classifier.ConvClassifier``) is trained on the same MNIST plac
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from probcaps import plotting
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat
 from probcaps.cli import add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.mnist_probe import FEATURES, HEADLINE_CHECKPOINT
+from probcaps.experiments.mnist_probe import FEATURES, checkpoint_parser
 from probcaps.experiments.rotated_digits import reconstruct
 from probcaps.metrics import LinearProbe
 from probcaps.provenance import provenance, write_results
@@ -95,8 +94,7 @@ def readme_table(results_dir: Path, name: str = "affnist") -> str | None:
 
 @one_line_errors("affnist")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT))
+    p = checkpoint_parser(__doc__)
     p.add_argument("--affnist-mat", default=None, help="score on an original affNIST .mat file instead of the recipe")
     p.add_argument("--recipe-seed", type=non_negative_int, default=0)
     p.add_argument("--limit", type=positive_int, default=None, help="use only the first N out-of-distribution images")

@@ -34,6 +34,14 @@ HEADLINE_CHECKPOINT = ROOT / "checkpoints" / f"{HEADLINE}.pt"  # where the other
 FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
 
 
+def checkpoint_parser(doc: str, checkpoint_help: str | None = None) -> argparse.ArgumentParser:
+    """The parser of an experiment on a trained model: ``doc`` (its module docstring) as the description, and
+    ``--checkpoint`` (default: the headline model)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT), help=checkpoint_help)
+    return p
+
+
 def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
     """Where ``--checkpoint-out`` exports the first seed's model: ``checkpoints/<name>.pt`` unless given, so a run
     under another ``--name`` never overwrites the committed checkpoint of the default name; ``""``: no export."""

@@ -13,12 +13,11 @@ point masses (``log q = 0``): the MAP objective, not a bound on ``log p(x)`` as 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
-from probcaps.experiments.mnist_probe import (HEADLINE_CHECKPOINT, checkpoint_out_path, export_checkpoint,
+from probcaps.experiments.mnist_probe import (checkpoint_out_path, checkpoint_parser, export_checkpoint,
                                              plot_training_curves, train_run)
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import test_elbo
@@ -64,8 +63,7 @@ def readme_table(m: dict, prov: dict) -> str:
 
 @one_line_errors("normal_guide")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT), help="the delta-trained starting point")
+    p = checkpoint_parser(__doc__, "the delta-trained starting point")
     p.add_argument("--steps", type=positive_int, default=400)
     p.add_argument("--lr", type=finite_positive_float, default=3e-4)
     p.add_argument("--init-scale", type=finite_positive_float, default=0.02, help="starting pose scale")

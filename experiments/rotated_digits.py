@@ -12,7 +12,6 @@ after, ``inference.ttvi.per_image_elbo``) and the reconstruction error per pixel
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from probcaps.cli import (
 )
 from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.mnist_probe import HEADLINE_CHECKPOINT
+from probcaps.experiments.mnist_probe import checkpoint_parser
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import reconstruction_error
 from probcaps.inference.guides import Latents
@@ -81,8 +80,7 @@ def readme_table(m: dict, prov: dict) -> str:
 
 @one_line_errors("rotated_digits")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT))
+    p = checkpoint_parser(__doc__)
     p.add_argument("--angles", type=finite_float, nargs="+", default=[float(a) for a in range(0, 181, 15)])
     p.add_argument("--n-images", type=positive_int, default=100,
                    help="test digits per angle (the first N of the test set)")
