@@ -149,16 +149,10 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dynamic_routing` of the predictions ``u_hat_j|i = W_ij u_i`` without materialising them.
 
-    Args:
-        u: ``(B, I, P)`` child capsules.
-        weight: ``(J, I, P, D)``: ``weight[j, i]`` is the transpose of the paper's ``W_ij`` (``D x P``), so that
-            every contraction is a plain batched matrix product.
-        iterations, detach: as in :func:`dynamic_routing`.
-    Returns:
-        ``v`` ``(B, J, D)`` and the coupling coefficients ``c`` ``(B, J, I)`` (sum to 1 over ``J``).
-
-    Scaled like :func:`dynamic_routing`: ``u`` by a power of two per example and ``weight`` by one, the votes'
-    scale being their product, capped at the dtype's largest power of two.
+    ``u (B, I, P)`` child capsules; ``weight (J, I, P, D)``, ``weight[j, i]`` the transpose of the paper's ``W_ij``
+    (every contraction is then a plain batched matrix product); ``iterations``, ``detach`` and the returned ``v (B, J,
+    D)`` and ``c (B, J, I)`` as in :func:`dynamic_routing`.  ``u`` is scaled by a power of two per example and
+    ``weight`` by one, the votes' scale being their product, capped at the dtype's largest power of two.
     """
     if iterations < 1:
         raise ValueError(f"linear_dynamic_routing: iterations must be >= 1, got {iterations}")

@@ -11,6 +11,7 @@ the most negative finite bias instead, so its weight underflows to 0 exactly (``
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -204,14 +205,12 @@ class PartEncoder(nn.Module):
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             return self.cnn(x.contiguous(memory_format=torch.channels_last))
 
-    def _compiled_trunk(self):
-        # a compiled function, not a compiled module: the state dict keeps its keys
-        if "_trunk_compiled" not in self.__dict__:
-            self.__dict__["_trunk_compiled"] = torch.compile(self.trunk, dynamic=False)
-        return self.__dict__["_trunk_compiled"]
+    @functools.cached_property
+    def _trunk_compiled(self):  # a compiled function, not a compiled module: the state dict keeps its keys
+        return torch.compile(self.trunk, dynamic=False)
 
     def forward(self, x: torch.Tensor) -> PartOutput:
-        features = self._compiled_trunk()(x) if self.compile else self.trunk(x)
+        features = self._trunk_compiled(x) if self.compile else self.trunk(x)
         fh, fw = features.shape[-2:]
         f = features.to(x.dtype).permute(0, 2, 3, 1).reshape(x.shape[0], fh * fw, -1)  # (B, N, C), N = H'W'
         # The head (a 1x1 conv) is linear, so pooling commutes with it: the attention logits come from its last row
