@@ -38,13 +38,11 @@ class EncoderConfig:
     parent_code: int = 32          # per-object encoding fed to the heads
     head_hidden: int = 64          # the one-hidden-layer MLP heads
     part_embedding: int = 16       # learned identity of each part (which template it is)
-    part_features: int = 16        # per-part image features of the CNN head (unused by the object encoder: 0 is
-                                   # faster; kept at 16 by default for the checkpoints trained with it)
+    part_features: int = 16        # per-part CNN features (unused by the object encoder; 16 for old checkpoints)
     min_scale: float = 0.3
     max_scale: float = 2.0
     max_translation: float = 0.5   # of the offset from where each part's attention looks
-    bf16: bool = False             # the part encoder's convolutions in bfloat16 autocast (CPUs with AVX-512 BF16 or
-                                   # AMX, and GPUs: about 1.8x faster there; emulated, so slower, elsewhere)
+    bf16: bool = False             # part encoder convolutions in bfloat16 (~1.8x faster on AMX CPUs and GPUs)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -99,10 +99,9 @@ def _interrupt(signum: int) -> KeyboardInterrupt:
 
 
 class _StopSignals:
-    """SIGINT / SIGTERM handlers that only record the signal, for the loop to stop at the next step boundary.  A
-    signal raises at once while ``interruptible`` (a single-process ``on_checkpoint`` callback), and so does a
-    second one while ``abortable`` (a single-process step before its update).  Main thread only (Python runs signal
-    handlers nowhere else)."""
+    """SIGINT / SIGTERM handlers (main thread only) that record the signal, for the loop to stop at the next step
+    boundary.  A signal raises at once while ``interruptible`` (a single-process ``on_checkpoint`` callback), and
+    so does a second one while ``abortable`` (a single-process step before its update)."""
 
     def __init__(self):
         self.signum: int | None = None

@@ -45,8 +45,7 @@ class CapsuleModelConfig:
     parent_pose_std: float = 1.0   # σ_p
     part_pose_std_init: float = 0.1
     part_pose_std_min: float = 0.02  # σ_min: the floor on the learned σ_km
-    part_pose_std_max: float = 0.0   # σ_max: a ceiling on σ_km (0: none), so that one object cannot explain every
-                                     # digit's parts loosely
+    part_pose_std_max: float = 0.0   # σ_max (0: none): one object cannot explain every digit's parts loosely
     off_pose_std: float = 1.0      # σ_off: pose spread of an absent child
     clutter_pose_std: float = 1.0  # pose spread of a child of the dummy parent
     dummy_affinity: float = 0.05   # ρ_0m
