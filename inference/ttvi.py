@@ -214,7 +214,8 @@ def fit_guide(model, guide, params, x: torch.Tensor, steps: int, lr: float, bar=
 def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: float = 0.03, progress: bool = True,
              pose_family: str = "delta", *, init_scale: float | None = None, min_scale: float | None = None,
              elbo_samples: int = 4, elbo_seed: int = 0, seed: int | None = None, _bar=None) -> TTVIResult:
-    """Free-form test-time VI on a batch of images, all at once.
+    """Free-form test-time VI on a batch of images, all at once.  A non-finite loss raises
+    :class:`~probcaps.errors.TrainingDiverged` (the model restored first).
 
     Args:
         model: a :class:`CapsuleModel`; its parameters and the guide's are frozen during the run, never changed.
@@ -232,9 +233,6 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
         elbo_samples, elbo_seed: the fixed-noise estimate of ``elbo_start`` / ``elbo_end`` (see :func:`per_image_elbo`).
         seed: if given, the optimisation's samples come from the torch RNG seeded with it (:func:`frozen_and_seeded`);
             otherwise from the global RNG.
-
-    Raises:
-        TrainingDiverged: the loss became non-finite (the model is restored before raising).
     """
     if pose_family not in POSE_FAMILIES:
         raise ValueError(f"run_ttvi: pose_family must be one of {POSE_FAMILIES}, got {pose_family!r}")
@@ -314,15 +312,14 @@ def ttvi_batches(model, guide: DeltaGuide, images: torch.Tensor, batch_size: int
 
     results, trace = run_chunks(chunk, images, batch_size, steps, device, progress)
 
-    def cat(field):
-        parts = [getattr(r, field) for r in results]
+    def cat(parts):
         return None if parts[0] is None else torch.cat(parts)
 
-    return TTVIResult(latents=Latents(*(torch.cat(parts) for parts in zip(*(r.latents for r in results)))),
-                      elbo_trace=trace, elbo_start=cat("elbo_start"), elbo_end=cat("elbo_end"),
-                      pose_family=results[0].pose_family, steps=steps, part_pose_scales=cat("part_pose_scales"),
-                      parent_pose_scales=cat("parent_pose_scales"), wall_time_s=time.perf_counter() - t0,
-                      cpu_time_s=time.process_time() - c0)
+    cats = {f: cat([getattr(r, f) for r in results]) for f in ("elbo_start", "elbo_end", "part_pose_scales",
+                                                                "parent_pose_scales")}
+    return TTVIResult(latents=Latents(*map(cat, zip(*(r.latents for r in results)))), elbo_trace=trace,
+                      pose_family=results[0].pose_family, steps=steps, wall_time_s=time.perf_counter() - t0,
+                      cpu_time_s=time.process_time() - c0, **cats)
 
 
 @torch.no_grad()
