@@ -403,8 +403,7 @@ class _Run:
 
     def _apply_config_lr(self, new_base: list[float]) -> None:
         """Learning rates from this run's config (``train.lr``, the schedule, weight decay), not the checkpoint's:
-        LambdaLR recomputes ``base_lr * factor(step)`` every step, so an unchanged config gives bit-identical
-        rates and a changed one takes effect from the resumed step on."""
+        an unchanged config gives bit-identical rates, a changed one takes effect from the resumed step on."""
         sched, groups = self.scheduler, self.optimiser.param_groups
         old = [g["lr"] for g in groups]
         sched.base_lrs = new_base

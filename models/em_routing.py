@@ -56,8 +56,7 @@ class VoteCache:
     sources: tuple
     grad_buffer: Callable[[], torch.Tensor]
     backward: Callable[[torch.Tensor], tuple]
-    # rebuilds VV from the sources: when given, the final M-step frees VV after the forward pass and rebuilds it
-    # for the backward pass, so the votes of only one layer are in memory at a time
+    # when given, the final M-step frees VV after the forward pass and rebuilds it from the sources for the backward
     rebuild: Callable[[], torch.Tensor] | None = None
 
 

@@ -87,9 +87,8 @@ def _patch_index(size: int, kernel: int, stride: int, device=None) -> torch.Tens
 
 def patch_normaliser(index: torch.Tensor, batch: int, positions: int, kk: int, types: int, locations: int):
     """``log R`` for convolutional EM routing: normalise E-step logits ``(batch*P, J, K*K*T)`` over every parent of
-    every patch that contains the same input capsule (the input's location and type).  ``index``: the
-    :func:`_patch_index` of the layer.  A log-sum-exp over ``J`` per patch, then per location a max
-    (``scatter_reduce``, for stability) and a sum of exponentials (``scatter_add``): no loop over positions."""
+    every patch that contains the same input capsule (``index``: the layer's :func:`_patch_index`), by scatter
+    operations (a max for stability, then a sum of exponentials): no loop over positions."""
     idx = index.view(1, 1, -1).expand(batch, types, -1)
 
     def normalise(logits: torch.Tensor) -> torch.Tensor:

@@ -2,13 +2,11 @@
 
 Every capsule ``m`` recognises a presence ``p_m`` and a pose ``P_m`` (a 3x3 affine map, template -> canvas); the
 known transformation ``T`` of the input moves every pose, ``P'_m = T ∘ P_m``, and the capsule renders its learned
-template there (:func:`probcaps.render.render_templates`).  The output is the presence-weighted sum of the capsules
-(the paper's rule, ``combine = "sum"``) or a mixture in which each capsule explains the whole image (not in the
-paper).  Modes: ``"translation"`` (the pose a position) and ``"affine"`` (a full 2-D affine map).  Recognition:
-``"mlp"`` (the paper's: each capsule's own hidden units, all capsules one matrix product) or ``"conv"`` (a shared
-conv trunk and :class:`probcaps.encoders.PartEncoder` heads: the pose maps ``K >= 3`` canonical template points to
-``K`` attention keypoints).  The decoder is exactly equivariant, so the reconstruction loss alone cannot teach the
-linear part of an affine pose: :func:`pose_consistency` (not in the paper) does.
+template there.  The output is the presence-weighted sum of the capsules (the paper's ``combine = "sum"``) or a
+mixture in which one capsule explains the whole image (not in the paper).  Recognition: ``"mlp"`` (the paper's) or
+``"conv"`` (a conv trunk whose :class:`probcaps.encoders.PartEncoder` heads give ``K >= 3`` keypoints per capsule).
+The decoder is exactly equivariant, so the reconstruction loss alone cannot teach the linear part of an affine
+pose: :func:`pose_consistency` (not in the paper) does.
 """
 
 from __future__ import annotations

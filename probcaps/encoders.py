@@ -5,8 +5,8 @@ capsules to ``K`` object capsules through a set transformer (:class:`SetTransfor
 
 Every block takes ``key_weights`` (B, N) in ``[0, 1]``, a soft presence mask: ``log(max(w, 1e-6))`` is added to the
 attention logits, so an element of weight ``w`` counts as ``w`` copies of itself.  A hard ``0`` (or ``False``) gets
-the most negative finite bias instead, so its weight underflows to 0 exactly (``log(1e-6)`` alone still leaks
-``1e-6 * exp(logit gap)``, measured up to 1e-2); a row with every key masked attends uniformly (no NaN).
+the most negative finite bias instead, so its weight underflows to 0 exactly (``log(1e-6)`` alone leaks up to
+1e-2); a row with every key masked attends uniformly (no NaN).
 """
 
 from __future__ import annotations

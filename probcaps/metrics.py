@@ -130,11 +130,8 @@ def probe_accuracy(train_features: Any, train_labels: Any, test_features: Any, t
 
 
 def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
-    """Accuracy under the best one-to-one assignment of clusters to labels.
-
-    Maximises the matched count of the (n_clusters, n_labels) contingency matrix with
-    ``scipy.optimize.linear_sum_assignment``.  With more clusters than labels the surplus clusters are unmatched
-    (their points count as errors), and vice versa."""
+    """Accuracy under the best one-to-one assignment of clusters to labels (``linear_sum_assignment`` on the
+    contingency matrix); the points of surplus clusters, unmatched, count as errors."""
     from scipy.optimize import linear_sum_assignment
     from sklearn.metrics.cluster import contingency_matrix
 

@@ -126,8 +126,8 @@ def plot_templates(templates: Any, path: str | os.PathLike, alphas: Any = None, 
 def colour_parts(weights: Any, colours: Any = None) -> np.ndarray:
     """Colour each part's contribution: ``(N, M, H, W)`` weights -> ``(N, H, W, 3)`` RGB in [0, 1].
 
-    ``weights[n, m]`` is part ``m``'s contribution to image ``n`` (compositing weight times template intensity).
-    Part ``m`` gets ``colours[m % len(colours)]`` (default :data:`PART_PALETTE`); the sum is clipped to [0, 1]."""
+    Part ``m``'s contribution to image ``n``, ``weights[n, m]``, gets ``colours[m % len(colours)]`` (default
+    :data:`PART_PALETTE`); the sum is clipped to [0, 1]."""
     W = _to_numpy(weights, "weights")
     if W.ndim != 4:
         raise ValueError(f"weights must have shape (N, M, H, W), got {W.shape}")
@@ -304,11 +304,9 @@ def plot_heatmap(values: Any, path: str | os.PathLike, row_labels: Sequence[str]
                  title: str | None = None, vmin: float | None = None, vmax: float | None = None, cmap: str = "viridis",
                  colorbar_label: str | None = None, outlined: Any = None, marked: Any = None,
                  marked_label: str | None = None) -> Path:
-    """Heat map of ``(R, C)`` ``values`` (row 0 at the top) with a colour bar.
-
-    ``row_labels`` / ``col_labels`` (R and C entries) label every row / column. ``outlined`` and ``marked`` are
-    ``(K, 2)`` (row, col) cells, outlined in red and dotted in white (``marked_label`` names the dots in a legend).
-    """
+    """Heat map of ``(R, C)`` ``values`` (row 0 at the top) with a colour bar, ``row_labels`` / ``col_labels`` on
+    every row / column; ``outlined`` and ``marked`` ``(K, 2)`` (row, col) cells are outlined in red and dotted in
+    white (``marked_label`` names the dots in a legend)."""
     V = _to_numpy(values, "values")
     if V.ndim != 2 or V.size == 0:
         raise ValueError(f"values must be a non-empty 2-D array (rows, cols), got shape {V.shape}")
