@@ -234,8 +234,6 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
         seed: if given, the optimisation's samples come from the torch RNG seeded with it (:func:`frozen_and_seeded`);
             otherwise from the global RNG.
     """
-    if pose_family not in POSE_FAMILIES:
-        raise ValueError(f"run_ttvi: pose_family must be one of {POSE_FAMILIES}, got {pose_family!r}")
     if steps < 0:
         raise ValueError(f"run_ttvi: steps must be >= 0, got {steps}")
     t0, c0 = time.perf_counter(), time.process_time()
