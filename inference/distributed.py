@@ -74,8 +74,7 @@ def _one_hot(signum: int | None) -> list[float]:
     return [float(signum == signal.SIGINT), float(signum == signal.SIGTERM)]
 
 
-def _signal_of(flags: torch.Tensor) -> int | None:
-    flags = flags.cpu()
+def _signal_of(flags: torch.Tensor) -> int | None:  # flags on the CPU (from _all_sum)
     return signal.SIGTERM if flags[1] > 0 else signal.SIGINT if flags[0] > 0 else None
 
 

@@ -98,10 +98,9 @@ def parent_log_posterior(model, latents: Latents) -> torch.Tensor:
 
 @torch.no_grad()
 def posterior_part_counts(model, latents: Latents, batch_size: int = 1000) -> torch.Tensor:
-    """``(B, K)`` posterior presences: each object's expected number of parts, ``Σ_m q(s_m = k)``, under the exact
-    posterior over the parts' parents (:func:`parent_log_posterior`); the dummy parent is left out, so a row sums
-    to the expected number of parts the objects explain (at most ``M``).  Computed ``batch_size`` images at a time;
-    returned on the CPU."""
+    """``(B, K)`` posterior presences on the CPU: each object's expected number of parts, ``Σ_m q(s_m = k)``, under
+    the exact posterior over the parts' parents (:func:`parent_log_posterior`; the dummy left out), computed
+    ``batch_size`` images at a time."""
     chunks = [parent_log_posterior(model, Latents(*(t[i:i + batch_size] for t in latents)))[..., 1:].exp().sum(-2)
               for i in range(0, len(latents.part_logits), batch_size)]
     return torch.cat(chunks).cpu() if chunks else torch.zeros(0, model.config.num_parents)

@@ -202,6 +202,4 @@ def spread_loss(log_a: torch.Tensor, target: torch.Tensor, margin: float | torch
 def spread_margin(step: int, ramp_steps: int, start: float = 0.2, end: float = 0.9) -> float:
     """The margin schedule: linear from ``start`` to ``end`` over ``ramp_steps`` steps, then ``end`` (paper: 0.2 ->
     0.9 during training)."""
-    if ramp_steps <= 0:
-        return end
-    return start + (end - start) * min(1.0, step / ramp_steps)
+    return end if ramp_steps <= 0 else start + (end - start) * min(1.0, step / ramp_steps)

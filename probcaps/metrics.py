@@ -1,8 +1,7 @@
 """Evaluation metrics: linear probes, cluster accuracy, per-class reports, class purity, R^2 and reconstruction error.
 
-Every function accepts numpy arrays or torch tensors (anything ``np.asarray`` understands, plus tensors on any device
-/ with gradients) and returns plain Python floats or numpy arrays.  Bad input raises ``ValueError`` whose message
-names the offending argument.
+Every function accepts numpy arrays or torch tensors (on any device, with gradients) and returns plain Python floats
+or numpy arrays; bad input raises a ``ValueError`` naming the offending argument.
 """
 
 from __future__ import annotations
