@@ -174,12 +174,10 @@ def main(argv=None) -> int:
     p.add_argument("--rotate", type=finite_float, default=0.0, help="rotate the test digits by this many degrees")
     add_ttvi_args(p, pose_family=False)
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--n-train-ttvi", type=non_negative_int, default=500,
-                   help="the fair protocol: test-time VI on the first N training images too, probes refit on them "
-                        "(0: off)")
-    p.add_argument("--parts-ttvi", action=argparse.BooleanOptionalAction, default=True,
-                   help="with the fair protocol, also the test-time VI of the parts alone (about as long again as "
-                        "the free-form one)")
+    p.add_argument("--n-train-ttvi", type=non_negative_int, default=500, help="the fair protocol: test-time VI "
+                   "on the first N training images too, probes refit on them (0: off)")
+    p.add_argument("--parts-ttvi", action=argparse.BooleanOptionalAction, default=True, help="with the fair "
+                   "protocol, also the test-time VI of the parts alone (about as long again as the free-form one)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a key of the checkpoint's config, e.g. encoder.bf16=false on a CPU without bfloat16")
     add_run_args(p, name="ttvi_classification", out=False)
@@ -197,8 +195,7 @@ def main(argv=None) -> int:
     def readings(images: torch.Tensor, seed: int, parts: bool):
         """``(latents per reading, the free-form run's TTVIResult, (elbo_trace, wall_time_s) of the parts-only run
         or None)`` of ``images`` rotated by ``--rotate``; test-time VI chunk ``i`` under the seed ``seed + i``."""
-        x = to_float(images)
-        x = rotate(x, args.rotate).clamp(0, 1) if args.rotate else x
+        x = rotate(to_float(images), args.rotate).clamp(0, 1) if args.rotate else to_float(images)
         run = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                            device=args.device, progress=progress, seed=seed)
         latents = {"encoder": encode_dataset(system.encoder, x, ecfg.batch_size, args.device),
