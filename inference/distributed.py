@@ -40,7 +40,8 @@ class World:
     def wrap(self, loss_module: nn.Module) -> nn.Module:
         """``DistributedDataParallel`` around the module whose forward computes the loss."""
         device = next(loss_module.parameters()).device
-        return nn.parallel.DistributedDataParallel(loss_module, device_ids=[device.index] if device.type == "cuda" else None)
+        return nn.parallel.DistributedDataParallel(loss_module,
+                                                   device_ids=[device.index] if device.type == "cuda" else None)
 
     def gather_objects(self, obj) -> list:
         """``obj`` of every process, in rank order (on every process)."""
