@@ -158,10 +158,9 @@ def log_softmax_parents(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _log_gaussian(cache: VoteCache, mu: torch.Tensor, var: torch.Tensor, log_scale2=0.0) -> torch.Tensor:
-    """``log N(V_i; mu, diag(var))`` for the cached centred votes, ``mu, var (N, J, H)`` -> ``(N, J, I)``, all in
-    units of the votes' scale, whose squared logarithm ``log_scale2`` (``(N, 1, 1)`` or 0) restores the density's
-    normaliser (it matters where assignments are normalised across rows of different scales).  The quadratic form
-    is expanded: one multiply-and-sum with the cached votes and squares."""
+    """``log N(V_i; mu, diag(var))`` for the cached centred votes, ``mu, var (N, J, H)`` -> ``(N, J, I)``, in units
+    of the votes' scale, whose squared logarithm ``log_scale2`` (``(N, 1, 1)`` or 0) restores the normaliser (rows of
+    different scales may share assignments); the quadratic form expanded against the cached votes and squares."""
     inv = 1.0 / var
     quad = _dot_h(cache.VV, torch.cat([-2 * mu * inv, inv], -1))  # pairs with [V, V^2]
     quad = (quad + (mu * mu * inv).sum(-1, keepdim=True)).clamp_min(0)  # >= 0 up to rounding

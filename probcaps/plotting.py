@@ -336,9 +336,8 @@ def plot_heatmap(values: Any, path: str | os.PathLike, row_labels: Sequence[str]
 
 def plot_confusion_matrix(confusion: Any, path: str | os.PathLike, class_labels: Sequence[str] | None = None,
                           title: str | None = None) -> Path:
-    """Confusion matrix ``(C, C)`` (row: true class, column: predicted class, as scikit-learn's
-    ``confusion_matrix``), coloured by each row's share (the true class's recall on the diagonal) and annotated
-    with the counts."""
+    """Confusion matrix ``(C, C)`` (row: true class, column: predicted class, as scikit-learn's), coloured by each
+    row's share (the true class's recall on the diagonal) and annotated with the counts."""
     M = _to_numpy(confusion, "confusion")
     if M.ndim != 2 or M.shape[0] != M.shape[1] or M.size == 0:
         raise ValueError(f"confusion must be a non-empty square (C, C) array, got shape {M.shape}")
@@ -365,9 +364,8 @@ def plot_confusion_matrix(confusion: Any, path: str | os.PathLike, class_labels:
 
 def plot_objects_by_class(panels: Mapping[str, Any], path: str | os.PathLike, class_labels: Sequence[str] | None = None,
                           title: str | None = None) -> Path:
-    """Side-by-side heat maps, one per entry of ``panels`` (its title -> an ``(K, C)`` table: rows objects,
-    columns classes, e.g. the mean expected part count or the mean presence of each object on each class's
-    images), each with its own colour bar.  A class-specific object shows as a row with one bright cell."""
+    """Side-by-side heat maps with their own colour bars, one per entry of ``panels`` (its title -> an ``(K, C)``
+    table, rows objects, columns classes): a class-specific object shows as a row with one bright cell."""
     if not panels:
         raise ValueError("panels must hold at least one table")
     tables = {str(k): _to_numpy(v, f"panels[{k!r}]") for k, v in panels.items()}
