@@ -19,8 +19,8 @@ import torch
 
 from probcaps import plotting
 from probcaps.cli import (
-    add_run_args, finite_float, finite_positive_float, launch, non_negative_int, one_line_errors, positive_int,
-    setup_run, table_writer,
+    add_run_args, add_ttvi_args, finite_float, launch, non_negative_int, one_line_errors, positive_int, setup_run,
+    table_writer,
 )
 from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
@@ -84,10 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--angles", type=finite_float, nargs="+", default=[float(a) for a in range(0, 181, 15)])
     p.add_argument("--n-images", type=positive_int, default=100,
                    help="test digits per angle (the first N of the test set)")
-    p.add_argument("--steps", type=positive_int, default=200)
-    p.add_argument("--lr", type=finite_positive_float, default=0.03)
-    p.add_argument("--batch-size", type=positive_int, default=250, help="images optimised together")
-    p.add_argument("--pose-family", default="delta", choices=["delta", "normal"])
+    add_ttvi_args(p)
     p.add_argument("--example", type=non_negative_int, default=0, help="index of the digit shown across angles")
     p.add_argument("--seed", type=non_negative_int, default=0)
     add_run_args(p, name="rotated_digits", out=False)

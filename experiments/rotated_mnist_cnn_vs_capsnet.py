@@ -27,7 +27,7 @@ from probcaps import plotting
 from probcaps.cli import (
     add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run, table_writer,
 )
-from probcaps.config import Section, load_sections
+from probcaps.config import DigitData, Section, load_sections
 from probcaps.data import iterate_batches, load_digits, place_on_canvas, random_offsets, rotate, to_float
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import ConfigError
@@ -47,7 +47,7 @@ MODELS = {"lenet": "LeNet-5", "capsnet": "CapsNet"}
 
 
 @dataclass
-class RotatedData(Section):
+class RotatedData(DigitData):
     dataset: str = "mnist"        # "mnist" or "synthetic" (tests)
     train_shift: int = 2          # training digits shifted by up to ±2 px (0.0714 x 28)
     train_limit: int = 0
@@ -70,8 +70,6 @@ SCHEMA = {"name": str, "data": RotatedData, "lenet_train": TrainConfig, "capsnet
 def load_config(path, overrides=()) -> dict:
     cfg = load_sections(path, SCHEMA, list(overrides))
     cfg["name"] = cfg["name"] or NAME
-    if cfg["data"].dataset not in ("mnist", "synthetic"):
-        raise ConfigError(f"{path}: data.dataset must be 'mnist' or 'synthetic', got {cfg['data'].dataset!r}")
     if cfg["capsnet"].image_size != 28:
         raise ConfigError(f"{path}: capsnet.image_size must be 28 (the digits are 28x28), got "
                           f"{cfg['capsnet'].image_size}")

@@ -28,7 +28,7 @@ import torch
 
 from probcaps import plotting
 from probcaps.cli import add_config_args, add_run_args, launch, one_line_errors, seed_summary, setup_run
-from probcaps.config import load_sections
+from probcaps.config import DigitData, load_sections
 from probcaps.data import iterate_batches, load_digits as data_digits, seeded_generator
 from probcaps.errors import ConfigError
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised
@@ -52,7 +52,7 @@ NUMPY_REFERENCE = {"r2_dx": 0.78, "r2_dy": 0.67, "recon_mse": 0.063, "active_med
 
 
 @dataclass
-class PairDataConfig:
+class PairDataConfig(DigitData):
     dataset: str = "mnist"        # "mnist" (real digits) or "synthetic" (stroke digits, for tests)
     train_limit: int = 0          # use only the first N training digits (0: all 60,000)
     test_limit: int = 0           # held-out pairs come from the first N test digits (0: all 10,000)
@@ -108,14 +108,12 @@ def config_record(cfg: dict) -> dict:
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     """The config of one recipe, then the ``--set`` items: ``{"name", "mode" (``model.mode``), "data", "model",
     "loss", "train", "eval", "range"}``."""
-    cfg = load_sections(path, SCHEMA, overrides)  # types, ranges and each section's validate()
+    cfg = load_sections(path, SCHEMA, overrides)  # types, ranges and each section's validate() (data.dataset)
     label, mode = path or "<defaults>", cfg["model"].mode
     if mode == "translation" and any(getattr(cfg["range"], f"{jitter}{k}") for jitter in ("jitter_", "")
                                      for k in ("rotation_deg", "scale", "shear")):
         raise ConfigError(f"{label}: model.mode = 'translation' takes translations only ([range] rotation, scale "
                           f"and shear must be 0)")
-    if cfg["data"].dataset not in ("mnist", "synthetic"):
-        raise ConfigError(f"{label}: data.dataset must be 'mnist' or 'synthetic', got {cfg['data'].dataset!r}")
     return {**cfg, "name": cfg["name"] or (Path(path).stem if path else f"{NAME}_{mode}"), "mode": mode}
 
 
