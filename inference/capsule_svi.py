@@ -12,6 +12,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
+from probcaps.inference.distributed import init_from_env
 from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 from probcaps.distributions import ClampedRelaxedBernoulli
@@ -189,13 +190,14 @@ def encode_dataset(encoder: CapsuleEncoder, images: torch.Tensor, batch_size: in
     """Encode uint8 ``(N, H, W)`` images (or floats in [0, 1]) in batches; returns :class:`Latents` on the CPU.
 
     ``rotation``: rotate image ``i`` by an angle uniform in ``[-rotation, rotation]`` degrees first, the angles a
-    pure function of ``seed`` (as :func:`probcaps.data.iterate_batches` draws them).
+    pure function of ``seed`` (as :func:`probcaps.data.iterate_batches` draws them).  Under ``torchrun`` each process
+    encodes its share of the batches, and each returns the whole.
     """
-    labels = torch.zeros(len(images), dtype=torch.long)
-    batches = iterate_batches(images, labels, batch_size, shuffle=False, device=device, rotation=rotation, seed=seed)
+    world = init_from_env()
+    mine, batches = world.batches(images, batch_size, device=device, rotation=rotation, seed=seed)
     chunks = [[t.cpu() for t in encoder.encode(x)]
-              for x, _ in tqdm(batches, total=-(-len(images) // batch_size), disable=not progress, desc="encode")]
-    return Latents(*(torch.cat(parts) for parts in zip(*chunks)))
+              for _, x in tqdm(batches, total=len(mine), disable=not progress or world.rank > 0, desc="encode")]
+    return Latents(*(torch.cat(parts) for parts in zip(*world.gather(chunks))))
 
 
 def probe_features(latents: Latents) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@
 Every process computes the loss of its contiguous share of the global batch inside ``DistributedDataParallel``,
 weighed so that the update is one process's on the whole batch (exactly, for a mean of per-item terms drawing no
 random numbers).  Rank 0 alone writes the log and the checkpoints, which hold every process's RNG state and resume
-only under the same number of processes.
+only under the same number of processes.  Test-time work (encoding, test-time VI) splits its batches with
+:meth:`World.shard` and joins them with :meth:`World.gather`: the same result as one process.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from probcaps.data import iterate_batches
+
 __all__ = ["World", "init_from_env"]
 
 
 class World:
-    """The processes training together (``size == 1``: a plain single-process run; every method is then free)."""
+    """The processes working together (``size == 1``: a plain single-process run; every method is then free)."""
 
     def __init__(self, size: int = 1, rank: int = 0):
         self.size, self.rank = size, rank
@@ -42,6 +45,25 @@ class World:
         device = next(loss_module.parameters()).device
         return nn.parallel.DistributedDataParallel(loss_module,
                                                    device_ids=[device.index] if device.type == "cuda" else None)
+
+    def shard(self, n: int) -> slice:
+        """This process's contiguous block of ``n`` items (the first ``n % size`` processes take one more)."""
+        q, r = divmod(n, self.size)
+        start = self.rank * q + min(self.rank, r)
+        return slice(start, start + q + (self.rank < r))
+
+    def gather(self, items: list) -> list:
+        """Every process's list ``items`` (picklable; tensors on the CPU), concatenated in rank order."""
+        return items if self.size == 1 else [item for part in self.gather_objects(items) for item in part]
+
+    def batches(self, images: torch.Tensor, batch_size: int, **kwargs) -> tuple[range, zip]:
+        """This process's batch indices ``i`` and ``(i, x)`` of its share of the batches of ``images`` that
+        :func:`~probcaps.data.iterate_batches` (``shuffle=False``, ``kwargs``) yields: every batch, and any rotation
+        drawn for its images, the same under any number of processes."""
+        mine = self.shard(-(-len(images) // batch_size))
+        labels = torch.zeros(len(images), dtype=torch.long)
+        batches = iterate_batches(images, labels, batch_size, shuffle=False, start_batch=mine.start, **kwargs)
+        return range(mine.start, mine.stop), zip(range(mine.start, mine.stop), (x for x, _ in batches))
 
     def gather_objects(self, obj) -> list:
         """``obj`` of every process, in rank order (on every process)."""

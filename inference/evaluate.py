@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
+from probcaps.inference.distributed import init_from_env
 from probcaps.inference.train import make_elbo
 from probcaps import plotting
 from probcaps.inference.guides import Latents
@@ -127,8 +128,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
 
     Probes are fit on the training features and scored on both splits; k-means (10 clusters, matched by the
     Hungarian algorithm) is fit on each split.  Writes ``results_dir/<name>.json`` (metrics + provenance) and, with
-    figures, ``<name>_*.png``; returns the metrics (``probe_<readout>_<split>_acc``, ``kmeans_<readout>_<split>_acc``,
-    ``probe_<readout>_test_report``, ``object_class_purity[_presence]``, ``published_scae``, ...).
+    figures, ``<name>_*.png`` (under ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
+    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report``, ``object_class_purity[_presence]``, ...).
     """
     t0 = time.perf_counter()
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
@@ -168,6 +169,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["parents_in_use"] = int((parent_on.float().mean(0) >= 0.01).sum())
     metrics["mean_active_parts"] = float((torch.sigmoid(test_lat.part_logits) > 0.5).float().sum(1).mean())
     metrics["n_train"], metrics["n_test"] = len(train_images), len(test_images)
+    if init_from_env().rank > 0:  # under torchrun: every process computes, rank 0 alone writes
+        return metrics
     results_dir = Path(results_dir)
     figure_paths = []
     if ecfg.figures if figures is None else figures:

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from probcaps.data import iterate_batches
+from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import DeltaGuide, Latents, NormalPoseGuide
 from probcaps.inference.train import make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
@@ -278,22 +278,23 @@ def run_chunks(run, images: torch.Tensor, batch_size: int, steps: int, device: s
     """``run(i, x, bar) -> (result, elbo_trace)`` on chunk ``i`` of ``images``: ``batch_size`` of them, in order, moved
     to ``device`` (uint8 ``(N, H, W)`` or ``(N, 1, H, W)``, or floats in ``[0, 1]``), with one tqdm ``bar`` of
     ``steps`` per chunk.  Returns the results and, per step, the mean ELBO per image over all ``N`` images (the
-    chunks' traces weighted by their sizes)."""
+    chunks' traces weighted by their sizes).  Under ``torchrun`` each process runs its share of the chunks, and each
+    returns them all."""
     n_chunks = -(-images.shape[0] // batch_size)
-    labels = torch.zeros(images.shape[0], dtype=torch.long)
-    results, traces, sizes = [], [], []
-    with tqdm(total=steps * n_chunks, disable=not progress, desc=desc, unit="step", dynamic_ncols=True) as bar:
-        for i, (x, _) in enumerate(iterate_batches(images, labels, batch_size, shuffle=False, device=device)):
-            bar.set_description(f"{desc} {i + 1}/{n_chunks}")
-            result, trace = run(i, x, bar)
-            results.append(result)
-            traces.append(trace)
-            sizes.append(len(x))
-    if not results:
+    if not n_chunks:
         raise ValueError(f"{desc}: no images")
+    world = init_from_env()
+    mine, batches = world.batches(images, batch_size, device=device)
+    done = []
+    with tqdm(total=steps * len(mine), disable=not progress or world.rank > 0, desc=desc, unit="step",
+              dynamic_ncols=True) as bar:
+        for i, x in batches:
+            bar.set_description(f"{desc} {i + 1}/{n_chunks}")
+            done.append((*run(i, x, bar), len(x)))
+    results, traces, sizes = zip(*world.gather(done))
     weights = torch.tensor(sizes, dtype=torch.float64)
-    traces = torch.tensor(traces, dtype=torch.float64).reshape(len(results), steps)
-    return results, ((traces * weights[:, None]).sum(0) / weights.sum()).tolist()
+    traces = torch.tensor(traces, dtype=torch.float64).reshape(n_chunks, steps)
+    return list(results), ((traces * weights[:, None]).sum(0) / weights.sum()).tolist()
 
 
 def ttvi_batches(model, guide: DeltaGuide, images: torch.Tensor, batch_size: int = 250, steps: int = 200, *,

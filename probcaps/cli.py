@@ -15,8 +15,10 @@ exit status 2; nothing is written by a command refused for its input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
+import io
 import math
 import os
 import re
@@ -354,7 +356,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args) -> None:
     from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
-    from probcaps.inference.distributed import init_from_env
 
     overrides = [*args.set, *(f"train.{key}={getattr(args, key)}" for key in ("seed", "steps")
                               if getattr(args, key) is not None),
@@ -363,12 +364,8 @@ def _train(args) -> None:
     args.out = args.out or Path("runs") / cfg["name"]
     # only the options asked for: the training loop's defaults stand otherwise
     loop_options = {key: True for key in ("force", "tensorboard") if getattr(args, key)}
-    # under torchrun: join the process group before the model is built, so each process takes its own GPU
-    world = init_from_env()
     state = train_capsules(cfg, args.out, resume=args.resume, device=args.device, data_dir=args.data_dir,
-                           progress=not args.quiet and world.rank == 0, **loop_options)
-    if world.rank != 0:
-        return
+                           progress=not args.quiet and args.rank == 0, **loop_options)
     print(f"trained {state.step} steps in {state.wall_time_s:.0f} s on {args.device}; checkpoint: "
           f"{Path(args.out) / 'final.pt'}")
     if args.evaluate:
@@ -427,6 +424,8 @@ def _ttvi(args) -> None:
         "wall_time_s": result.wall_time_s, "image_steps_per_s": len(x) * args.steps / result.wall_time_s,
         "cpu_time_s": result.cpu_time_s, "threads": torch.get_num_threads(), "elbo_trace": result.elbo_trace,
     }
+    if args.rank > 0:
+        return
     write_results(out, metrics, provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s,
                                            device=args.device, checkpoint=str(args.checkpoint)))
     write_table(out.parent, out.stem, throughput_table(out.parent, out.stem))
@@ -454,7 +453,13 @@ def _command(args) -> None:
 
         update_readme(args.results_dir, args.readme)
     elif not setup_run(args, None):
-        {"train": _train, "evaluate": _evaluate, "demo": _train, "ttvi": _ttvi}[args.command](args)
+        from probcaps.inference.distributed import init_from_env
+
+        # under torchrun: join the process group before a model is built, so each process takes its own GPU; every
+        # process computes, rank 0 alone writes and prints
+        args.rank = init_from_env().rank
+        with contextlib.redirect_stdout(sys.stdout if args.rank == 0 else io.StringIO()):
+            {"train": _train, "evaluate": _evaluate, "demo": _train, "ttvi": _ttvi}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,28 @@
 """Data-parallel training with ``torch.distributed`` (2 ``gloo`` processes on the CPU, as ``torchrun`` would start
 them): the same parameters as one process with the same global batch, rank 0 alone writing, and an exact resume
-after kill -9 or a SIGTERM that reaches only one process."""
+after kill -9 or a SIGTERM that reaches only one process; encoding, test-time VI and the ``evaluate`` and ``ttvi``
+commands sharded over the processes, with the results of one process."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
+from probcaps.cli import main
 from probcaps.errors import CheckpointError
+from probcaps.inference.capsule_svi import encode_dataset
+from probcaps.inference.distributed import World, init_from_env
 from probcaps.inference.train import TrainConfig, load_checkpoint, read_jsonl, train_loop
+from probcaps.inference.ttvi import ttvi_batches
+from test_guides_ttvi import _images, _system
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
@@ -54,12 +62,29 @@ def _train(out_dir, *, noisy=False, resume=False, stop=None):
                       schedules={"step_index": float})
 
 
-def _worker(rank, world, port, out_dir, kwargs):
+def _infer(out_dir):
+    """Encode 7 images one at a time, rotated (4 and 3 per process), and test-time VI on 5 in chunks of 2 (2 chunks and
+    1 per process) and of 8 (rank 1 has none); saves what this process returns as ``out_dir/rank<RANK>.pt``."""
+    model, guide = _system()
+    digits, _ = _images(7)
+    out = {"world": init_from_env().size, "encoded": encode_dataset(guide.encoder, digits, 1, rotation=40.0, seed=3)}
+    for b in (2, 8):
+        r = ttvi_batches(model, guide, digits[:5], batch_size=b, steps=3, progress=False, seed=7)
+        out[f"ttvi{b}"] = [r.latents, r.elbo_start, r.elbo_end, r.elbo_trace]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(out, Path(out_dir) / f"rank{os.environ.get('RANK', '0')}.pt")
+
+
+def _cli(out_dir, argv):
+    assert main(argv) == 0
+
+
+def _worker(rank, world, port, out_dir, fn, kwargs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank))
     code = 0
     try:
-        _train(out_dir, **kwargs)
+        fn(out_dir, **kwargs)
     except KeyboardInterrupt as e:
         code = getattr(e, "exit_code", 130)
     except CheckpointError as e:
@@ -82,11 +107,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(out_dir, world=2, **kwargs) -> list[int]:
-    """Run ``_train`` in ``world`` forked processes joined by a gloo process group; their exit codes."""
+def _run(out_dir, world=2, fn=_train, **kwargs) -> list[int]:
+    """Run ``fn`` (``_train``) in ``world`` forked processes joined by a gloo process group; their exit codes."""
     ctx = multiprocessing.get_context("fork")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, kwargs)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, fn, kwargs)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -141,3 +166,44 @@ def test_two_processes_resume_exactly(tmp_path, stop):
              for r in read_jsonl(tmp_path / "whole" / "log.jsonl")]
     assert strip == [{k: v for k, v in r.items() if k not in ("items_per_s", "wall_time_s")}
                      for r in read_jsonl(tmp_path / "cut" / "log.jsonl")]
+
+
+def test_shards_are_contiguous_and_cover_the_items():
+    # catches: items lost or repeated at the shard boundaries of an odd count, or a process left out
+    assert [World(2, r).shard(7) for r in range(2)] == [slice(0, 4), slice(4, 7)]
+    assert [World(3, r).shard(2) for r in range(3)] == [slice(0, 1), slice(1, 2), slice(2, 2)]
+    assert World().shard(5) == slice(0, 5) and World().gather([1, 2]) == [1, 2]
+
+
+def test_two_processes_encode_and_run_ttvi_as_one(tmp_path, pyro_clean):
+    # catches: a process returning only its own share, the shares joined out of order, rotations or TTVI seeds that
+    # follow the position in a process's share instead of the image's index, a process with no chunk failing
+    assert _run(tmp_path / "two", fn=_infer) == [0, 0]
+    _infer(tmp_path / "one")
+    one = torch.load(tmp_path / "one" / "rank0.pt", weights_only=False)
+    assert one.pop("world") == 1 and one["encoded"].part_logits.shape[0] == 7
+    for rank in range(2):
+        two = torch.load(tmp_path / "two" / f"rank{rank}.pt", weights_only=False)
+        assert two.pop("world") == 2
+        torch.testing.assert_close(two, one, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("command", ["ttvi", "evaluate"])
+def test_two_processes_run_the_commands_as_one_with_rank_0_writing(tiny_toml, tmp_path, no_reexec, pyro_clean, capfd,
+                                                                   command):
+    # catches: a command that only rank 0 runs (the other waits in a collective), both processes printing, the
+    # results of a process's share written instead of the whole
+    assert main(["train", "--config", str(tiny_toml), "--out", str(tmp_path / "run"), "--steps", "2", "--quiet"]) == 0
+    argv = [command, "--checkpoint", str(tmp_path / "run" / "final.pt"), "--quiet",
+            *(["--limit", "5", "--steps", "3", "--batch-size", "2"] if command == "ttvi" else ["--no-figures"])]
+    results = {}
+    for n in (1, 2):
+        out = tmp_path / f"{n}.json" if command == "ttvi" else tmp_path / f"{n}" / "tiny_seed0.json"
+        args = argv + (["--out", str(out)] if command == "ttvi" else ["--results-dir", str(out.parent)])
+        capfd.readouterr()
+        assert (main(args) == 0) if n == 1 else (_run(tmp_path, fn=_cli, argv=args) == [0, 0])
+        assert capfd.readouterr().out.count("n_test" if command == "evaluate" else "written to") == 1
+        results[n] = json.loads(out.read_text())["metrics"]
+    keys = (["elbo_encoder_mean", "elbo_ttvi_mean", "recon_mse_encoder", "recon_mse_ttvi", "elbo_trace"]
+            if command == "ttvi" else ["test_recon_mse", "probe_presence_pose_test_acc", "object_class_purity"])
+    torch.testing.assert_close(*([r[k] for k in keys] for r in (results[2], results[1])), rtol=0, atol=1e-5)
