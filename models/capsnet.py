@@ -8,7 +8,6 @@ primary capsules on a 10x10 grid = 3200 children, 10 16-D digit capsules, 3 rout
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -16,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from probcaps.config import Section
 from probcaps.models.routing import linear_dynamic_routing, squash
 from probcaps.decoders import MaskedCapsuleDecoder
 
@@ -23,7 +23,7 @@ __all__ = ["CapsNetConfig", "CapsNetOutput", "CapsNet", "margin_loss", "top_k_cl
 
 
 @dataclass
-class CapsNetConfig:
+class CapsNetConfig(Section):
     image_size: int = 36
     in_channels: int = 1
     conv1_channels: int = 256
@@ -43,9 +43,6 @@ class CapsNetConfig:
     margin_lambda: float = 0.5
     recon_weight: float = 0.0005      # per-image sum of squared errors, times this (paper)
     bf16: bool = False                # the two convolutions in bfloat16 autocast (routing, losses stay float32)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     def validate(self) -> None:
         if self.primary_grid < 1:

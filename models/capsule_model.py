@@ -17,7 +17,7 @@ benchmark and the tests) only differ in how ``s`` is summed out.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pyro
 import pyro.distributions as dist
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from pyro.nn import PyroModule
 from pyro.ops.indexing import Vindex
 
+from probcaps.config import Section
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
 from probcaps.render import render_over
@@ -35,7 +36,7 @@ __all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent"]
 
 
 @dataclass
-class CapsuleModelConfig:
+class CapsuleModelConfig(Section):
     num_parents: int = 16          # K object capsules (plus the dummy clutter parent)
     num_parts: int = 24            # M part capsules, one template each
     template_size: int = 11        # t
@@ -61,9 +62,6 @@ class CapsuleModelConfig:
     # near 0 still win its parts from the dummy, so presence has no absolute effect
     max_affinity: float = 0.0
     seed: int = 0                  # parameter initialisation
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _orthogonal_logits(n: int, size: int, gen: torch.Generator) -> torch.Tensor:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from probcaps.config import Section
 from probcaps.models.em_routing import EMConfig, em_routing, em_routing_conv
 
 __all__ = ["MatrixCapsConfig", "PrimaryCaps", "ConvCaps", "ClassCaps", "MatrixCapsNet", "spread_loss",
@@ -30,7 +31,7 @@ __all__ = ["MatrixCapsConfig", "PrimaryCaps", "ConvCaps", "ClassCaps", "MatrixCa
 
 
 @dataclass
-class MatrixCapsConfig:
+class MatrixCapsConfig(Section):
     in_channels: int = 1
     input_size: int = 32
     A: int = 64                      # ReLU Conv1 channels
@@ -48,9 +49,6 @@ class MatrixCapsConfig:
     coordinate_addition: bool = True
     standardise_cost: bool = True    # EM cost standardised over the parents at each position (see EMConfig)
     conv1_batchnorm: bool = False    # batch normalisation before ReLU Conv1's ReLU (not in the paper)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def em(self) -> EMConfig:
         return EMConfig(iterations=self.iterations, inverse_temperature=self.inverse_temperature,

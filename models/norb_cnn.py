@@ -7,17 +7,19 @@ a fully connected layer of 1024 ReLU units with dropout, and a 5-way softmax; 4.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from probcaps.config import Section
+
 __all__ = ["NorbCNNConfig", "NorbCNN"]
 
 
 @dataclass
-class NorbCNNConfig:
+class NorbCNNConfig(Section):
     in_channels: int = 1
     input_size: int = 32
     channels: list = field(default_factory=lambda: [32, 64])
@@ -25,10 +27,6 @@ class NorbCNNConfig:
     hidden: int = 1024
     dropout: float = 0.5
     num_classes: int = 5
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 class NorbCNN(nn.Module):
     """``(batch, C, 32, 32)`` -> class logits ``(batch, num_classes)``."""

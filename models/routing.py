@@ -112,16 +112,11 @@ def capsule_predictions(u: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing-by-agreement (paper, Procedure 1).
-
-    Args:
-        u_hat: ``(B, J, I, D)`` predictions of ``J`` parents by ``I`` children.
-        iterations: routing iterations ``r >= 1`` (1 = uniform coupling, no agreement step).
-        detach: the stop-gradient variant (as in the authors' TensorFlow code): gradients reach ``u_hat`` only
-            through the last iteration's weighted sum. Default: through every iteration.
-    Returns:
-        ``v`` ``(B, J, D)`` squashed parent capsules, and ``c`` ``(B, J, I)`` the final coupling coefficients
-        (softmax over the parents ``J``: ``c.sum(1) == 1`` for every child).
+    """Routing-by-agreement (paper, Procedure 1) of the predictions ``u_hat (B, J, I, D)`` of ``J`` parents by ``I``
+    children, ``iterations >= 1`` times (1: uniform coupling, no agreement step).  ``detach``: the stop-gradient
+    variant (as in the authors' TensorFlow code), gradients reaching ``u_hat`` only through the last iteration's
+    weighted sum.  Returns ``v (B, J, D)``, the squashed parent capsules, and ``c (B, J, I)``, the final coupling
+    coefficients (softmax over the parents: ``c.sum(1) == 1`` for every child).
     """
     if iterations < 1:
         raise ValueError(f"dynamic_routing: iterations must be >= 1, got {iterations}")

@@ -25,7 +25,7 @@ from typing import Any
 from probcaps.errors import ConfigError
 
 __all__ = ["Section", "DigitData", "DigitCanvas", "DataConfig", "EvalConfig", "Range", "RULES", "check_sections",
-           "load_sections", "parse_override", "range_of", "read_toml", "replace_checked"]
+           "check_value", "load_sections", "parse_override", "range_of", "read_toml", "replace_checked"]
 
 
 class Section:
@@ -177,7 +177,7 @@ def _coerce(value: Any, target: Any, where: str) -> Any:
     return float(value) if kind is float else value
 
 
-def _check(field: dataclasses.Field, value: Any, default: Any, where: str) -> Any:
+def check_value(field: dataclasses.Field, value: Any, default: Any, where: str) -> Any:
     """``value`` for ``field`` (default ``default``), type- and range-checked; raises a one-line ConfigError."""
     value = _coerce(value, default, where)
     rule = range_of(field)
@@ -197,13 +197,16 @@ def _check(field: dataclasses.Field, value: Any, default: Any, where: str) -> An
     return value
 
 
+_check = check_value  # the former private name
+
+
 def _build(cls, values: dict, where: str):
     defaults = cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in values:
         if key not in fields:
             raise ConfigError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
-    kwargs = {k: _check(fields[k], v, getattr(defaults, k), f"{where}.{k}") for k, v in values.items()}
+    kwargs = {k: check_value(fields[k], v, getattr(defaults, k), f"{where}.{k}") for k, v in values.items()}
     return dataclasses.replace(defaults, **kwargs)
 
 

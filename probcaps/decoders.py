@@ -1,10 +1,6 @@
-"""Decoders shared by the capsule models: reconstruct an image from a set of capsule vectors.
-
-``MaskedCapsuleDecoder`` is CapsNet's reconstruction network (Sabour et al. 2017, Fig. 2): all capsules but the
-selected ones are zeroed, the ``(K * D)`` result goes through an MLP with ReLU hidden layers and a sigmoid
-output of ``C * H * W`` pixels.  It knows nothing about routing, so any model with ``K`` capsules of ``D``
-dimensions can reuse it (e.g. to reconstruct from the parent capsules of another capsule model).
-"""
+"""CapsNet's reconstruction network (Sabour et al. 2017, Fig. 2): all capsules but the selected ones zeroed, then
+an MLP with ReLU hidden layers and a sigmoid output.  It knows nothing about routing: any model with ``K`` capsules
+of ``D`` dimensions can reuse it."""
 
 from __future__ import annotations
 
@@ -29,13 +25,8 @@ def capsule_mask(selected: torch.Tensor, num_capsules: int) -> torch.Tensor:
 
 
 class MaskedCapsuleDecoder(nn.Module):
-    """MLP decoder from masked capsules ``(B, K, D)`` to images ``(B, C, H, W)`` in ``[0, 1]``.
-
-    Args:
-        num_capsules: ``K``; capsule_dim: ``D``.
-        hidden: hidden layer widths (paper: ``(512, 1024)``).
-        image_shape: ``(C, H, W)`` of the output.
-    """
+    """MLP decoder from masked capsules ``(B, K, D)`` (``num_capsules`` ``K``, ``capsule_dim`` ``D``) to images
+    ``(B, C, H, W)`` in ``[0, 1]`` (``image_shape``); ``hidden``: the hidden layer widths (paper: ``(512, 1024)``)."""
 
     def __init__(self, num_capsules: int, capsule_dim: int, hidden: Sequence[int], image_shape: Sequence[int]):
         super().__init__()
@@ -46,13 +37,8 @@ class MaskedCapsuleDecoder(nn.Module):
         self.net = nn.Sequential(*hidden_layers, nn.Linear(sizes[-1], math.prod(self.image_shape)))
 
     def forward(self, capsules: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-        """Reconstruct from the capsules ``selected`` (``(B,)`` indices or a ``(B, K)`` mask) alone.
-
-        Args:
-            capsules: ``(B, K, D)``.
-        Returns:
-            ``(B, C, H, W)`` in ``[0, 1]``.
-        """
+        """``(B, C, H, W)`` in ``[0, 1]`` from the capsules ``(B, K, D)`` that ``selected`` (``(B,)`` indices or a
+        ``(B, K)`` mask) names, alone."""
         mask = capsule_mask(selected, self.num_capsules).to(capsules.dtype)
         flat = (capsules * mask.unsqueeze(-1)).flatten(1)
         return torch.sigmoid(self.net(flat)).view(capsules.shape[0], *self.image_shape)

@@ -112,10 +112,6 @@ class LinearProbe:
             raise ValueError(f"features has {X.shape[1]} columns but the probe was fitted on {n_in}")
         return self.pipeline_.predict(X)
 
-    def predict_proba(self, features: Any) -> np.ndarray:
-        self._check_fitted()
-        return self.pipeline_.predict_proba(_features(features, "features"))
-
     def accuracy(self, features: Any, labels: Any) -> float:
         X, y = _rows(features, "features", labels, "labels")
         return float(np.mean(self.predict(X) == y))

@@ -26,10 +26,8 @@ def repo_relative(value: Any, root: str | os.PathLike | None = None) -> Any:
     values come back unchanged.  Results files and tables then read the same on every machine.
     """
     prefix = os.fspath(Path(root).resolve() if root is not None else REPO_ROOT) + os.sep
-    if isinstance(value, str):
-        return value.replace(prefix, "")
-    if isinstance(value, os.PathLike):
-        return repo_relative(os.fspath(value), root)
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value).replace(prefix, "")
     if isinstance(value, dict):
         return {k: repo_relative(v, root) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -62,11 +60,8 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def git_commit(repo_dir: str | os.PathLike | None = None) -> str | None:
-    """Short commit hash of the checkout at ``repo_dir`` (default: the one holding this package).
-
-    Returns None if it is not a git checkout, git is unavailable, or there is no commit yet.
-    Appends ``"+dirty"`` when tracked files have uncommitted changes.
-    """
+    """Short commit hash of the checkout at ``repo_dir`` (default: the one holding this package), with ``"+dirty"``
+    when tracked files have uncommitted changes; None without a checkout, git or a commit."""
     start = Path(repo_dir).resolve() if repo_dir is not None else REPO_ROOT
     commit = _git(["rev-parse", "--short", "HEAD"], start) if start.is_dir() else None
     if commit and _git(["status", "--porcelain", "--untracked-files=no"], start):  # None: status failed, not dirty

@@ -57,8 +57,7 @@ def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int)
     Bilinear sampling with zeros outside the source.  Each source is first scaled to its native pixel size
     on the canvas (``w/W``, ``h/H``), then mapped by ``P``.  A singular pose renders nothing (see :data:`MIN_POSE_DET`).
     """
-    if isinstance(out_size, int):
-        out_size = (out_size, out_size)
+    out_size = (out_size, out_size) if isinstance(out_size, int) else out_size
     if images.dim() != 4 or P.shape != (images.shape[0], 3, 3):
         raise ValueError(f"warp: expected images (N, C, h, w) and poses (N, 3, 3); got {tuple(images.shape)} and "
                          f"{tuple(P.shape)}")
@@ -77,13 +76,8 @@ def _canvas_to_source(P: torch.Tensor, source_size, out_size) -> torch.Tensor:
 
 
 def render_templates(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
-    """Render ``M`` templates at per-image poses in one call: ``(B, M, C, H, W)``.
-
-    Args:
-        templates: ``(M, C, t, t)`` shared by the batch, or ``(B, M, C, t, t)`` per image.
-        poses: ``(B, M, 3, 3)`` template -> canvas maps.
-        out_size: canvas ``H`` (square) or ``(H, W)``.
-    """
+    """Render ``M`` templates, ``(M, C, t, t)`` shared by the batch or ``(B, M, C, t, t)`` per image, at poses
+    ``(B, M, 3, 3)`` (template -> canvas) on a canvas ``out_size`` (``H`` or ``(H, W)``): ``(B, M, C, H, W)``."""
     B, M = poses.shape[:2]
     if templates.dim() == 4:
         templates = templates.unsqueeze(0).expand(B, *templates.shape)
@@ -152,20 +146,15 @@ class _OverComposite(torch.autograd.Function):
 
 def composite_over(colours: torch.Tensor, alphas: torch.Tensor, dim: int = 1, background: float = 0.0,
                    compiled: bool = False):
-    """Fold :func:`alpha_over` over layers along ``dim`` (index 0 at the back), onto an opaque background.
+    """Fold :func:`alpha_over` over the layers ``(..., M, C, H, W)`` of ``colours`` along ``dim`` (index 0 at the
+    back), onto an opaque background; ``alphas`` broadcast to ``colours``.
 
     The closed form of the fold: layer ``m`` contributes ``α_m ∏_{j>m} (1 − α_j)``, the background what is left.
     The products are one cumulative sum in log space (``∏_{j>m} = exp(Σ_all − Σ_{j<=m})``), with a hand-written
-    backward (:class:`_OverComposite`).  Alphas are clamped to ``1 − 1e-6`` so an opaque layer keeps a finite log
-    (``1e-6`` of the layers behind it shows through).
-
-    Args:
-        colours: ``(..., M, C, H, W)`` layer colours (``dim`` indexes the layers); alphas: broadcastable to them.
-        compiled: through ``torch.compile``, which fuses the ten or so passes of the forward and the backward over
-            the layers into a few (the first call with a new shape pays for the compile).
-    Returns:
-        ``(image, weights)``: the composite with ``dim`` reduced, and the per-layer weights (which sum to 1 with
-        the background's share).
+    backward (:class:`_OverComposite`); alphas are clamped at :data:`ALPHA_CLAMP`.  ``compiled``: through
+    ``torch.compile``, which fuses the ten or so passes over the layers into a few (a new shape pays for a compile).
+    Returns ``(image, weights)``: the composite with ``dim`` reduced, and the per-layer weights (which sum to 1 with
+    the background's share).
     """
     return (_compiled(_composite_over) if compiled else _composite_over)(colours, alphas, dim, float(background))
 
@@ -377,17 +366,12 @@ def render_over(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[in
     its footprint, each such group's windows as wide and as tall as its widest and tallest footprint.  Windows
     holding more than :data:`MAX_WINDOW_SHARE` of the full layers' pixels take the full renderer.
 
-    Args:
-        templates, poses, out_size: as :func:`render_templates`, with two channels: colour and alpha.
-        background: the colour behind every layer.
-        compiled: the full renderer's compositing through ``torch.compile`` (:func:`composite_layers`).
-        contributions: also return each part's share of the image, ``w_m c_m``.
-    Returns:
-        ``(image (B, 1, H, W), contributions (B, M, 1, H, W) or None)``.
+    ``templates``, ``poses``, ``out_size`` as :func:`render_templates`, with two channels: colour and alpha;
+    ``background``: the colour behind every layer; ``compiled``: the full renderer's compositing through
+    ``torch.compile``; ``contributions``: also return each part's share of the image, ``w_m c_m``.  Returns
+    ``(image (B, 1, H, W), contributions (B, M, 1, H, W) or None)``.
     """
-    if isinstance(out_size, int):
-        out_size = (out_size, out_size)
-    H, W = out_size
+    H, W = out_size = (out_size, out_size) if isinstance(out_size, int) else out_size
     B, M = poses.shape[:2]
     if templates.dim() == 4:
         templates = templates.unsqueeze(0).expand(B, *templates.shape)

@@ -1,15 +1,12 @@
 """MultiMNIST (Sabour, Frosst & Hinton 2017): two overlapping digits of different classes on a 36x36 canvas.
 
-Each digit is shifted by integers in ``[-max_shift, max_shift]`` on each axis (the 28x28 digit centred on the
-canvas, as :func:`~probcaps.data.transforms.place_on_canvas` places it), the two are combined by pixel-wise max,
-and a pair is kept only if the two digits' *shifted bounding boxes* (the box around each digit's ink, moved by
-its shift) have IoU >= ``min_iou`` (a numpy reproduction's reading of the paper's "80% overlap").  A pair that
-fails is redrawn (new partner, new shifts) until it passes: rejection sampling, vectorised over the pairs
-still failing, so the accepted pairs are exactly the uniform draws conditioned on the rule.
+Each centred 28x28 digit is shifted by integers in ``[-max_shift, max_shift]`` per axis (as
+:func:`~probcaps.data.transforms.place_on_canvas` places it), the two are combined by pixel-wise max, and a pair is
+kept only if the digits' shifted ink bounding boxes have IoU >= ``min_iou`` (a numpy reproduction's reading of the
+paper's "80% overlap"); a failing pair is redrawn, so the accepted pairs are the uniform draws conditioned on the rule.
 
-Training pairs are generated on the fly: epoch ``e`` pairs every training digit (in a permutation) with a fresh
-partner and fresh shifts drawn from a generator seeded by ``(seed, e)``, so every epoch sees new composites (the
-paper's 60M pairs) and a run resumes exactly.  The test set is one fixed, seeded set of pairs of test digits.
+Epoch ``e`` pairs every training digit with a fresh partner and shifts from a generator seeded by ``(seed, e)``
+(new composites every epoch, as the paper's 60M pairs; a run resumes exactly).  The test set is one fixed set.
 """
 
 from __future__ import annotations
@@ -61,11 +58,6 @@ def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(union > 0, inter / union.clamp(min=1e-12), torch.zeros_like(union))
 
 
-def _shift_boxes(boxes: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """Move ``(N, 4)`` boxes by ``(N, 2)`` shifts ``(dx, dy)``."""
-    return boxes + shifts[:, [1, 1, 0, 0]]
-
-
 def sample_pairs(first: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor, generator: torch.Generator,
                  max_shift: int = 4, min_iou: float = 0.8, draws_per_round: int = 1 << 18,
                  patience: int = 2000, max_rounds: int = 1000) -> MultiMNISTPairs:
@@ -73,10 +65,9 @@ def sample_pairs(first: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor,
     the IoU rule; ``labels`` ``(M,)`` and ``boxes`` ``(M, 4)`` (:func:`bounding_boxes`) are those of all source
     digits, ``generator`` the only source of randomness.
 
-    Each round draws ``draws_per_round`` candidate (partner, shifts) triples, shared out over the failing pairs (8
-    to 4096 each), and keeps the first that passes (the same as drawing one at a time until one passes).  A first
-    digit that has found no partner after about ``patience`` draws (an ink box unlike that of any other class,
-    mostly thin 1s) is itself replaced by a new uniform draw; the returned ``first`` says which digits were used
+    Each round draws ``draws_per_round`` candidates, shared out over the failing pairs (8 to 4096 each), and keeps
+    the first that passes (as drawing one at a time would).  A first digit with no partner after about ``patience``
+    draws (mostly thin 1s) is replaced by a new uniform draw; the returned ``first`` says which digits were used
     (about 5% of the MNIST training digits are replaced, so 1s make up about 6% of the paired digits, not 11%).
     """
     n, m = first.shape[0], labels.shape[0]
@@ -96,8 +87,8 @@ def sample_pairs(first: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor,
         cand = torch.randint(0, m, (t, k), generator=generator)
         sh = torch.randint(-max_shift, max_shift + 1, (t, k, 2, 2), generator=generator)
         f = first[todo][:, None].expand(t, k)
-        value = box_iou(_shift_boxes(boxes[f].reshape(-1, 4), sh[:, :, 0].reshape(-1, 2)),
-                        _shift_boxes(boxes[cand].reshape(-1, 4), sh[:, :, 1].reshape(-1, 2))).view(t, k)
+        moved = boxes[torch.stack([f, cand], -1)] + sh[..., [1, 1, 0, 0]]  # (t, k, 2, 4), shifted by (dy, dy, dx, dx)
+        value = box_iou(moved[..., 0, :], moved[..., 1, :])
         ok = (labels[cand] != labels[f]) & (value >= min_iou)  # (t, k)
         found = ok.any(1)
         pick = ok.float().argmax(1)  # first passing draw

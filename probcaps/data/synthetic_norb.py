@@ -1,23 +1,17 @@
-"""A synthetic smallNORB stand-in: five classes of 3-D toys, ray-cast with shading at controlled viewpoints.
+"""A synthetic smallNORB stand-in (the real set cannot be fetched on these machines): five classes of 3-D toys,
+ray-cast with shading at controlled viewpoints, as a :class:`~probcaps.data.smallnorb.NorbSet` with smallNORB's
+metadata and splits.
 
-The real smallNORB cannot be fetched on these machines, so this renders a set with the same structure
-(:class:`~probcaps.data.smallnorb.NorbSet`, the same metadata and splits):
+- classes: animal, human, airplane, truck, car, each 4 to 7 axis-aligned ellipsoids (variant ``"toys"``), or 6 to 8
+  with a distinct front, back and sides (``"asymmetric"``, :data:`VARIANTS`); object frame x forward, y left, z up;
+- 10 instances per class (0-4 train, 5-9 test, disjoint as smallNORB's toys): part radii scaled by [0.75, 1.25] per
+  axis, centres moved by N(0, 0.04^2) per axis, the object scaled by [0.85, 1.1], albedo in [0.6, 1.0];
+- azimuth 0..340 step 20 (0 looks at the front), elevation 30..70 step 5, 3 lightings (:data:`LIGHTS`: a light
+  fixed relative to the camera, Lambertian shading plus ambient, black background);
+- orthographic 48 x 48 pixels over [-1.15, 1.15] object units, 2 x 2 supersampled; uint8.
 
-- classes (as smallNORB): animal, human, airplane, truck, car, each a union of 4 to 7 axis-aligned ellipsoids in
-  an object frame with x forward, y left, z up (variant ``"toys"``); variant ``"asymmetric"`` has 6 to 8 parts
-  and a distinct front, back and sides per class (:data:`VARIANTS`);
-- 10 instances per class (0-4 the training split, 5-9 the test split, as smallNORB's disjoint toys): each part's
-  radii scaled by a factor in [0.75, 1.25] per axis, its centre moved by N(0, 0.04^2) per axis, the whole object
-  scaled by a factor in [0.85, 1.1], an albedo in [0.6, 1.0];
-- viewpoints: azimuth 0..340 in steps of 20 (azimuth 0 looks at the front), elevation 30..70 in steps of 5;
-- 3 lightings (:data:`LIGHTS`): a directional light fixed relative to the camera, Lambertian shading plus
-  ambient, on a black background;
-- orthographic projection onto 48 x 48 pixels spanning [-1.15, 1.15] object units (the paper's 48 x 48 after
-  downsampling), 2 x 2 supersampled; uint8.
-
-5 x 10 x 18 x 9 x 3 = 24,300 images, as many as one smallNORB split, cached under ``~/.cache/probcaps/
-synthetic_norb/`` (or ``<data dir>/synthetic_norb/`` for an explicit data dir), keyed by the generator's parameters
-and seed.
+5 x 10 x 18 x 9 x 3 = 24,300 images, cached under ``~/.cache/probcaps/synthetic_norb/`` (or ``<data
+dir>/synthetic_norb/``), keyed by the generator's parameters and seed.
 """
 
 from __future__ import annotations
@@ -68,10 +62,8 @@ _PARTS = {
 }
 
 
-# "asymmetric": the same five classes with a distinct front and back and distinct sides, as real toys have (a
-# head on a neck and a thin tail; arms held forward and feet; wings forward with engines and a tall fin at the
-# back; a tall cab in front of a low loaded bed; a cabin at the back with a spoiler).  The "toys" are nearly
-# symmetric front to back, so a view from behind looks like a familiar view and novel azimuths are barely novel.
+# "asymmetric": distinct fronts, backs and sides, as real toys have.  The "toys" are nearly symmetric front to
+# back, so a view from behind looks like a familiar view and novel azimuths are barely novel.
 _PARTS_ASYMMETRIC = {
     "animal": [((0.0, 0.0, 0.0), (0.5, 0.2, 0.2)), ((0.45, 0.0, 0.32), (0.1, 0.09, 0.3)),
                ((0.62, 0.0, 0.62), (0.22, 0.09, 0.1)),
@@ -205,7 +197,6 @@ def synthetic_norb(split: str, data_dir: str | os.PathLike | None = None, seed: 
     if not (1 <= instances_per_split <= 5 and 1 <= elevations <= len(ELEVATIONS_DEG) and 1 <= lightings <= 3):
         raise ValueError(f"synthetic_norb: instances_per_split must be in 1..5, elevations in 1..9 and lightings in "
                          f"1..3, got {instances_per_split}, {elevations}, {lightings}")
-    _parts(variant)  # a clear error for an unknown variant
     full = instances_per_split == 5 and elevations == len(ELEVATIONS_DEG) and lightings == len(LIGHTS)
     memo_key = (split, seed, size, instances_per_split, elevations, lightings, variant)
     if cache and memo_key in _MEMO:

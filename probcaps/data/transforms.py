@@ -23,13 +23,9 @@ def place_on_canvas(digits: torch.Tensor, offsets: torch.Tensor, canvas: int = 4
     """Paste each digit onto an empty ``canvas x canvas`` image, centred, then shifted by its offset (the SCAE
     placement: no interpolation, pixels copied with one advanced-indexing assignment).
 
-    Args:
-        digits: ``(N, h, w)``, any dtype (uint8 or float).
-        offsets: ``(N, 2)`` integer ``(dx, dy)``; digit pixel ``(r, c)`` lands at canvas
-            ``(top + dy + r, left + dx + c)`` with ``top = (canvas - h) // 2``, ``left = (canvas - w) // 2``.
-    Returns:
-        ``(N, canvas, canvas)``, same dtype and device as ``digits``; zeros outside the digit.  A ValueError if a
-        shifted digit would leave the canvas.
+    ``digits (N, h, w)`` of any dtype; ``offsets (N, 2)`` integer ``(dx, dy)``: digit pixel ``(r, c)`` lands at
+    ``(top + dy + r, left + dx + c)``, ``top = (canvas - h) // 2``, ``left = (canvas - w) // 2``.  Returns ``(N, canvas,
+    canvas)`` of ``digits``' dtype and device, zeros outside the digit; a ValueError if a digit would leave the canvas.
     """
     if digits.dim() != 3:
         raise ValueError(f"place_on_canvas: digits must be (N, h, w), got shape {tuple(digits.shape)}")
@@ -57,10 +53,8 @@ def place_on_canvas(digits: torch.Tensor, offsets: torch.Tensor, canvas: int = 4
 def rotate(images: torch.Tensor, angles_deg, canvas: int | None = None) -> torch.Tensor:
     """Rotate square float images about their centre; positive angles turn **counter-clockwise on screen**.
 
-    "On screen" means as displayed with row 0 at the top (``plt.imshow``): at +90 degrees a pixel right of the
-    centre moves to above the centre.  Because the image ``y`` axis points down, this is the matrix
-    ``rotation_matrix(-angle)`` in image coordinates.  Bilinear sampling (via :func:`probcaps.render.warp`,
-    the package's one affine warp); what comes from outside the source is 0.
+    "On screen": displayed with row 0 at the top (``plt.imshow``), at +90 degrees a pixel right of the centre moves
+    above it.  Bilinear sampling by :func:`probcaps.render.warp`; what comes from outside the source is 0.
 
     ``images``: float ``(N, H, W)`` or ``(N, C, H, W)`` with ``H == W``; ``angles_deg``: a scalar or ``(N,)``;
     ``canvas``: output side length (default ``H``), the image staying centred.  Returns ``(N, canvas, canvas)`` or
