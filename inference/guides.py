@@ -1,11 +1,8 @@
 """Guides for :class:`models.capsule_model.CapsuleModel` (Smith et al. 2020, §2.3-2.4).
 
-The amortised encoder maps an image to the part capsules (a CNN with attentive pooling, one capsule per
-template) and the set of part capsules to the object capsules (a set transformer).  There is no direct path
-from the image to the objects.  :class:`DeltaGuide` places point masses on the poses (MAP) and concrete
-distributions on the presences; it is how the model is trained from scratch.  :class:`NormalPoseGuide` (the
-"full variational poses" guide) puts Normal posteriors on the poses and starts from a delta-trained encoder
-(:func:`from_delta`, paper §2.3).
+The amortised encoder maps an image to the part capsules (a CNN with attentive pooling, one per template) and
+their set to the object capsules (a set transformer), with no direct path from the image to the objects.
+:class:`DeltaGuide` (point-mass poses) trains the model from scratch; :class:`NormalPoseGuide` starts from it.
 """
 
 from __future__ import annotations

@@ -111,8 +111,7 @@ class ConvCaps(nn.Module):
         self.in_types, self.out_types, self.kernel, self.stride, self.em = in_types, out_types, kernel, stride, em
         # one transform per (kernel offset, input type) and output type; input index i = offset * in_types + type
         self.W = _init_transforms(kernel * kernel * in_types, out_types, std=init_std)
-        self.beta_v = nn.Parameter(torch.zeros(out_types))
-        self.beta_a = nn.Parameter(torch.zeros(out_types))
+        self.beta_v, self.beta_a = (nn.Parameter(torch.zeros(out_types)) for _ in range(2))
 
     def forward(self, pose: torch.Tensor, log_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _, h, w = pose.shape
@@ -140,8 +139,7 @@ class ClassCaps(nn.Module):
         super().__init__()
         self.em, self.coordinate_addition = em, coordinate_addition
         self.W = _init_transforms(in_types, classes, std=init_std)
-        self.beta_v = nn.Parameter(torch.zeros(classes))
-        self.beta_a = nn.Parameter(torch.zeros(classes))
+        self.beta_v, self.beta_a = (nn.Parameter(torch.zeros(classes)) for _ in range(2))
 
     def forward(self, pose: torch.Tensor, log_a: torch.Tensor):
         b, t, _, h, w = pose.shape

@@ -1,10 +1,5 @@
-"""Run-folder files: atomic writes, JSON-lines logs and the run-folder lock.
-
-- :func:`atomic_write` never leaves a half-written file (a crash, a full disk, a kill -9 at any moment), and a
-  Ctrl-C or SIGTERM that arrives while it writes is held back until the file is complete, then delivered.
-- :func:`read_jsonl` / :func:`truncate_log` read a log whose last line a kill cut in half (the line is dropped).
-- :class:`RunLock` keeps two processes from writing the same run folder at once.
-"""
+"""Run-folder files: atomic writes (never half-written, whatever kills the process), JSON-lines logs that survive a
+last line cut in half, and the lock that keeps two processes from writing one run folder."""
 
 from __future__ import annotations
 

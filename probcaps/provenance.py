@@ -142,13 +142,8 @@ def _jsonable(obj: Any) -> Any:
         return os.fspath(obj)
     if hasattr(obj, "detach") and hasattr(obj, "cpu"):  # torch.Tensor
         obj = obj.detach().cpu().numpy()
-    if isinstance(obj, np.ndarray):
+    if isinstance(obj, (np.ndarray, np.generic)):  # arrays and numpy scalars
         return _jsonable(obj.tolist())
-    if hasattr(obj, "item"):  # numpy scalars
-        try:
-            return _jsonable(obj.item())
-        except Exception:
-            pass
     return str(obj)
 
 

@@ -1,10 +1,8 @@
 """The result tables of the README and the docs (``probcaps report``).
 
-Every experiment writes its table as ``results/<name>.md`` whenever it writes ``results/<name>.json``
-(:func:`write_table`); ``probcaps report`` only splices: the text between ``<!-- results:NAME -->`` and
-``<!-- /results:NAME -->`` in ``README.md`` and in every ``docs/*.md`` is replaced by ``results/NAME.md``, everything
-else is left alone (:func:`splice_tables`).  Numbers are never typed into the README by hand, and nothing here
-imports the models, the inference code or the experiments; the helpers at the end serve the experiments' tables.
+Every experiment writes its table as ``results/<name>.md`` beside ``results/<name>.json`` (:func:`write_table`);
+``probcaps report`` only splices them into ``README.md`` and ``docs/*.md`` (:func:`splice_tables`), so numbers are
+never typed in by hand.  Nothing here imports the models, the inference code or the experiments.
 """
 
 from __future__ import annotations

@@ -158,6 +158,4 @@ def affnist_recipe_test(data_dir: str | os.PathLike | None = None, seed: int = 0
         arr, digest = images.numpy(), hashlib.sha1(images.numpy().tobytes()).hexdigest()
         with contextlib.suppress(OSError):  # a read-only cache folder: use the images without caching them
             atomic_write(path, lambda f: np.savez_compressed(f, images=arr, sha1=digest))
-    if limit:
-        images, labels = images[:limit], labels[:limit]
-    return images, labels
+    return images[:limit or None], labels[:limit or None]

@@ -188,11 +188,9 @@ def load_digits(dataset: str, split: str, *, limit: int | None = None, data_dir=
 
 
 def write_fake_mnist(root: str | os.PathLike, n_train: int = 64, n_test: int = 32, seed: int = 0) -> Path:
-    """Write :func:`synthetic_digits` as the four gzip IDX files, with the official names, under ``root/mnist``.
-
-    For tests and smoke runs without real MNIST.  The md5s differ from the official ones, so load them with
-    ``load_mnist(split, data_dir=root, verify=False)`` (``verify=True`` raises DataError).  Returns the folder.
-    """
+    """Write :func:`synthetic_digits` as the four gzip IDX files, with the official names, under ``root/mnist``
+    (returned), for tests and smoke runs without real MNIST; load them with ``load_mnist(split, root, verify=False)``
+    (their md5s are not the official ones)."""
     folder = mnist_dir(root)
     for split, n in (("train", n_train), ("test", n_test)):
         images_name, labels_name, _ = MNIST_SPLITS[split]

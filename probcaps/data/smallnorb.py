@@ -10,10 +10,8 @@ elements in C order.  The six files (gzip as distributed, or raw) live in ``<dat
   (0..8: 30 to 70 degrees in steps of 5), azimuth (0, 2, .., 34: times 10 degrees), lighting (0..5).
 
 The paper's preprocessing: each image downsampled to 48x48 (here: 2x2 area average of the 96x96 left-camera
-image), then random 32x32 crops during training and the centre 32x32 crop at test time (:func:`crop32`).
-
-This loader and the synthetic stand-in (:mod:`probcaps.data.synthetic_norb`) both return a :class:`NorbSet`, which
-:func:`viewpoint_split` splits by viewpoint.  :func:`download_smallnorb` fetches the official files.
+image), then random 32x32 crops during training and the centre 32x32 crop at test time (:func:`crop32`).  This
+loader and the synthetic stand-in (:mod:`probcaps.data.synthetic_norb`) both return a :class:`NorbSet`.
 """
 
 from __future__ import annotations
