@@ -160,8 +160,7 @@ def render_views(centres: torch.Tensor, radii: torch.Tensor, mask: torch.Tensor,
     covered = torch.isfinite(t_near)
     # normal of the hit ellipsoid at the hit point: (x - centre) / radii^2
     idx = part[..., None].expand(B, n * n, 3)
-    ctr = centres.gather(1, idx)
-    rad = radii.gather(1, idx)
+    ctr, rad = centres.gather(1, idx), radii.gather(1, idx)
     point = origin + t_near.clamp(max=10.0)[..., None] * direction[:, None]
     normal = (point - ctr) / rad ** 2
     normal = normal / normal.norm(dim=-1, keepdim=True).clamp_min(1e-9)
@@ -235,9 +234,7 @@ _MEMO: dict[tuple, NorbSet] = {}
 
 
 def _cache_dirs(data_dir) -> list[Path]:
-    """Where the rendered set is cached: an explicit ``data_dir``, else the user cache (``~/.cache/probcaps``).
-
-    Not ``$PROBCAPS_DATA``: that data root may be shared between users (or read-only) and holds downloaded sets only.
-    """
+    """Where the rendered set is cached: an explicit ``data_dir``, else the user cache (``~/.cache/probcaps``); not
+    ``$PROBCAPS_DATA``, a data root that may be shared or read-only and holds downloaded sets only."""
     folders = [Path(data_dir).expanduser()] if str(data_dir or "") else []
     return list(dict.fromkeys(folder / "synthetic_norb" for folder in folders + [user_cache_dir()]))
