@@ -27,10 +27,9 @@ from probcaps import plotting
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat
 from probcaps.cli import add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.mnist_probe import FEATURES, checkpoint_parser
+from probcaps.experiments.mnist_probe import FEATURES, checkpoint_parser, write_report
 from probcaps.experiments.rotated_digits import reconstruct
 from probcaps.metrics import LinearProbe
-from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line
 
 
@@ -153,14 +152,11 @@ def main(argv=None) -> int:
     plotting.plot_image_grid(torch.stack([x[:, 0].cpu(), recon[:, 0].cpu()]), results / f"{args.name}_examples.png",
                              row_labels=[ood_name, "reconstruction"], title=f"{ood_name}: inputs and the "
                              f"model's reconstructions (encoder only)")
-    prov = provenance(seed=args.cnn_seeds, steps=args.cnn_steps, wall_time_s=time.perf_counter() - t0,
-                      device=args.device, checkpoint=str(args.checkpoint))
-    write_results(results / f"{args.name}.json", metrics, prov)
-    tables(results)
+    write_report(results, args.name, metrics, tables, seed=args.cnn_seeds, steps=args.cnn_steps,
+                 wall_time_s=time.perf_counter() - t0, device=args.device, checkpoint=str(args.checkpoint))
     print(f"{ood_name}: probe presence+pose {metrics['ood_probe_presence_pose_acc']:.4f}, presence "
           f"{metrics['ood_probe_presence_acc']:.4f} (MNIST test {metrics['mnist_probe_presence_pose_acc']:.4f}); "
           f"CNN {np.mean([r['ood_acc'] for r in metrics['cnn']]) if metrics['cnn'] else float('nan'):.4f}")
-    print(f"wrote {results / (args.name + '.json')}")
     return 0
 
 

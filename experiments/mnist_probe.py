@@ -19,7 +19,7 @@ from pathlib import Path
 from probcaps.inference.capsule_svi import (REMOVED_AFTER, REMOVED_OPTIONS, SCHEMA, load_experiment_config,
                                             train_capsules)
 from probcaps.inference.evaluate import evaluate_checkpoint
-from probcaps.inference.train import load_checkpoint, read_jsonl, run_finished
+from probcaps.inference.train import load_checkpoint, run_finished
 from probcaps import plotting
 from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
 from probcaps.io import atomic_torch_save
@@ -50,13 +50,22 @@ def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
     return Path(arg) if arg else None
 
 
-def train_run(cfg: dict, out: Path, args, **kw) -> Path:
+def train_run(cfg: dict, out: Path, args, **kw) -> tuple[Path, dict]:
     """Train ``cfg`` into the run folder ``out`` (with ``--resume``: from its checkpoint, and not at all once
-    finished); returns its ``final.pt``.  ``kw`` go to :func:`train_capsules`."""
+    finished); returns its ``final.pt`` and training state.  ``kw`` go to :func:`train_capsules`."""
     if not (args.resume and run_finished(out, cfg["train"].steps)):
         train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
                        data_dir=args.data_dir, progress=not args.quiet, **kw)
-    return out / "final.pt"
+    return out / "final.pt", load_checkpoint(out / "final.pt")["state"]
+
+
+def write_report(results_dir, name: str, metrics: dict, write_tables, **prov) -> Path:
+    """Write ``results_dir/<name>.json`` (``metrics`` and the :func:`~probcaps.provenance.provenance` of this run,
+    with ``prov``) and its tables, ``write_tables(results_dir)``; returns the JSON's path."""
+    path = write_results(Path(results_dir) / f"{name}.json", metrics, provenance(**prov))
+    write_tables(Path(results_dir))
+    print(f"wrote {path}")
+    return path
 
 
 def export_checkpoint(src: Path, dst: Path) -> Path:
@@ -67,12 +76,7 @@ def export_checkpoint(src: Path, dst: Path) -> Path:
 
 def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
     """Negative ELBO per image against step, one line per run (from the runs' ``log.jsonl``)."""
-    curves = {}
-    for label, log in logs.items():
-        # last record per step wins: a run resumed by an older version appended after its stale records
-        if by_step := {r["step"]: r["loss"] for r in read_jsonl(log)}:
-            curves[label] = (sorted(by_step), [by_step[s] for s in sorted(by_step)])
-    if curves:
+    if curves := plotting.log_curves(logs, "loss"):
         plotting.plot_curves(curves, path, xlabel="step", ylabel="negative ELBO per image (nats)",
                              title="training (SVI, TraceEnum_ELBO)")
 
@@ -182,17 +186,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
     args.out = args.out or str(ROOT / "runs" / args.name)
-    if setup_run(args, lambda results: write_tables(results, args.name)):
+    if setup_run(args, tables := lambda results: write_tables(results, args.name)):
         return 0
     runs = []
     for seed in args.seeds:
         flags = [f"train.{key}=true" for key in ("jit", "compile") if getattr(args, key)]
         overrides = [*args.set, f"train.seed={seed}", *flags]
         cfg = load_experiment_config(args.config, overrides)
-        final = train_run(cfg, Path(args.out) / f"seed{seed}", args)
+        final, state = train_run(cfg, Path(args.out) / f"seed{seed}", args)
         if args.train_only:
             continue
-        state = load_checkpoint(final)["state"]
         seed_json = Path(args.results_dir) / f"{args.name}_seed{seed}.json"
         if args.reuse_results and seed_json.is_file() and seed_json.stat().st_mtime > final.stat().st_mtime:
             metrics = json.loads(seed_json.read_text())["metrics"]
@@ -208,16 +211,13 @@ def main(argv=None) -> int:
         return 0
     summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items() if isinstance(v, float)])}
     cfg = load_experiment_config(args.config, args.set)
-    prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
-                      wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
-                      configs=config_dicts(cfg))
-    write_results(Path(args.results_dir) / f"{args.name}.json", summary, prov)
-    write_tables(Path(args.results_dir), args.name)
+    write_report(args.results_dir, args.name, summary, tables,
+                 seed=args.seeds, steps=runs[0]["steps"], device=args.device, configs=config_dicts(cfg),
+                 wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size)
     plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},
                          Path(args.results_dir) / f"{args.name}_training.png")
     if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
         export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", checkpoint_out)
-    print(f"wrote {Path(args.results_dir) / (args.name + '.json')}")
     return 0
 
 

@@ -24,19 +24,16 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.cli import (
-    add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run, table_writer,
-)
+from probcaps.cli import (add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
+                          setup_run, table_writer)
 from probcaps.config import DigitCanvas, Section, load_sections
 from probcaps.data import load_digits
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
 from probcaps.errors import ConfigError
-from probcaps.inference.train import (
-    TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished, train_loop, truncate_log,
-)
+from probcaps.experiments.mnist_probe import write_report
+from probcaps.inference.train import TrainConfig, load_final, run_finished, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
-from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,18 +129,11 @@ def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, da
     model = CapsNet(cfg["model"]).to(device)
     test = PairSource(cfg["data"], "test", data_dir)
     if resume and run_finished(out, tcfg.steps):
-        ckpt = load_checkpoint(out / "final.pt", map_location=device)
-        load_module_state(model, ckpt["module"], out / "final.pt")
-        return model, ckpt["state"], test
+        return model, load_final(model, out, device), test
     t_start = time.perf_counter()
-    resume = resume and (out / "checkpoint.pt").is_file()
+    resume = start_log(out / "eval.jsonl", resume)  # the curve up to the checkpoint resumed from
     train = PairSource(cfg["data"], "train", data_dir)
     curve_pairs = test.pairs(cfg["data"].seed, "test", n=min(cfg["eval"].curve_pairs, cfg["data"].test_pairs))
-    eval_log = out / "eval.jsonl"
-    if resume:  # keep the curve consistent with the checkpoint we resume from
-        truncate_log(eval_log, load_checkpoint(out / "checkpoint.pt")["state"]["step"])
-    else:
-        eval_log.unlink(missing_ok=True)
     running = {"set_acc": [], "margin": [], "recon_sse": []}
 
     def batches(epoch: int, start: int):
@@ -164,7 +154,7 @@ def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, da
                   **{f"train_{k}": float(np.mean(v)) if v else None for k, v in running.items()}}
         for v in running.values():
             v.clear()
-        append_jsonl(eval_log, record)
+        append_jsonl(out / "eval.jsonl", record)
 
     metadata = {"name": cfg["name"], "kind": "capsnet", "configs": config_dicts(cfg)}
     state = train_loop(model, loss_fn, batches, tcfg, out, resume=resume, metadata=metadata, progress=progress,
@@ -207,13 +197,8 @@ def plot_capsule_lengths(model: CapsNet, test: PairSource, pairs, path: Path, n:
 
 def plot_training(runs: dict[str, Path], path: Path) -> None:
     """Two panels: training loss (from ``log.jsonl``) and test-subset set accuracy (``eval.jsonl``) vs step."""
-
-    def curve(path: Path, key: str, scale: float = 1.0):
-        by_step = {r["step"]: scale * r[key] for r in read_jsonl(path)}
-        return sorted(by_step), [by_step[s] for s in sorted(by_step)]
-
-    loss = {label: curve(out / "log.jsonl", "loss") for label, out in runs.items()}
-    acc = {label: curve(out / "eval.jsonl", "test_set_acc", 100) for label, out in runs.items()}
+    loss = plotting.log_curves({label: out / "log.jsonl" for label, out in runs.items()}, "loss")
+    acc = plotting.log_curves({label: out / "eval.jsonl" for label, out in runs.items()}, "test_set_acc", 100)
     plotting.plot_curve_panels([
         {"curves": loss, "xlabel": "step", "ylabel": "margin + 0.0005 x reconstruction loss",
          "title": "training loss", "logy": True},
@@ -265,14 +250,11 @@ def main(argv=None) -> int:
         return 0
     summary = {"per_seed": runs, "writeup_set_acc": NUMPY_SET_ACC, "paper_set_acc": PAPER_SET_ACC,
                **seed_summary(runs, ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"))}
-    prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
-                      wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
-                      threads=torch.get_num_threads(), configs=config_dicts(cfg))
-    write_results(results / f"{name}.json", summary, prov)
-    tables(results)
+    write_report(results, name, summary, tables, seed=args.seeds, steps=runs[0]["steps"], device=args.device,
+                 wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
+                 threads=torch.get_num_threads(), configs=config_dicts(cfg))
     if cfg["eval"].figures:
         plot_training(outs, results / f"{name}_training.png")
-    print(f"wrote {results / (name + '.json')}")
     return 0
 
 

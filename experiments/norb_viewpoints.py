@@ -36,13 +36,12 @@ from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnor
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb
 from probcaps.data.transforms import standardise_per_image
 from probcaps.errors import ConfigError
+from probcaps.experiments.mnist_probe import write_report
 from probcaps.io import append_jsonl
 from probcaps.inference.supervised import predict
-from probcaps.inference.train import (TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished,
-                                      train_loop, truncate_log)
+from probcaps.inference.train import TrainConfig, load_final, read_jsonl, run_finished, start_log, train_loop
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
-from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, provenance_line, results_in, results_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,11 +149,7 @@ def train_one(kind: str, cfg: dict, sets: dict, out: Path, seed: int, device, re
     model = build_model(kind, cfg).to(device)
     tcfg = dataclasses.replace(cfg[f"{kind}_train"], seed=seed)
     eval_log = out / "eval.jsonl"
-    resume = resume and (out / "checkpoint.pt").is_file()
-    if resume:  # keep the evaluations up to the checkpoint we resume from
-        truncate_log(eval_log, load_checkpoint(out / "checkpoint.pt")["state"]["step"])
-    else:
-        eval_log.unlink(missing_ok=True)
+    resume = start_log(eval_log, resume)  # the evaluations up to the checkpoint resumed from
     data_cfg = cfg["data"]
 
     def evaluate(state) -> None:
@@ -235,11 +230,10 @@ def final_reading(logs: dict[str, list[dict]]) -> dict:
                for view in ("familiar", "novel") for key in ("azimuth", "elevation")}}
 
 
-def trained_model(kind: str, cfg: dict, checkpoint: dict, path: Path, device) -> torch.nn.Module:
-    """The model of ``kind`` with the weights of ``checkpoint`` (read from ``path``)."""
+def trained_model(kind: str, cfg: dict, out: Path, device) -> tuple[torch.nn.Module, dict]:
+    """The final model of ``kind`` in the run folder ``out``, and its training state."""
     model = build_model(kind, cfg).to(device)
-    load_module_state(model, checkpoint["module"], path)
-    return model
+    return model, load_final(model, out, device)
 
 
 def plot_by_viewpoint(runs: list[dict], key: str, path: Path, xlabel: str, ylabel: str) -> None:
@@ -326,7 +320,7 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.set)
     name = args.name or cfg["name"]
     args.out = args.out or str(ROOT / "runs" / name)
-    if setup_run(args, lambda results: write_tables(results, name)):
+    if setup_run(args, tables := lambda results: write_tables(results, name)):
         return 0
     t0 = time.perf_counter()
     sets = load_sets(cfg["data"], args.data_dir)
@@ -340,20 +334,18 @@ def main(argv=None) -> int:
     runs, logs_by_seed = [], {}
     all_views = cfg["data"].train_views == "all"
     for seed in args.seeds:
-        logs = {k: read_jsonl(Path(args.out) / f"seed{seed}" / k / "eval.jsonl") for k in MODELS}
+        folders = {k: Path(args.out) / f"seed{seed}" / k for k in MODELS}
+        logs = logs_by_seed[seed] = {k: read_jsonl(out / "eval.jsonl") for k, out in folders.items()}
         if not all(logs.values()):
             raise ConfigError(f"{args.out}/seed{seed}: evaluation logs missing (train both models first)")
-        logs_by_seed[seed] = logs
-        paths = {k: Path(args.out) / f"seed{seed}" / k / "final.pt" for k in MODELS}
-        finals = {k: load_checkpoint(paths[k]) for k in MODELS}
+        runs.append(r := {"seed": seed, **(final_reading(logs) if all_views else matched_comparison(logs))})
+        finals = {k: trained_model(k, cfg, out, args.device) for k, out in folders.items()}
         # accuracy on the fixed subset of its own training images (centre crops): tells a model that underfits from
         # one that fits the familiar views but does not carry them to new instances
-        train_acc = {k: float(correct_on(trained_model(k, cfg, finals[k], paths[k], args.device), sets["train_eval"],
-                                         cfg["data"], args.device).float().mean()) for k in MODELS}
-        runs.append(r := {"seed": seed, **(final_reading(logs) if all_views else matched_comparison(logs)),
-                          **{f"{k}_final_train_acc": train_acc[k] for k in MODELS},
-                          **{f"{k}_train_wall_time_s": finals[k]["state"]["wall_time_s"] for k in MODELS},
-                          **{f"{k}_steps": finals[k]["state"]["step"] for k in MODELS}})
+        r.update({f"{k}_final_train_acc": float(correct_on(model, sets["train_eval"], cfg["data"], args.device)
+                                                .float().mean()) for k, (model, _) in finals.items()})
+        r.update({f"{k}_train_wall_time_s": state["wall_time_s"] for k, (_, state) in finals.items()})
+        r.update({f"{k}_steps": state["step"] for k, (_, state) in finals.items()})
         print(f"seed {seed} (trained on all views): novel caps {r['caps_final_novel_acc']:.3f}, CNN "
               f"{r['cnn_final_novel_acc']:.3f}" if all_views else
               f"seed {seed}: target familiar {r['target_familiar_acc']:.3f}; novel caps {r['caps_novel_acc']:.3f} "
@@ -370,11 +362,9 @@ def main(argv=None) -> int:
         "cnn_novel_acc_interpolated", "novel_error_reduction_interpolated", "caps_final_train_acc",
         "cnn_final_train_acc") if key in runs[0]]))
     results = Path(args.results_dir)
-    prov = provenance(seed=args.seeds, steps={k: runs[0][f"{k}_steps"] for k in MODELS}, device=args.device,
-                      wall_time_s=sum(r[f"{k}_train_wall_time_s"] for r in runs for k in MODELS), threads=args.threads,
-                      configs=config_dicts(cfg), report_wall_time_s=time.perf_counter() - t0)
-    write_results(results / f"{name}.json", summary, prov)
-    write_tables(results, name)
+    write_report(results, name, summary, tables, seed=args.seeds, steps={k: runs[0][f"{k}_steps"] for k in MODELS},
+                 device=args.device, wall_time_s=sum(r[f"{k}_train_wall_time_s"] for r in runs for k in MODELS),
+                 threads=args.threads, configs=config_dicts(cfg), report_wall_time_s=time.perf_counter() - t0)
     if args.no_figures:
         return 0
     key = cfg["data"].split
@@ -383,10 +373,8 @@ def main(argv=None) -> int:
                       else "test accuracy (matched familiar accuracy)")
     plot_training(logs_by_seed, results / f"{name}_training.png")
     plot_examples(load_split(cfg["data"], "test", args.data_dir), results / f"{name}_examples.png")
-    final = Path(args.out) / f"seed{args.seeds[0]}" / "caps" / "final.pt"
-    caps = trained_model("caps", cfg, load_checkpoint(final), final, args.device)
+    caps = trained_model("caps", cfg, Path(args.out) / f"seed{args.seeds[0]}" / "caps", args.device)[0]
     plot_class_poses(caps, sets, results / f"{name}_class_poses.png", args.device, cfg["data"].standardise_images)
-    print(f"wrote {results / (name + '.json')}")
     return 0
 
 
@@ -442,8 +430,8 @@ def readme_table(m: dict, prov: dict, benchmark: Path | None = None) -> str:
         rows = [(f"accuracy at the paper's familiar views ({familiar})", "familiar"),
                 (f"accuracy at the paper's novel views ({novel})", "novel"),
                 (f"training-image accuracy ({m['n_train_eval']} training images, centre crops)", "train")]
-        return "\n".join([f"| trained on all views ({label}), mean ± std over {len(runs)} seeds, end of training (%) | "
-                          f"matrix capsules | CNN |", "| --- | --- | --- |",
+        return "\n".join([f"| trained on all views ({label}), mean ± std over {len(runs)} seeds, end of training (%) "
+                          f"| matrix capsules | CNN |", "| --- | --- | --- |",
                           *[f"| {text} | {pair(f'final_{key}_acc')} |" for text, key in rows], "", run_line(m, prov)])
     rows = [("familiar-view accuracy at the matched checkpoint (%)", pair("familiar_acc"), "matched | —"),
             ("novel-view accuracy at the matched checkpoint (%)", pair("novel_acc"),

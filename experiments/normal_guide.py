@@ -18,15 +18,14 @@ from pathlib import Path
 import torch
 
 from probcaps.experiments.mnist_probe import (checkpoint_out_path, checkpoint_parser, export_checkpoint,
-                                             plot_training_curves, train_run)
+                                             plot_training_curves, train_run, write_report)
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import test_elbo
-from probcaps.inference.train import TrainConfig, load_checkpoint
+from probcaps.inference.train import TrainConfig
 from probcaps.cli import (add_run_args, finite_positive_float, setup_run, table_writer, non_negative_int,
                           positive_int, launch, one_line_errors)
 from probcaps.errors import ProbcapsError
 from probcaps.metrics import LinearProbe
-from probcaps.provenance import provenance, write_results
 from probcaps.report import provenance_line, results_table
 
 
@@ -94,29 +93,25 @@ def main(argv=None) -> int:
                                   "checkpoint_every": 100,
                                   # the scales start far from where they end: Adam moves a raw parameter ~lr a step
                                   "lr_multipliers": {"guide.pose_scale_raw": args.scale_lr_multiplier}})
-    final = train_run(cfg, Path(args.out), args, system=system)
+    final, state = train_run(cfg, Path(args.out), args, system=system)
     _, system = load_trained(final, device=args.device)
     metrics["normal"] = evaluate(system, cfg, train, test, elbo_images, args.elbo_samples, args.device)
-    state = load_checkpoint(final)["state"]
     with torch.no_grad():
         metrics["mean_part_pose_scale"] = float(system.guide.pose_scales("y0").mean())
         metrics["mean_object_pose_scale"] = float(system.guide.pose_scales("y1").mean())
     metrics.update(steps=state["step"], train_wall_time_s=state["wall_time_s"], n_elbo_images=len(elbo_images),
                    elbo_samples=args.elbo_samples, n_probe_train=len(train[0]))
-    prov = provenance(seed=args.seed, steps=state["step"], wall_time_s=state["wall_time_s"], device=args.device,
-                      checkpoint=str(args.checkpoint), lr=args.lr, init_scale=args.init_scale,
-                      min_scale=args.min_scale)
-    results = Path(args.results_dir)
-    write_results(results / f"{args.name}.json", metrics, prov)
-    tables(results)
-    plot_training_curves({"Normal poses": final.parent / "log.jsonl"}, results / f"{args.name}_training.png")
+    write_report(args.results_dir, args.name, metrics, tables, seed=args.seed, steps=state["step"],
+                 wall_time_s=state["wall_time_s"], device=args.device, checkpoint=str(args.checkpoint), lr=args.lr,
+                 init_scale=args.init_scale, min_scale=args.min_scale)
+    plot_training_curves({"Normal poses": final.parent / "log.jsonl"},
+                         Path(args.results_dir) / f"{args.name}_training.png")
     if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
         export_checkpoint(final, checkpoint_out)
     print(f"test ELBO per image: delta {metrics['delta']['test_elbo_per_image']:.1f}, Normal "
           f"{metrics['normal']['test_elbo_per_image']:.1f}; probe presence+pose delta "
           f"{metrics['delta']['probe_presence_pose_test_acc']:.4f}, Normal "
           f"{metrics['normal']['probe_presence_pose_test_acc']:.4f}")
-    print(f"wrote {results / (args.name + '.json')}")
     return 0
 
 

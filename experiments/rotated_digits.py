@@ -18,19 +18,17 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.cli import (
-    add_run_args, add_ttvi_args, finite_float, launch, non_negative_int, one_line_errors, positive_int, setup_run,
-    table_writer,
-)
+from probcaps.cli import (add_run_args, add_ttvi_args, finite_float, launch, non_negative_int, one_line_errors,
+                          positive_int, setup_run, table_writer)
 from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.mnist_probe import checkpoint_parser
+from probcaps.experiments.mnist_probe import checkpoint_parser, write_report
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import reconstruction_error
 from probcaps.inference.guides import Latents
 from probcaps.inference.ttvi import ttvi_batches
-from probcaps.provenance import provenance, write_results
 from probcaps.report import provenance_line, results_table
+
 
 @torch.no_grad()
 def reconstruct(model, latents: Latents) -> torch.Tensor:
@@ -135,15 +133,13 @@ def main(argv=None) -> int:
     plotting.plot_image_grid(grid, results / f"{args.name}_example.png",
                              row_labels=["input", "encoder", "+ test-time VI"],
                              col_labels=[f"{a:g}°" for a in angles], title="one test digit, rotated")
-    prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
-                      checkpoint=str(args.checkpoint), checkpoint_train_steps=cfg.get("train_state", {}).get("step"))
-    write_results(results / f"{args.name}.json", metrics, prov)
-    tables(results)
+    write_report(results, args.name, metrics, tables, seed=args.seed, steps=args.steps, device=args.device,
+                 wall_time_s=result.wall_time_s, checkpoint=str(args.checkpoint),
+                 checkpoint_train_steps=cfg.get("train_state", {}).get("step"))
     c = metrics["checks"]
     print(f"ELBO improved at every angle >= 45: {c['ttvi_improves_elbo_at_every_angle_ge_45']}; "
           f"MSE reduction at 90: {c.get('mse_reduction_at_90', float('nan')):.2f}; "
           f"{metrics['seconds_per_1000x200'] / 60:.1f} min per 1000 images x 200 steps")
-    print(f"wrote {results / (args.name + '.json')}")
     return 0
 
 

@@ -24,18 +24,17 @@ import torch
 import torch.nn.functional as F
 
 from probcaps import plotting
-from probcaps.cli import (
-    add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run, table_writer,
-)
+from probcaps.cli import (add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
+                          setup_run, table_writer)
 from probcaps.config import DigitData, Section, load_sections
 from probcaps.data import iterate_batches, load_digits, place_on_canvas, random_offsets, rotate, to_float
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import ConfigError
+from probcaps.experiments.mnist_probe import write_report
 from probcaps.inference.supervised import predict
-from probcaps.inference.train import TrainConfig, load_checkpoint, load_module_state, run_finished, train_loop
+from probcaps.inference.train import TrainConfig, load_final, run_finished, train_loop
 from probcaps.models.capsnet import CapsNet, CapsNetConfig
 from probcaps.models.lenet import LeNet5
-from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, provenance_line, results_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,14 +88,12 @@ def rotated(digits: torch.Tensor, angle: float) -> torch.Tensor:
 
 def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, resume: bool, device, progress):
     """Train LeNet-5 (cross-entropy) or CapsNet (margin + reconstruction) on digits shifted afresh every epoch;
-    returns the model, its wall time and steps.  A finished run (``final.pt``) is loaded when resuming."""
+    returns the model and its training state.  A finished run (``final.pt``) is loaded when resuming."""
     torch.manual_seed(seed)
     model = (LeNet5() if kind == "lenet" else CapsNet(cfg["capsnet"])).to(device)
     tcfg = dataclasses.replace(cfg[f"{kind}_train"], seed=seed)
     if resume and run_finished(out, tcfg.steps):
-        ckpt = load_checkpoint(out / "final.pt", map_location=device)
-        load_module_state(model, ckpt["module"], out / "final.pt")
-        return model, ckpt["state"]["wall_time_s"], ckpt["state"]["step"]
+        return model, load_final(model, out, device)
 
     def batches(epoch: int, start: int):
         gen = seeded_generator("shift", tcfg.seed, epoch)
@@ -111,7 +108,7 @@ def train_model(kind: str, cfg: dict, seed: int, out: Path, images, labels, *, r
 
     state = train_loop(model, loss_fn, batches, tcfg, out, resume=resume and (out / "checkpoint.pt").is_file(),
                        progress=progress, metadata={"kind": kind, "configs": config_dicts(cfg)})
-    return model, state.wall_time_s, state.step
+    return model, dataclasses.asdict(state)
 
 
 def probe_curve(checkpoint: Path, test_digits: torch.Tensor, test_labels: torch.Tensor, angles, probe: ProbeEval,
@@ -192,15 +189,14 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         run = {"seed": seed}
         for kind in MODELS:
-            model, wall, steps = train_model(kind, cfg, seed, Path(args.out) / f"{kind}_seed{seed}", train_images,
-                                             train_labels, resume=args.resume, device=args.device,
-                                             progress=not args.quiet)
+            model, state = train_model(kind, cfg, seed, Path(args.out) / f"{kind}_seed{seed}", train_images,
+                                       train_labels, resume=args.resume, device=args.device, progress=not args.quiet)
             model.eval()
             scores = model if kind == "lenet" else (lambda x, m=model: m(x).lengths)
             t0 = time.perf_counter()
             run[f"{kind}_acc"] = [float((predict(scores, rotated_tests[a], 500, args.device)
                                          == test_labels).float().mean()) for a in angles]
-            run.update({f"{kind}_train_wall_time_s": wall, f"{kind}_steps": steps,
+            run.update({f"{kind}_train_wall_time_s": state["wall_time_s"], f"{kind}_steps": state["step"],
                         f"{kind}_eval_time_s": time.perf_counter() - t0})
             print(f"seed {seed} {kind}: " + ", ".join(f"{a:.0f}°: {100 * v:.1f}" for a, v in
                                                      zip(angles, run[f"{kind}_acc"])))
@@ -215,17 +211,15 @@ def main(argv=None) -> int:
         curves["probabilistic capsules, linear probe"] = np.array([probe["probe_presence_pose_acc"]])
     summary.update(seed_summary(runs, ("lenet_acc", "capsnet_acc")))
     results = Path(args.results_dir)
-    prov = provenance(seed=args.seeds, steps={"lenet": runs[0]["lenet_steps"], "capsnet": runs[0]["capsnet_steps"]},
-                      device=args.device, threads=torch.get_num_threads(), configs=config_dicts(cfg),
-                      wall_time_s=sum(r["lenet_train_wall_time_s"] + r["capsnet_train_wall_time_s"] for r in runs))
-    write_results(results / f"{name}.json", summary, prov)
-    table_writer(readme_table, name)(results)
+    write_report(results, name, summary, table_writer(readme_table, name), seed=args.seeds,
+                 steps={kind: runs[0][f"{kind}_steps"] for kind in MODELS}, device=args.device,
+                 threads=torch.get_num_threads(), configs=config_dicts(cfg),
+                 wall_time_s=sum(r[f"{kind}_train_wall_time_s"] for r in runs for kind in MODELS))
     plot_accuracy(angles, curves, results / f"{name}_accuracy.png")
     show = [a for a in (0, 35, 90, 180) if a in angles] or angles[:1]
     grid = torch.stack([rotated_tests[a][:8] for a in show])
     plotting.plot_image_grid(grid, results / f"{name}_examples.png", row_labels=[f"{a:.0f}°" for a in show],
                              title="test digits as rotated for all three models")
-    print(f"wrote {results / (name + '.json')}")
     return 0
 
 

@@ -23,19 +23,14 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.cli import (
-    add_config_args, add_run_args, config_dicts, finite_non_negative_float, launch, one_line_errors, seed_summary,
-    setup_run, table_writer,
-)
-from probcaps.inference.capsule_svi import (
-    encode_dataset, load_experiment_config, load_images, load_trained, probe_features,
-)
+from probcaps.cli import (add_config_args, add_run_args, config_dicts, finite_non_negative_float, launch,
+                          one_line_errors, seed_summary, setup_run, table_writer)
+from probcaps.inference.capsule_svi import (encode_dataset, load_experiment_config, load_images, load_trained,
+                                            probe_features)
 from probcaps.inference.evaluate import posterior_part_counts
-from probcaps.experiments.mnist_probe import FEATURES, train_run
-from probcaps.inference.train import load_checkpoint
+from probcaps.experiments.mnist_probe import FEATURES, train_run, write_report
 from probcaps.io import write_json
 from probcaps.metrics import LinearProbe, class_purity
-from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, provenance_line, results_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,12 +136,11 @@ def main(argv=None) -> int:
             cfg = load_experiment_config(args.config, [*args.set, f"train.seed={seed}", f"data.train_rotation={theta}",
                                                        *(["train.jit=true"] if args.jit else [])])
             out = Path(args.out) / f"theta{theta:g}_seed{seed}"
-            final, metrics_path = train_run(cfg, out, args), out / "metrics.json"
+            (final, state), metrics_path = train_run(cfg, out, args), out / "metrics.json"
             if args.resume and metrics_path.is_file() and metrics_path.stat().st_mtime > final.stat().st_mtime:
                 runs.append(json.loads(metrics_path.read_text()))  # a finished run's metrics, newer than its model
                 continue
             metrics = probe_rotated(final, theta, args.data_dir, args.device, progress=not args.quiet)
-            state = load_checkpoint(final)["state"]
             metrics.update(seed=seed, steps=state["step"], train_wall_time_s=state["wall_time_s"])
             write_json(metrics_path, metrics)
             runs.append(metrics)
@@ -157,14 +151,11 @@ def main(argv=None) -> int:
         return 0
     summary = summarise(runs, thetas)
     cfg = load_experiment_config(args.config, args.set)
-    prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
-                      wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
-                      thetas=thetas, sweep_wall_time_s=time.perf_counter() - t0, configs=config_dicts(cfg))
-    results = Path(args.results_dir)
-    write_results(results / f"{args.name}.json", summary, prov)
-    tables(results)
-    plot(summary, results / f"{args.name}.png")
-    print(f"wrote {results / (args.name + '.json')} and {results / (args.name + '.png')}")
+    write_report(args.results_dir, args.name, summary, tables, seed=args.seeds, steps=runs[0]["steps"],
+                 device=args.device, wall_time_s=sum(r["train_wall_time_s"] for r in runs),
+                 batch_size=cfg["train"].batch_size, thetas=thetas, sweep_wall_time_s=time.perf_counter() - t0,
+                 configs=config_dicts(cfg))
+    print(f"wrote {plot(summary, Path(args.results_dir) / f'{args.name}.png')}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Transforming auto-encoders (Hinton, Krizhevsky & Wang 2011) on MNIST pairs: translation and full affine.
 
     python experiments/transforming_autoencoder.py                          # both recipes, seeds 0 1 2
-    python experiments/transforming_autoencoder.py --config experiments/configs/transforming_autoencoder_translation.toml --seeds 0
+    python experiments/transforming_autoencoder.py --seeds 0 \\
+        --config experiments/configs/transforming_autoencoder_translation.toml  # one recipe, one seed
     python experiments/transforming_autoencoder.py --resume                 # continue / re-evaluate finished runs
     python experiments/transforming_autoencoder.py --set train.steps=5 --set data.dataset=synthetic   # smoke test
 
@@ -31,14 +32,13 @@ from probcaps.cli import add_config_args, add_run_args, launch, one_line_errors,
 from probcaps.config import DigitData, load_sections
 from probcaps.data import iterate_batches, load_digits as data_digits, seeded_generator
 from probcaps.errors import ConfigError
+from probcaps.experiments.mnist_probe import write_report
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised
-from probcaps.inference.train import (TrainConfig, load_checkpoint, load_module_state, read_jsonl, run_finished,
-                                      train_loop, truncate_log)
+from probcaps.inference.train import TrainConfig, load_final, run_finished, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
 from probcaps.metrics import r2_scores
 from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder, TransformingAutoencoderConfig,
                                                       estimate_transform, pose_consistency, transform_components)
-from probcaps.provenance import provenance, write_results
 from probcaps.render import warp
 from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, write_table
 
@@ -189,8 +189,9 @@ def build_model(cfg: dict, device="cpu", digits: torch.Tensor | None = None) -> 
 
 def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", data_dir=None, progress=True
                ) -> tuple[TransformingAutoencoder, dict]:
-    """Train one mode and seed into ``out_dir``; returns the model and ``{"steps", "train_wall_time_s", ...}``, the
-    latter the whole training call (pair generation and checkpoints included) less the R² curve's scoring."""
+    """Train one mode and seed into ``out_dir`` (``resume``: from its checkpoint, if any); returns the model and
+    ``{"steps", "train_wall_time_s", ...}``, the latter the whole training call (pair generation and checkpoints
+    included) less the R² curve's scoring."""
     tcfg: TrainConfig = cfg["train"]
     canvas, rng, swap = cfg["model"].canvas_size, cfg["range"], cfg["data"].swap_pairs
     torch.manual_seed(tcfg.seed)
@@ -223,10 +224,7 @@ def train_mode(cfg: dict, out_dir: Path, *, resume: bool = False, device="cpu", 
                                   "recon_mse": float(res["sq_err"].mean())})
         curve_time[0] += time.perf_counter() - t0
 
-    if resume:
-        truncate_log(curve_path, load_checkpoint(out_dir / "checkpoint.pt")["state"]["step"])
-    else:
-        curve_path.unlink(missing_ok=True)
+    resume = start_log(curve_path, resume)
     metadata = {"name": cfg["name"], "kind": NAME, "mode": cfg["mode"], "configs": config_record(cfg)}
     model.train()
     t0 = time.perf_counter()
@@ -255,9 +253,8 @@ def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, tran
 
 def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAutoencoder, dict]:
     """The final model of a finished run and its timing record."""
-    final = out_dir / "final.pt"
     model = build_model(cfg, device)
-    load_module_state(model, load_checkpoint(final, map_location=device)["module"], final)
+    load_final(model, out_dir, device)
     timing = out_dir / "timing.json"
     return model, json.loads(timing.read_text()) if timing.is_file() else {}
 
@@ -363,13 +360,9 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
                           colorbar_label="presence p")
     plotting.plot_templates(model.templates().detach().cpu(), results_dir / f"{prefix}_templates.png",
                             title=f"{mode}: learned templates")
-    losses, r2s = {}, {}
-    for run in runs:  # (read_jsonl: [] for a missing log)
-        if recs := read_jsonl(run / "log.jsonl"):
-            losses[run.name] = ([r["step"] for r in recs], [r["loss"] for r in recs])
-        if recs := read_jsonl(run / "r2_curve.jsonl"):
-            r2s.update({f"{run.name} {c}": ([r["step"] for r in recs], [r[f"r2_{c}"] for r in recs]) for c in names})
-    if losses:
+    r2s = {f"{run} {c}": xy for c in names
+           for run, xy in plotting.log_curves({run.name: run / "r2_curve.jsonl" for run in runs}, f"r2_{c}").items()}
+    if losses := plotting.log_curves({run.name: run / "log.jsonl" for run in runs}, "loss"):
         plotting.plot_curves(losses, results_dir / f"{prefix}_training.png", xlabel="step",
                              ylabel="training MSE per pixel", title=f"{mode}: training loss", logy=True)
     if r2s:
@@ -378,7 +371,7 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
 
 
 def run_recipe(config: str | Path, args) -> Path:
-    """Train (or resume / reuse) every seed of one config, evaluate, write the results JSON and figures."""
+    """Train (or resume / reuse) every seed of one config, evaluate, write the results JSON, tables and figures."""
     results_dir = Path(args.results_dir)
     runs, run_dirs, first = [], [], None
     name = args.name or load_config(config, args.set)["name"]
@@ -389,8 +382,8 @@ def run_recipe(config: str | Path, args) -> Path:
         if args.resume and run_finished(out, cfg["train"].steps):
             model, timing = load_trained(cfg, out, args.device)
         else:
-            model, timing = train_mode(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(),
-                                       device=args.device, data_dir=args.data_dir, progress=not args.quiet)
+            model, timing = train_mode(cfg, out, resume=args.resume, device=args.device, data_dir=args.data_dir,
+                                       progress=not args.quiet)
         metrics, arrays = evaluate(model, cfg, args.data_dir, args.device)
         runs.append({"seed": seed, **metrics,
                      **{k: timing.get(k) for k in ("steps", "train_wall_time_s", "train_step_time_s", "threads")}})
@@ -404,13 +397,11 @@ def run_recipe(config: str | Path, args) -> Path:
         key for key, value in runs[0].items() if key not in ("seed", "steps", "threads", "heldout_pairs")
         and not isinstance(value, (bool, str, list, dict)) and value is not None]), "components": runs[0]["components"],
         "mode": cfg["mode"]}
-    prov = provenance(seed=args.seeds, steps=runs[0]["steps"], device=args.device,
-                      wall_time_s=sum(r["train_wall_time_s"] or 0.0 for r in runs),
-                      batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(), configs=config_record(cfg))
-    path = write_results(results_dir / f"{name}.json", summary, prov)
+    path = write_report(results_dir, name, summary, write_tables, seed=args.seeds, steps=runs[0]["steps"],
+                        device=args.device, wall_time_s=sum(r["train_wall_time_s"] or 0.0 for r in runs),
+                        batch_size=cfg["train"].batch_size, threads=torch.get_num_threads(), configs=config_record(cfg))
     if cfg["eval"].figures:
         write_figures(*first, results_dir, name, run_dirs)
-    print(f"wrote {path}")
     return path
 
 
@@ -429,8 +420,8 @@ def readme_table(results_dir: Path) -> str | None:
         runs = metrics["per_seed"]
         rng = prov.get("configs", {}).get("range", {})
         r2_target = "≥ 0.95" if mode == "translation" else "≥ 0.9"
-        rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target, NUMPY_REFERENCE.get(f"r2_{c}", "—"))
-                for c in runs[0]["components"]]
+        rows = [(f"R²({c}), from the capsule poses alone", f"r2_{c}", 3, r2_target,
+                 NUMPY_REFERENCE.get(f"r2_{c}", "—")) for c in runs[0]["components"]]
         rows += [("min R² over components, linear readout fit on training pairs", "r2_linear_min", 3, "—", "—"),
                  ("reconstruction MSE per pixel, 22×22 window on the target digit", "recon_mse_window", 4,
                   f"< {NUMPY_REFERENCE['recon_mse']}", f"{NUMPY_REFERENCE['recon_mse']} (22×22 crop)"),
@@ -454,7 +445,8 @@ def readme_table(results_dir: Path) -> str | None:
             tta_note = [f"{mode}, averaged over warps: seeds {', '.join(str(r['seed']) for r in tta)}; command: "
                         f"`{tta_result[1].get('command', '?')}`."]
         maps = {p: f"rotation ±{rng.get(p + 'rotation_deg')}°, scales 1 ± {rng.get(p + 'scale')}, shear "
-                   f"±{rng.get(p + 'shear')}, translation ±{rng.get(p + 'translation_px')} px" for p in ("", "jitter_")}
+                   f"±{rng.get(p + 'shear')}, translation ±{rng.get(p + 'translation_px')} px"
+                for p in ("", "jitter_")}
         ranges = (f"jitter ±{rng.get('jitter_translation_px')} px, shift ±{rng.get('translation_px')} px"
                   if mode == "translation" else f"T: {maps['']}; input jitter: {maps['jitter_']}")
         model_cfg, loss_cfg = (prov.get("configs", {}).get(k, {}) for k in ("model", "loss"))
@@ -526,7 +518,7 @@ def main(argv=None) -> int:
     add_config_args(p, list(RECIPES), [0, 1, 2], "one or more recipes (default: the translation and the affine one)")
     add_run_args(p, out_help="run folders (<out>/seed<S>; default: runs/<name>)", threads=1,
                  resume="continue unfinished runs, re-evaluate finished ones",
-                 tables="tables (RESULTS_DIR/transforming_autoencoder.md, RESULTS_DIR/transforming_autoencoder_ablations.md)")
+                 tables=f"tables (RESULTS_DIR/{NAME}.md, RESULTS_DIR/{TAE_ABLATIONS}.md)")
     args = p.parse_args(argv)
     if setup_run(args, write_tables):
         return 0
@@ -534,7 +526,6 @@ def main(argv=None) -> int:
         raise ConfigError("--name and --out take one --config (each recipe writes its own files)")
     for config in args.config:
         run_recipe(config, args)
-    write_tables(Path(args.results_dir))
     return 0
 
 

@@ -1,20 +1,18 @@
 """Classification after test-time VI (paper §2.4: "a modest improvement"): the linear probe, fit on the encoder's
-features of MNIST training images, scored on test latents from the encoder and after test-time VI, read two ways:
-the free-form objects, and the objects re-encoded by the set transformer from the optimised parts (the parts are
-what the image constrains; re-encoding keeps the objects in the distribution the probe was fit on).  Writes
-``results/ttvi_classification.json`` and ``results/ttvi_classification_elbo.png`` (the ELBO trace).
+features of MNIST training images, scored on test latents from the encoder and after test-time VI, read as the
+free-form objects and as the objects re-encoded from the optimised parts (re-encoding keeps the objects in the
+distribution the probe was fit on).  Writes ``results/<name>.json`` and ``<name>_elbo.png`` (the ELBO trace).
 
     python experiments/ttvi_classification.py                        # the committed run (1000 test digits)
     python experiments/ttvi_classification.py --rotate 45            # on rotated test digits
     python experiments/ttvi_classification.py --checkpoint checkpoints/mnist.pt \
         --name ttvi_classification_fair --threads 1                 # the fair protocol's committed run
 
-**The fair protocol** (``--n-train-ttvi N``, default 500; 0: off): a probe fit on encoder features and scored on
-test-time VI's compares two distributions, so the same test-time VI also runs on the first ``N`` training images and
-the probes are refit on them (VI → VI; the encoder → encoder probe is fit on all and on those ``N``).  A third
-reading keeps the objects' meaning throughout: test-time VI of the parts alone, the objects inferred from them by
-the encoder at every step (:class:`PartsGuide`).  Every reading is also scored on its posterior presences, the
-expected number of parts each object explains (:func:`probcaps.inference.evaluate.posterior_part_counts`).
+**The fair protocol** (``--n-train-ttvi N``, default 500; 0: off): the same test-time VI also runs on the first
+``N`` training images and the probes are refit on them (VI → VI), so that probe and test features share one
+distribution.  A third reading is test-time VI of the parts alone, the objects inferred from them by the encoder at
+every step (:class:`PartsGuide`).  Every reading is also scored on its posterior presences
+(:func:`probcaps.inference.evaluate.posterior_part_counts`).
 """
 
 from __future__ import annotations
@@ -35,10 +33,9 @@ from probcaps import plotting
 from probcaps.data import rotate, to_float
 from probcaps.cli import (add_run_args, add_ttvi_args, setup_run, table_writer, finite_float, non_negative_int,
                           positive_int, launch, one_line_errors)
-from probcaps.experiments.mnist_probe import HEADLINE_CHECKPOINT, results_table
+from probcaps.experiments.mnist_probe import checkpoint_parser, write_report
 from probcaps.metrics import LinearProbe
-from probcaps.provenance import provenance, write_results
-from probcaps.report import provenance_line, write_table
+from probcaps.report import provenance_line, results_table
 
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}
@@ -166,8 +163,7 @@ def reading_features(model, latents: Latents, batch_size: int = 500) -> dict[str
 
 @one_line_errors("ttvi_classification")
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT))
+    p = checkpoint_parser(__doc__)
     p.add_argument("--n-test", type=positive_int, default=1000, help="the first N test digits")
     p.add_argument("--probe-train-limit", type=non_negative_int, default=None,
                    help="fit the probe on the first N training images (default: the checkpoint's eval config)")
@@ -182,7 +178,7 @@ def main(argv=None) -> int:
                    help="override a key of the checkpoint's config, e.g. encoder.bf16=false on a CPU without bfloat16")
     add_run_args(p, name="ttvi_classification", out=False)
     args = p.parse_args(argv)
-    if setup_run(args, table_writer(table_text, args.name)):
+    if setup_run(args, tables := table_writer(table_text, args.name)):
         return 0
     progress = not args.quiet
     cfg, system = load_trained(args.checkpoint, device=args.device, overrides=args.set)
@@ -240,13 +236,9 @@ def main(argv=None) -> int:
     plotting.plot_curves({"test-time VI": (list(range(len(result.elbo_trace))), result.elbo_trace)},
                          results / f"{args.name}_elbo.png", xlabel="step", ylabel="ELBO per image (nats)",
                          title=f"test-time VI on {len(test_images)} MNIST test digits")
-    prov = provenance(seed=args.seed, steps=args.steps, wall_time_s=result.wall_time_s, device=args.device,
-                      checkpoint=str(args.checkpoint))
-    write_results(results / f"{args.name}.json", metrics, prov)
-    table = table_text(results, args.name)
-    write_table(results, args.name, table)
-    print(table)
-    print(f"wrote {results / (args.name + '.json')}")
+    write_report(results, args.name, metrics, tables, seed=args.seed, steps=args.steps, device=args.device,
+                 wall_time_s=result.wall_time_s, checkpoint=str(args.checkpoint))
+    print(table_text(results, args.name))
     return 0
 
 

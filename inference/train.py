@@ -28,21 +28,21 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.config import _check
+from probcaps.config import Section, _check
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.io import (INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, atomic_torch_save, read_jsonl,
                          truncate_log)
 from probcaps.inference import distributed
 
 __all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "load_checkpoint",
-           "make_elbo", "read_jsonl", "truncate_log", "run_finished", "load_module_state"]
+           "make_elbo", "read_jsonl", "truncate_log", "run_finished", "load_module_state", "load_final", "start_log"]
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
 LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     steps: int = 2000
     batch_size: int = 128
     lr: float = 1e-3
@@ -70,9 +70,6 @@ class TrainConfig:
             _check(f, getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default,
                    f"train.{f.name}")
         return self
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -235,6 +232,26 @@ def load_module_state(module: nn.Module, state: dict, path: str | Path) -> None:
             raise CheckpointError(f"{path}: '{k}' has shape {tuple(v.shape)} in the checkpoint but "
                                   f"{tuple(own[k].shape)} in the model (different config?)")
     module.load_state_dict(state)
+
+
+def load_final(module: nn.Module, out_dir: str | Path, map_location="cpu") -> dict:
+    """Load the final model of the run in ``out_dir`` (``final.pt``) into ``module``; returns its training state."""
+    path = Path(out_dir) / "final.pt"
+    ckpt = load_checkpoint(path, map_location=map_location)
+    load_module_state(module, ckpt["module"], path)
+    return ckpt["state"]
+
+
+def start_log(path: Path, resume: bool) -> bool:
+    """Ready the JSON-lines log ``path`` an ``on_checkpoint`` callback appends to, in a run folder: when ``resume``
+    and the folder holds a checkpoint, keep its records up to the checkpoint's step, else delete it.  Returns
+    whether the run resumes (``resume`` and a checkpoint)."""
+    checkpoint = path.parent / "checkpoint.pt"
+    if resume and checkpoint.is_file():
+        truncate_log(path, load_checkpoint(checkpoint)["state"]["step"])
+        return True
+    path.unlink(missing_ok=True)
+    return False
 
 
 def _checkpoint_step(path: Path) -> str:

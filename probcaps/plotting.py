@@ -19,10 +19,10 @@ from matplotlib.colors import is_color_like
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from .io import atomic_write
+from .io import atomic_write, read_jsonl
 from .metrics import _to_numpy as _array
 
-__all__ = ["PART_PALETTE", "plot_templates", "colour_parts", "plot_reconstructions", "plot_curves",
+__all__ = ["PART_PALETTE", "plot_templates", "colour_parts", "plot_reconstructions", "plot_curves", "log_curves",
            "plot_curve_panels", "plot_predicted_vs_true", "plot_heatmap", "plot_confusion_matrix",
            "plot_objects_by_class", "plot_image_grid"]
 
@@ -270,6 +270,17 @@ def plot_curves(curves: Mapping[str, Sequence[Any]], path: str | os.PathLike, xl
     :func:`plot_curve_panels`, whose errors name this function's arguments (``curves[...]``)."""
     panel = {"curves": curves, "xlabel": xlabel, "ylabel": ylabel, "title": title, "logy": logy}
     return _curve_figure([panel], path, prefix="")
+
+
+def log_curves(logs: Mapping[str, str | os.PathLike], key: str, scale: float = 1.0) -> dict[str, tuple[list, list]]:
+    """``{label: (steps, scale x key)}`` of the JSON-lines logs ``{label: path}`` (a run's ``log.jsonl``, an
+    evaluation log), for :func:`plot_curves`: the last record of a step wins (a run resumed by an older version
+    appended after its stale records); a missing or empty log is left out."""
+    curves = {}
+    for label, log in logs.items():
+        if by_step := {r["step"]: scale * r[key] for r in read_jsonl(log)}:
+            curves[label] = (sorted(by_step), [by_step[s] for s in sorted(by_step)])
+    return curves
 
 
 def _cells(cells: Any, name: str, shape: tuple[int, int]) -> np.ndarray:
