@@ -251,14 +251,6 @@ def transforming_loss(model: TransformingAutoencoder, images: torch.Tensor, tran
     return recon_loss + consistency_weight * pose_consistency(poses[:B], poses[B:], transforms, weights, cap)
 
 
-def load_trained(cfg: dict, out_dir: Path, device="cpu") -> tuple[TransformingAutoencoder, dict]:
-    """The final model of a finished run and its timing record."""
-    model = build_model(cfg, device)
-    load_final(model, out_dir, device)
-    timing = out_dir / "timing.json"
-    return model, json.loads(timing.read_text()) if timing.is_file() else {}
-
-
 @torch.no_grad()
 def run_pairs(model: TransformingAutoencoder, pairs: dict, batch_size: int, warps: torch.Tensor | None = None
               ) -> dict:
@@ -380,7 +372,8 @@ def run_recipe(config: str | Path, args) -> Path:
         out = Path(args.out or ROOT / "runs" / name) / f"seed{seed}"
         run_dirs.append(out)
         if args.resume and run_finished(out, cfg["train"].steps):
-            model, timing = load_trained(cfg, out, args.device)
+            load_final(model := build_model(cfg, args.device), out, args.device)  # the final model, its timing
+            timing = json.loads((out / "timing.json").read_text()) if (out / "timing.json").is_file() else {}
         else:
             model, timing = train_mode(cfg, out, resume=args.resume, device=args.device, data_dir=args.data_dir,
                                        progress=not args.quiet)
