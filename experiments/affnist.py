@@ -27,10 +27,10 @@ from probcaps import plotting
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat
 from probcaps.cli import add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.mnist_probe import FEATURES, checkpoint_parser, write_report
+from probcaps.experiments.mnist_probe import FEATURES, checkpoint_parser
 from probcaps.experiments.rotated_digits import reconstruct
 from probcaps.metrics import LinearProbe
-from probcaps.report import fmt_mean_std, load_result, provenance_line
+from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report
 
 
 def cnn_baseline(train_images, train_labels, tests: dict, steps: int, seeds: list[int], out: Path, device: str,

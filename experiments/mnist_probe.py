@@ -23,8 +23,8 @@ from probcaps.inference.train import load_checkpoint, run_finished
 from probcaps import plotting
 from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
 from probcaps.io import atomic_torch_save
-from probcaps.provenance import provenance, write_results
-from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, results_table, write_table
+from probcaps.report import (fmt_mean_std, load_result, provenance_line, results_in, results_table, write_report,
+                             write_table)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
@@ -57,15 +57,6 @@ def train_run(cfg: dict, out: Path, args, **kw) -> tuple[Path, dict]:
         train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
                        data_dir=args.data_dir, progress=not args.quiet, **kw)
     return out / "final.pt", load_checkpoint(out / "final.pt")["state"]
-
-
-def write_report(results_dir, name: str, metrics: dict, write_tables, **prov) -> Path:
-    """Write ``results_dir/<name>.json`` (``metrics`` and the :func:`~probcaps.provenance.provenance` of this run,
-    with ``prov``) and its tables, ``write_tables(results_dir)``; returns the JSON's path."""
-    path = write_results(Path(results_dir) / f"{name}.json", metrics, provenance(**prov))
-    write_tables(Path(results_dir))
-    print(f"wrote {path}")
-    return path
 
 
 def export_checkpoint(src: Path, dst: Path) -> Path:

@@ -30,11 +30,10 @@ from probcaps.config import DigitCanvas, Section, load_sections
 from probcaps.data import load_digits
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
 from probcaps.errors import ConfigError
-from probcaps.experiments.mnist_probe import write_report
 from probcaps.inference.train import TrainConfig, load_final, run_finished, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
-from probcaps.report import fmt_mean_std, load_result, provenance_line
+from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"

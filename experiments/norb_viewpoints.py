@@ -36,13 +36,12 @@ from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnor
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb
 from probcaps.data.transforms import standardise_per_image
 from probcaps.errors import ConfigError
-from probcaps.experiments.mnist_probe import write_report
 from probcaps.io import append_jsonl
 from probcaps.inference.supervised import predict
 from probcaps.inference.train import TrainConfig, load_final, read_jsonl, run_finished, start_log, train_loop
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
-from probcaps.report import fmt_mean_std, provenance_line, results_in, results_table, write_table
+from probcaps.report import fmt_mean_std, provenance_line, results_in, results_table, write_report, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_azimuth.toml"

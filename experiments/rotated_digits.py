@@ -22,12 +22,12 @@ from probcaps.cli import (add_run_args, add_ttvi_args, finite_float, launch, non
                           positive_int, setup_run, table_writer)
 from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.mnist_probe import checkpoint_parser, write_report
+from probcaps.experiments.mnist_probe import checkpoint_parser
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import reconstruction_error
 from probcaps.inference.guides import Latents
 from probcaps.inference.ttvi import ttvi_batches
-from probcaps.report import provenance_line, results_table
+from probcaps.report import provenance_line, results_table, write_report
 
 
 @torch.no_grad()

@@ -30,12 +30,11 @@ from probcaps.config import DigitData, Section, load_sections
 from probcaps.data import iterate_batches, load_digits, place_on_canvas, random_offsets, rotate, to_float
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import ConfigError
-from probcaps.experiments.mnist_probe import write_report
 from probcaps.inference.supervised import predict
 from probcaps.inference.train import TrainConfig, load_final, run_finished, train_loop
 from probcaps.models.capsnet import CapsNet, CapsNetConfig
 from probcaps.models.lenet import LeNet5
-from probcaps.report import fmt_mean_std, provenance_line, results_table
+from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "rotated_mnist_cnn_vs_capsnet"

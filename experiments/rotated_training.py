@@ -28,10 +28,10 @@ from probcaps.cli import (add_config_args, add_run_args, config_dicts, finite_no
 from probcaps.inference.capsule_svi import (encode_dataset, load_experiment_config, load_images, load_trained,
                                             probe_features)
 from probcaps.inference.evaluate import posterior_part_counts
-from probcaps.experiments.mnist_probe import FEATURES, train_run, write_report
+from probcaps.experiments.mnist_probe import FEATURES, train_run
 from probcaps.io import write_json
 from probcaps.metrics import LinearProbe, class_purity
-from probcaps.report import fmt_mean_std, provenance_line, results_table
+from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "rotated_training.toml"

@@ -32,7 +32,6 @@ from probcaps.cli import add_config_args, add_run_args, launch, one_line_errors,
 from probcaps.config import DigitData, load_sections
 from probcaps.data import iterate_batches, load_digits as data_digits, seeded_generator
 from probcaps.errors import ConfigError
-from probcaps.experiments.mnist_probe import write_report
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised
 from probcaps.inference.train import TrainConfig, load_final, run_finished, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
@@ -40,7 +39,7 @@ from probcaps.metrics import r2_scores
 from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder, TransformingAutoencoderConfig,
                                                       estimate_transform, pose_consistency, transform_components)
 from probcaps.render import warp
-from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, write_table
+from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, write_report, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams

@@ -33,9 +33,9 @@ from probcaps import plotting
 from probcaps.data import rotate, to_float
 from probcaps.cli import (add_run_args, add_ttvi_args, setup_run, table_writer, finite_float, non_negative_int,
                           positive_int, launch, one_line_errors)
-from probcaps.experiments.mnist_probe import checkpoint_parser, write_report
+from probcaps.experiments.mnist_probe import checkpoint_parser
 from probcaps.metrics import LinearProbe
-from probcaps.report import provenance_line, results_table
+from probcaps.report import provenance_line, results_table, write_report
 
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}

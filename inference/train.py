@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.config import Section, _check
+from probcaps.config import Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.io import (INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, atomic_torch_save, read_jsonl,
                          truncate_log)
@@ -67,7 +67,7 @@ class TrainConfig(Section):
         """Refuse values the loop cannot honour by the config range rules (:data:`probcaps.config.RULES`), in one
         line naming the key (``train.steps: must be >= 1, got 0``)."""
         for f in fields(self):
-            _check(f, getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default,
+            check_value(f, getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default,
                    f"train.{f.name}")
         return self
 

@@ -197,9 +197,6 @@ def check_value(field: dataclasses.Field, value: Any, default: Any, where: str) 
     return value
 
 
-_check = check_value  # the former private name
-
-
 def _build(cls, values: dict, where: str):
     defaults = cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from probcaps.errors import DataError
 from probcaps.io import atomic_write
-from probcaps.provenance import repo_relative
+from probcaps.provenance import provenance, repo_relative, write_results
 
 __all__ = ["MARKER", "write_table", "splice_file", "splice_tables", "update_readme", "documents", "fmt_mean_std",
-           "load_result", "provenance_line", "results_in", "results_table"]
+           "load_result", "provenance_line", "results_in", "results_table", "write_report"]
 
 #: one table block: ``<!-- results:NAME -->``, the table, ``<!-- /results:NAME -->``
 MARKER = re.compile(r"(<!-- results:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S)
@@ -129,3 +129,12 @@ def fmt_mean_std(values: list[float], scale: float = 100.0, digits: int = 1) -> 
 
     a = np.asarray(values, dtype=float) * scale
     return f"{a[0]:.{digits}f}" if len(a) == 1 else f"{a.mean():.{digits}f} ± {a.std(ddof=1):.{digits}f}"
+
+
+def write_report(results_dir, name: str, metrics: dict, write_tables, **prov) -> Path:
+    """Write ``results_dir/<name>.json`` (``metrics`` and the :func:`~probcaps.provenance.provenance` of this run,
+    with ``prov``) and its tables, ``write_tables(results_dir)``; returns the JSON's path."""
+    path = write_results(Path(results_dir) / f"{name}.json", metrics, provenance(**prov))
+    write_tables(Path(results_dir))
+    print(f"wrote {path}")
+    return path
