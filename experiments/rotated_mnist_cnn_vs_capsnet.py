@@ -200,7 +200,7 @@ def main(argv=None) -> int:
             print(f"seed {seed} {kind}: " + ", ".join(f"{a:.0f}°: {100 * v:.1f}" for a, v in
                                                      zip(angles, run[f"{kind}_acc"])))
         runs.append(run)
-    summary = {"angles": angles, "per_seed": runs, "writeup": NUMPY_REFERENCE, "n_test": len(test_labels)}
+    summary = {"angles": angles, "per_seed": runs, "numpy_reference": NUMPY_REFERENCE, "n_test": len(test_labels)}
     curves = {label: np.array([r[f"{kind}_acc"] for r in runs]) for kind, label in MODELS.items()}
     if args.probcaps_checkpoint:
         t0 = time.perf_counter()
@@ -232,7 +232,8 @@ def readme_table(m: dict, prov: dict) -> str:
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for i, a in enumerate(m["angles"]):
         key = str(int(a)) if float(a).is_integer() else str(a)
-        wl, wc = m["writeup"]["lenet"].get(key), m["writeup"]["capsnet"].get(key)
+        ref = m.get("numpy_reference") or m["writeup"]  # "writeup": the earlier name of the key
+        wl, wc = ref["lenet"].get(key), ref["capsnet"].get(key)
         label = f"**{a:.0f}°** (reference point)" if a == 35 else f"{a:.0f}°"
         probe_cell = f" {100 * probe['probe_presence_pose_acc'][i]:.1f} |" if probe else ""
         lines.append(f"| {label} | {fmt_mean_std([r['lenet_acc'][i] for r in runs])} | "
