@@ -177,6 +177,13 @@ def worker(args) -> None:
                       "threads": torch.get_num_threads(), **described}))
 
 
+def portable_command(argv: list[str]) -> str:
+    """The command line with the peer's folders, which lie outside the repository, as placeholders."""
+    placeholders = {"--peer-path": "<torch-scae checkout>", "--peer-site": "<its dependencies>"}
+    words = ["python", *argv]
+    return " ".join(placeholders.get(words[i - 1], w) if i else w for i, w in enumerate(words))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peer-path", required=True, help="a checkout of bdsaglam/torch-scae (outside this repository)")
@@ -249,7 +256,7 @@ def main(argv=None) -> int:
             "peer": "bdsaglam/torch-scae", "peer_commit": args.peer_commit,
             "device_description": device_description("cpu"), "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "command": " ".join(["python", *sys.argv]),
+            "command": portable_command(sys.argv),
         }
         write_json(args.json, result)
         write_table(Path(args.json).parent, Path(args.json).stem, readme_table(Path(args.json).parent, Path(args.json).stem))
