@@ -171,10 +171,10 @@ def main(argv=None) -> int:
     add_run_args(p, name=False, out_help="run folders, one per model and seed (default: runs/<name>)",
                  resume="continue (or reuse) each model's run", threads=1)
     args = p.parse_args(argv)
-    if setup_run(args, table_writer(readme_table, NAME)):
-        return 0
     cfg = load_config(args.config, args.set)
-    name = cfg["name"]  # names the results and the runs, so that another config cannot overwrite them
+    name = cfg["name"]  # names the results, tables and runs, so that another config cannot overwrite them
+    if setup_run(args, table_writer(readme_table, name)):
+        return 0
     args.out = args.out or str(ROOT / "runs" / name)
     if args.probcaps_checkpoint and not Path(args.probcaps_checkpoint).is_file():
         raise ConfigError(f"--probcaps-checkpoint {args.probcaps_checkpoint}: no such file")

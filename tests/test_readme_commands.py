@@ -291,6 +291,8 @@ TABLE_SOURCES = [
     ("experiments.normal_guide", [], ["normal_guide"]),
     ("experiments.rotated_training", [], ["rotated_training"]),
     ("experiments.rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
+    ("experiments.rotated_mnist_cnn_vs_capsnet", ["--config", "experiments/configs/rotated_mnist_full_capsnet.toml"],
+     ["rotated_mnist_full_capsnet"]),
     ("experiments.multimnist", [], ["multimnist"]),
     ("experiments.transforming_autoencoder", [], ["transforming_autoencoder", "transforming_autoencoder_ablations"]),
     *[("experiments.norb_viewpoints", ["--name", n], [n, "norb_ablations"]) for n in
