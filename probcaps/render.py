@@ -287,10 +287,12 @@ def _layer_sums(values, entries, layout, reverse: bool, base=None):
             flat.index_copy_(0, entry[lo:hi], v.view(-1)[lo:hi])
         if base is not None:
             layers[0][:nb] += base[b0:b0 + nb]
-        # the cumulative sum as one add of two (chunk, H W) slices a layer: on CPU several times faster than cumsum
-        # over a dimension that is not the last, which walks each pixel's layers H W elements apart
-        for m in range(M - 2, -1, -1) if reverse else range(1, M):
-            layers[m].add_(layers[m + 1 if reverse else m - 1])
+        buffer = flat.view(chunk, M, HW)
+        if reverse:  # Σ_{j>=m} = x_m − Σ_{j<=m} + Σ_all, as the dense form takes its products in log space
+            forward = buffer.cumsum(1)
+            buffer.sub_(forward).add_(forward[:, -1:])
+        else:
+            buffer.cumsum_(1)
         for s, entry, (lo, hi) in zip(sums, entries, cuts):
             torch.index_select(flat, 0, entry[lo:hi], out=s.view(-1)[lo:hi])
         total[b0:b0 + nb] = layers[0 if reverse else M - 1][:nb]
