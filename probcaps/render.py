@@ -276,7 +276,7 @@ def _layer_sums(values, entries, layout, reverse: bool, base=None):
     B, M, HW, chunk, bounds = layout
     chunk = min(chunk, B)
     flat = values[0].new_empty(chunk * M * HW)
-    layers = flat.view(chunk, M, HW).unbind(1)                                   # (chunk, H W) each, made once
+    buffer = flat.view(chunk, M, HW)
     sums = [torch.empty_like(v) for v in values]
     total = values[0].new_empty(B, HW)
     for c, b0 in enumerate(range(0, B, chunk)):
@@ -286,8 +286,7 @@ def _layer_sums(values, entries, layout, reverse: bool, base=None):
         for v, entry, (lo, hi) in zip(values, entries, cuts):
             flat.index_copy_(0, entry[lo:hi], v.view(-1)[lo:hi])
         if base is not None:
-            layers[0][:nb] += base[b0:b0 + nb]
-        buffer = flat.view(chunk, M, HW)
+            buffer[:nb, 0] += base[b0:b0 + nb]
         if reverse:  # Σ_{j>=m} = x_m − Σ_{j<=m} + Σ_all, as the dense form takes its products in log space
             forward = buffer.cumsum(1)
             buffer.sub_(forward).add_(forward[:, -1:])
@@ -295,7 +294,7 @@ def _layer_sums(values, entries, layout, reverse: bool, base=None):
             buffer.cumsum_(1)
         for s, entry, (lo, hi) in zip(sums, entries, cuts):
             torch.index_select(flat, 0, entry[lo:hi], out=s.view(-1)[lo:hi])
-        total[b0:b0 + nb] = layers[0 if reverse else M - 1][:nb]
+        total[b0:b0 + nb] = buffer[:nb, 0 if reverse else M - 1]
     return sums, total
 
 
