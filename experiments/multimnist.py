@@ -25,7 +25,7 @@ import torch
 
 from probcaps import plotting
 from probcaps.cli import (add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
-                          setup_run, table_writer)
+                          setup_run)
 from probcaps.config import DigitCanvas, Section, load_sections
 from probcaps.data import load_digits
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
@@ -33,7 +33,7 @@ from probcaps.errors import ConfigError
 from probcaps.inference.train import TrainConfig, load_final, run_finished, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
-from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report
+from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
@@ -212,11 +212,10 @@ def main(argv=None) -> int:
     add_config_args(p, DEFAULT_CONFIG, [0])
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
     add_run_args(p, name=False, out_help="run folders, one per seed (default runs/<name>)",
-                 resume="continue each seed from its last checkpoint", tables="table (RESULTS_DIR/multimnist.md)",
+                 resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/multimnist.md, multimnist_bench.md)",
                  threads=1)
     args = p.parse_args(argv)
-    tables = table_writer(lambda results, _: readme_table(results), TABLE)
-    if setup_run(args, tables):
+    if setup_run(args, write_tables):
         return 0
     cfg = load_config(args.config, args.set)
     name = cfg["name"]
@@ -249,7 +248,7 @@ def main(argv=None) -> int:
         return 0
     summary = {"per_seed": runs, "numpy_set_acc": NUMPY_SET_ACC, "paper_set_acc": PAPER_SET_ACC,
                **seed_summary(runs, ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"))}
-    write_report(results, name, summary, tables, seed=args.seeds, steps=runs[0]["steps"], device=args.device,
+    write_report(results, name, summary, write_tables, seed=args.seeds, steps=runs[0]["steps"], device=args.device,
                  wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size,
                  threads=torch.get_num_threads(), configs=config_dicts(cfg))
     if cfg["eval"].figures:
@@ -257,8 +256,13 @@ def main(argv=None) -> int:
     return 0
 
 
-#: the table of the reduced and paper-size runs and the step benchmark, ``results/multimnist.md``
-TABLE = "multimnist"
+#: the tables of the reduced and paper-size runs (``results/multimnist.md``) and of the step benchmark
+TABLE, BENCH_TABLE = "multimnist", "multimnist_bench"
+
+
+def write_tables(results_dir) -> list:
+    return [write_table(results_dir, TABLE, readme_table(Path(results_dir))),
+            write_table(results_dir, BENCH_TABLE, bench_table(Path(results_dir)))]
 
 
 def readme_table(results_dir: Path) -> str | None:
@@ -266,8 +270,7 @@ def readme_table(results_dir: Path) -> str | None:
     results_dir = Path(results_dir)
     rows = [(label, r) for label, name in (("reduced", "multimnist"), ("paper-size", "multimnist_paper"))
             if (r := load_result(results_dir, name)) is not None]
-    bench = results_dir / "multimnist_bench.json"
-    if not rows and not bench.is_file():
+    if not rows:
         return None
     table, notes = [], []
     for label, (m, prov) in rows:
@@ -290,21 +293,25 @@ def readme_table(results_dir: Path) -> str | None:
         notes.append(f"{label}: seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps of batch "
                      f"{prov.get('batch_size')}{elapsed}; {runs[0]['n_pairs']} test pairs (mean IoU "
                      f"{runs[0]['mean_test_iou']:.2f}); {provenance_line(prov)}")
-    lines = [] if not rows else [
-        "| config | two-digit set accuracy (%) | at least one digit (%) | recon MSE per pixel | training steps (min) "
-        "| steps/s | numpy reproduction (reduced) | paper (full scale) |", "|" + " --- |" * 8, *table, "", *notes]
-    if bench.is_file():
-        brows = json.loads(bench.read_text())
-        lines += [""] * bool(rows) + [
-            "| benchmark: one training step, batch 128 | children | bf16 convs | step (ms) | images/s | peak memory "
-            "(MB) | threads | load average |", "|" + " --- |" * 8]
-        lines += [f"| {r['config']} | {r['num_primary_capsules']} | {r['model']['bf16']} | {1000 * r['step_s']:.0f} | "
-                  f"{r['images_per_s']:.1f} | {r['peak_memory_mb']:.0f} | {r['threads']} | {r['load_average']:.1f} |"
-                  for r in brows]
-        lines += ["", f"Benchmark device: {brows[0]['device_description'].split(' (')[0]}, shared with other jobs "
-                  f"(load average in the table; 2.0 would be a fully used 2-core machine); command: "
-                  f"`{brows[0]['command']}` and variants."]
-    return "\n".join(lines)
+    return "\n".join(["| config | two-digit set accuracy (%) | at least one digit (%) | recon MSE per pixel | training "
+                      "steps (min) | steps/s | numpy reproduction (reduced) | paper (full scale) |", "|" + " --- |" * 8,
+                      *table, "", *notes])
+
+
+def bench_table(results_dir: Path) -> str | None:
+    """Markdown table of the CapsNet step benchmark, from ``results/multimnist_bench.json``."""
+    bench = results_dir / "multimnist_bench.json"
+    if not bench.is_file():
+        return None
+    brows = json.loads(bench.read_text())
+    lines = ["| benchmark: one training step, batch 128 | children | bf16 convs | step (ms) | images/s | peak memory "
+             "(MB) | threads | load average |", "|" + " --- |" * 8]
+    lines += [f"| {r['config']} | {r['num_primary_capsules']} | {r['model']['bf16']} | {1000 * r['step_s']:.0f} | "
+              f"{r['images_per_s']:.1f} | {r['peak_memory_mb']:.0f} | {r['threads']} | {r['load_average']:.1f} |"
+              for r in brows]
+    return "\n".join(lines + ["", f"Benchmark device: {brows[0]['device_description'].split(' (')[0]}, shared with "
+                                  f"other jobs (load average in the table; 2.0 would be a fully used 2-core machine); "
+                                  f"command: `{brows[0]['command']}` and variants."])
 
 
 if __name__ == "__main__":
