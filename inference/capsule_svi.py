@@ -105,8 +105,9 @@ class CapsuleSystem(nn.Module):
     def reference_loss(self, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
         """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).
 
-        Draws the guide's latents in the same order as :class:`DeltaGuide`, so under the same RNG state it returns
-        the same value as :meth:`loss`.  The reference for the tests and the Pyro-overhead benchmark.
+        Draws the guide's latents in the same order as :class:`DeltaGuide` (Normal object poses too), so under the
+        same RNG state it returns the same value as :meth:`loss`.  The reference for the tests and the Pyro-overhead
+        benchmark.
         """
         if self.guide_spec["family"] != "delta":
             raise NotImplementedError("CapsuleSystem.reference_loss: written for the delta guide only")
@@ -114,10 +115,14 @@ class CapsuleSystem(nn.Module):
         part_logits, y0 = self.encoder.encode_parts(x)
         q_z0 = ClampedRelaxedBernoulli(tau, logits=part_logits)
         z0 = q_z0.rsample()
-        parent_logits, y1 = self.encoder.encode_parents(y0, z0)
+        parent_logits, y1, *scales = self.encoder.encode_parents(y0, z0, self.guide.amortised_scales)
         q_z1 = ClampedRelaxedBernoulli(tau, logits=parent_logits)
         z1 = q_z1.rsample()
         log_q = q_z0.log_prob(z0).sum(-1) + q_z1.log_prob(z1).sum(-1)
+        if scales:  # Normal object poses: y1 drawn after z1, as the guide draws them
+            q_y1 = torch.distributions.Normal(y1, scales[0])
+            y1 = q_y1.rsample()
+            log_q = log_q + q_y1.log_prob(y1).sum((-2, -1))
         elbo = self.model.log_joint(x, z1, y1, z0, y0, expected_parents) - log_q
         return -elbo.mean()
 
