@@ -18,6 +18,7 @@ from pathlib import Path
 
 from probcaps.inference.capsule_svi import (REMOVED_AFTER, REMOVED_OPTIONS, SCHEMA, load_experiment_config,
                                             train_capsules)
+from probcaps.inference.distributed import init_from_env
 from probcaps.inference.evaluate import evaluate_checkpoint
 from probcaps.inference.train import load_checkpoint, run_finished
 from probcaps import plotting
@@ -195,10 +196,11 @@ def main(argv=None) -> int:
                                           data_dir=args.data_dir, device=args.device, progress=not args.quiet,
                                           figures=seed == args.seeds[0])
         runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})
-        print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
-              f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
-              f"training {state['wall_time_s'] / 60:.1f} min")
-    if args.train_only:
+        if init_from_env().rank == 0:
+            print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
+                  f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
+                  f"training {state['wall_time_s'] / 60:.1f} min")
+    if args.train_only or init_from_env().rank > 0:  # under torchrun every process evaluates, rank 0 alone writes
         return 0
     summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items() if isinstance(v, float)])}
     cfg = load_experiment_config(args.config, args.set)

@@ -207,3 +207,21 @@ def test_two_processes_run_the_commands_as_one_with_rank_0_writing(tiny_toml, tm
     keys = (["elbo_encoder_mean", "elbo_ttvi_mean", "recon_mse_encoder", "recon_mse_ttvi", "elbo_trace"]
             if command == "ttvi" else ["test_recon_mse", "probe_presence_pose_test_acc", "object_class_purity"])
     torch.testing.assert_close(*([r[k] for k in keys] for r in (results[2], results[1])), rtol=0, atol=1e-5)
+
+
+def _mnist_probe(out_dir, argv):
+    from probcaps.experiments import mnist_probe
+
+    assert mnist_probe.main(argv) == 0
+
+
+def test_two_processes_run_the_mnist_experiment_with_rank_0_writing(tiny_toml, tmp_path, no_reexec, pyro_clean, capfd):
+    # catches: the seed summary and its printed line written by every process instead of rank 0 alone
+    results = tmp_path / "results"
+    argv = ["--config", str(tiny_toml), "--seeds", "0", "--out", str(tmp_path / "runs"), "--results-dir", str(results),
+            "--checkpoint-out", "", "--quiet", "--set", "train.steps=2", "--set", "eval.figures=false"]
+    assert _run(tmp_path, fn=_mnist_probe, argv=argv) == [0, 0]
+    out = capfd.readouterr().out
+    assert out.count("seed 0: probe") == 1 and out.count("tiny.json") == 1, out
+    assert json.loads((results / "tiny.json").read_text())["metrics"]["per_seed"][0]["seed"] == 0
+
