@@ -7,6 +7,7 @@ distribution the probe was fit on).  Writes ``results/<name>.json`` and ``<name>
     python experiments/ttvi_classification.py --rotate 45            # on rotated test digits
     python experiments/ttvi_classification.py --checkpoint checkpoints/mnist.pt \
         --name ttvi_classification_fair --threads 1                 # the fair protocol's committed run
+    python experiments/ttvi_classification.py --seeds 0 1 2          # mean ± std over test-time VI seeds
 
 **The fair protocol** (``--n-train-ttvi N``, default 500; 0: off): the same test-time VI also runs on the first
 ``N`` training images and the probes are refit on them (VI → VI), so that probe and test features share one
@@ -32,10 +33,10 @@ from probcaps.inference.ttvi import (FreeFormGuide, fit_guide, frozen_and_seeded
 from probcaps import plotting
 from probcaps.data import rotate, to_float
 from probcaps.cli import (add_run_args, add_ttvi_args, setup_run, table_writer, finite_float, non_negative_int,
-                          positive_int, launch, one_line_errors)
+                          positive_int, launch, one_line_errors, seed_summary)
 from probcaps.experiments.mnist_probe import checkpoint_parser
 from probcaps.metrics import LinearProbe
-from probcaps.report import provenance_line, results_table, write_report
+from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
 
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}
@@ -89,8 +90,11 @@ def fair_table(m: dict, prov: dict) -> str | None:
     cols = " | ".join(f"probe, {label} (%)" for label in FAIR_FEATURES.values())
     lines = [f"| latents of the test digits | probe fit on | {cols} |", "| --- | --- |" + " --- |" * len(FAIR_FEATURES)]
 
+    def acc(key: str) -> str:  # over --seeds: mean ± std
+        return fmt_mean_std([r[key] for r in m["per_seed"]]) if "per_seed" in m else f"{100 * m[key]:.1f}"
+
     def row(label: str, fit: str, prefix: str) -> str:
-        return f"| {label} | {fit} | " + " | ".join(f"{100 * m[f'{prefix}_{k}_acc']:.1f}" for k in FAIR_FEATURES) + " |"
+        return f"| {label} | {fit} | " + " | ".join(acc(f"{prefix}_{k}_acc") for k in FAIR_FEATURES) + " |"
 
     n, n_all = m["n_train_ttvi"], m["n_train"]
     readings = {k: v for k, v in READINGS.items() if k != "encoder" and f"fair_{k}_presence_acc" in m}
@@ -101,7 +105,9 @@ def fair_table(m: dict, prov: dict) -> str | None:
               for key, label in readings.items()]
     parts = (f", one-sample estimate {m['elbo_trace_parts_start']:.0f} → {m['elbo_trace_parts_end']:.0f} for the "
              f"parts alone" if "elbo_trace_parts_start" in m else "")
-    lines += ["", f"{m['n_test']} MNIST test digits and the first {n} training digits (rotated "
+    seeds = f"test-time VI seeds {', '.join(str(r['seed']) for r in m['per_seed'])} (mean ± std); " if (
+        "per_seed" in m) else ""
+    lines += ["", f"{seeds}{m['n_test']} MNIST test digits and the first {n} training digits (rotated "
               f"{m['rotation_deg']:g}°), {m['steps']} steps of test-time VI (lr {m['lr']:g}; ELBO per test image "
               f"{m['elbo_encoder']:.0f} → {m['elbo_ttvi']:.0f} free-form{parts}); posterior presences: the expected "
               f"number of parts each object explains under the exact posterior over the parts' parents; checkpoint "
@@ -169,7 +175,8 @@ def main(argv=None) -> int:
                    help="fit the probe on the first N training images (default: the checkpoint's eval config)")
     p.add_argument("--rotate", type=finite_float, default=0.0, help="rotate the test digits by this many degrees")
     add_ttvi_args(p, pose_family=False)
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0],
+                   help="test-time VI seeds; several: the fair protocol's table gives mean ± std over them")
     p.add_argument("--n-train-ttvi", type=non_negative_int, default=500, help="the fair protocol: test-time VI "
                    "on the first N training images too, probes refit on them (0: off)")
     p.add_argument("--parts-ttvi", action=argparse.BooleanOptionalAction, default=True, help="with the fair "
@@ -203,41 +210,51 @@ def main(argv=None) -> int:
                                                                args.steps, args.lr, args.device, progress, seed)
         return latents, run, parts_run
 
+    def run_seed(seed: int):
+        """``(metrics, the free-form run's TTVIResult)`` of the test-time VI readings under ``seed``."""
+        latents, result, parts = readings(test_images, seed, args.parts_ttvi and n_fair > 0)
+        metrics = {"n_train": len(train_images), "n_test": len(test_images), "rotation_deg": args.rotate,
+                   "steps": args.steps, "lr": args.lr, "elbo_encoder": float(result.elbo_start.mean()),
+                   "elbo_ttvi": float(result.elbo_end.mean()), "ttvi_wall_time_s": result.wall_time_s,
+                   "n_train_ttvi": n_fair}
+        fair_train = {}
+        if n_fair:
+            # the fair protocol: the probe's training images go through the same inference as the test images, under
+            # chunk seeds of their own
+            fair_train, train_result, train_parts = readings(train_images[:n_fair], seed + 10_000, args.parts_ttvi)
+            metrics.update(elbo_ttvi_train=float(train_result.elbo_end.mean()),
+                           elbo_encoder_train=float(train_result.elbo_start.mean()),
+                           elbo_trace_objects_start=result.elbo_trace[0], elbo_trace_objects_end=result.elbo_trace[-1],
+                           ttvi_train_wall_time_s=train_result.wall_time_s)
+            if parts:
+                metrics.update(elbo_trace_parts_start=parts[0][0], elbo_trace_parts_end=parts[0][-1],
+                               ttvi_parts_wall_time_s=parts[1] + train_parts[1])
+        test_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in latents.items()}
+        fair_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in fair_train.items()}
+        fair_labels = train_labels[:n_fair]
+        for key in FAIR_FEATURES:
+            probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
+            for name, feats in test_feats.items():  # encoder -> each reading
+                metrics[f"{name}_{key}_acc"] = probe.accuracy(feats[key], test_labels)
+            for name, feats in fair_feats.items():  # the same reading -> the same reading
+                fair_probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(feats[key], fair_labels)
+                metrics[f"fair_{name}_{key}_acc"] = fair_probe.accuracy(test_feats[name][key], test_labels)
+        return metrics, result
+
     train_lat = encode_dataset(system.encoder, train_images, ecfg.batch_size, args.device, progress)
-    latents, result, parts = readings(test_images, args.seed, args.parts_ttvi and n_fair > 0)
-    metrics = {"n_train": len(train_images), "n_test": len(test_images), "rotation_deg": args.rotate,
-               "steps": args.steps, "lr": args.lr, "elbo_encoder": float(result.elbo_start.mean()),
-               "elbo_ttvi": float(result.elbo_end.mean()), "ttvi_wall_time_s": result.wall_time_s,
-               "n_train_ttvi": n_fair}
-    fair_train = {}
-    if n_fair:
-        # the fair protocol: the probe's training images go through the same inference as the test images, under
-        # chunk seeds of their own
-        fair_train, train_result, train_parts = readings(train_images[:n_fair], args.seed + 10_000, args.parts_ttvi)
-        metrics.update(elbo_ttvi_train=float(train_result.elbo_end.mean()),
-                       elbo_encoder_train=float(train_result.elbo_start.mean()),
-                       elbo_trace_objects_start=result.elbo_trace[0], elbo_trace_objects_end=result.elbo_trace[-1],
-                       ttvi_train_wall_time_s=train_result.wall_time_s)
-        if parts:
-            metrics.update(elbo_trace_parts_start=parts[0][0], elbo_trace_parts_end=parts[0][-1],
-                           ttvi_parts_wall_time_s=parts[1] + train_parts[1])
     train_feats = reading_features(system.model, train_lat, ecfg.batch_size)
-    test_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in latents.items()}
-    fair_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in fair_train.items()}
-    fair_labels = train_labels[:n_fair]
-    for key in FAIR_FEATURES:
-        probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
-        for name, feats in test_feats.items():  # encoder -> each reading
-            metrics[f"{name}_{key}_acc"] = probe.accuracy(feats[key], test_labels)
-        for name, feats in fair_feats.items():  # the same reading -> the same reading
-            fair_probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(feats[key], fair_labels)
-            metrics[f"fair_{name}_{key}_acc"] = fair_probe.accuracy(test_feats[name][key], test_labels)
+    runs = [run_seed(seed) for seed in args.seeds]
+    metrics, result = runs[0]
+    if len(runs) > 1:
+        per_seed = [{**m, "seed": seed} for (m, _), seed in zip(runs, args.seeds)]
+        accuracies = [k for k in metrics if k.endswith("_acc")]
+        metrics = {**metrics, "per_seed": per_seed, **seed_summary(per_seed, accuracies)}
     results = Path(args.results_dir)
     plotting.plot_curves({"test-time VI": (list(range(len(result.elbo_trace))), result.elbo_trace)},
                          results / f"{args.name}_elbo.png", xlabel="step", ylabel="ELBO per image (nats)",
                          title=f"test-time VI on {len(test_images)} MNIST test digits")
-    write_report(results, args.name, metrics, tables, seed=args.seed, steps=args.steps, device=args.device,
-                 wall_time_s=result.wall_time_s, checkpoint=str(args.checkpoint))
+    write_report(results, args.name, metrics, tables, seed=args.seeds, steps=args.steps, device=args.device,
+                 wall_time_s=sum(m["ttvi_wall_time_s"] for m, _ in runs), checkpoint=str(args.checkpoint))
     print(table_text(results, args.name))
     return 0
 

@@ -226,12 +226,16 @@ def test_ttvi_classification_fair_protocol(tiny_run, tmp_path):
     table = (tmp_path / "fair.md").read_text()
     assert table.count("**fair**") == len(tc.READINGS) - 1 and "posterior presences" in table
     assert tc.fair_table(tmp_path, "fair") is not None
-    # without the test-time VI of the parts, its rows are left out
+    # without the test-time VI of the parts, its rows are left out; over two seeds, each accuracy is their mean
     rc = tc.main(["--checkpoint", str(tiny_run), "--n-test", "8", "--n-train-ttvi", "12", "--steps", "1",
-                  "--no-parts-ttvi", "--name", "noparts", "--results-dir", str(tmp_path), "--quiet"])
+                  "--no-parts-ttvi", "--name", "noparts", "--results-dir", str(tmp_path), "--quiet", "--seeds", "0", "1"])
     m = json.loads((tmp_path / "noparts.json").read_text())["metrics"]
     assert rc == 0 and "fair_ttvi_parts_presence_acc" not in m and "fair_ttvi_reencoded_presence_acc" in m
+    assert [r["seed"] for r in m["per_seed"]] == [0, 1]
+    key = "fair_ttvi_objects_presence_pose_acc"
+    assert m[f"{key}_mean"] == pytest.approx(sum(r[key] for r in m["per_seed"]) / 2)
     assert tc.fair_table(tmp_path, "noparts").count("**fair**") == len(tc.READINGS) - 2
+    assert "±" in tc.fair_table(tmp_path, "noparts") and "seeds 0, 1" in tc.fair_table(tmp_path, "noparts")
     # without the fair protocol the run writes the encoder-fit table alone
     rc = tc.main(["--checkpoint", str(tiny_run), "--n-test", "8", "--n-train-ttvi", "0", "--steps", "2",
                   "--name", "plain", "--results-dir", str(tmp_path), "--quiet"])
