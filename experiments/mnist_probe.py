@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from probcaps.inference.capsule_svi import (REMOVED_AFTER, REMOVED_OPTIONS, SCHEMA, load_experiment_config,
+from probcaps.inference.capsule_svi import (REMOVED_OPTIONS, SCHEMA, load_experiment_config, removed_after,
                                             train_capsules)
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.evaluate import evaluate_checkpoint
@@ -136,7 +136,7 @@ def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
         m, prov = data["metrics"], data["provenance"]
         # an option removed since is named with the last commit that had it
         changes = [f"{section}.{key} = {value}"
-                   + (f" (removed; last at {REMOVED_AFTER})" if key in REMOVED_OPTIONS.get(section, {}) else "")
+                   + (f" (removed; last at {removed_after(key)})" if key in REMOVED_OPTIONS.get(section, {}) else "")
                    for section in ("model", "encoder") for key, value in prov["configs"][section].items()
                    if key != "seed" and value != headline_value(section, key)]
         rows.append((m["probe_presence_pose_test_acc"], f"| {'; '.join(changes) or 'none'} | {prov['steps']} | "

@@ -21,7 +21,7 @@ from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import CheckpointError, ConfigError
 
-__all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "load_images", "prior_schedule", "CapsuleSystem",
+__all__ = ["SCHEMA", "REMOVED_OPTIONS", "removed_after", "load_experiment_config", "load_images", "prior_schedule", "CapsuleSystem",
            "train_capsules", "load_trained", "encode_dataset", "probe_features"]
 
 SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder": EncoderConfig, "train": TrainConfig,
@@ -33,9 +33,17 @@ SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder
 REMOVED_OPTIONS = {
     "model": {"presence_sparsity_weight": 0.0, "parent_usage_weight": 0.0, "guide_usage_weight": 0.0,
               "guide_certainty_weight": 0.0, "learn_parent_prior": False, "template_init": "blob"},
-    "encoder": {"parent_pose_scale": 1.0},
+    "encoder": {"parent_pose_scale": 1.0, "object_pose_scales": False},
 }
 REMOVED_AFTER = "e00fb33"
+#: options removed later than REMOVED_AFTER, with the last commit that had each
+REMOVED_LATER = {"object_pose_scales": "e38bab9"}
+
+
+def removed_after(option: str) -> str:
+    """The last commit that had the removed ``option``."""
+    return REMOVED_LATER.get(option, REMOVED_AFTER)
+
 # state the model no longer keeps: the annealed prior's step counter (the training loop owns the schedule) and the
 # fixed prior's logits (computed from model.expected_parents)
 _LEGACY_STATE = ("model.prior_step", "model.parent_prior_logits")
@@ -105,9 +113,8 @@ class CapsuleSystem(nn.Module):
     def reference_loss(self, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
         """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).
 
-        Draws the guide's latents in the same order as :class:`DeltaGuide` (Normal object poses too), so under the
-        same RNG state it returns the same value as :meth:`loss`.  The reference for the tests and the Pyro-overhead
-        benchmark.
+        Draws the guide's latents in the same order as :class:`DeltaGuide`, so under the same RNG state it returns
+        the same value as :meth:`loss`.  The reference for the tests and the Pyro-overhead benchmark.
         """
         if self.guide_spec["family"] != "delta":
             raise NotImplementedError("CapsuleSystem.reference_loss: written for the delta guide only")
@@ -115,14 +122,10 @@ class CapsuleSystem(nn.Module):
         part_logits, y0 = self.encoder.encode_parts(x)
         q_z0 = ClampedRelaxedBernoulli(tau, logits=part_logits)
         z0 = q_z0.rsample()
-        parent_logits, y1, *scales = self.encoder.encode_parents(y0, z0, self.guide.amortised_scales)
+        parent_logits, y1 = self.encoder.encode_parents(y0, z0)
         q_z1 = ClampedRelaxedBernoulli(tau, logits=parent_logits)
         z1 = q_z1.rsample()
         log_q = q_z0.log_prob(z0).sum(-1) + q_z1.log_prob(z1).sum(-1)
-        if scales:  # Normal object poses: y1 drawn after z1, as the guide draws them
-            q_y1 = torch.distributions.Normal(y1, scales[0])
-            y1 = q_y1.rsample()
-            log_q = log_q + q_y1.log_prob(y1).sum((-2, -1))
         elbo = self.model.log_joint(x, z1, y1, z0, y0, expected_parents) - log_q
         return -elbo.mean()
 
@@ -174,8 +177,8 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
             for option, off in REMOVED_OPTIONS.get(key, {}).items():
                 if option in section and section[option] != off:
                     raise CheckpointError(f"{checkpoint}: trained with {key}.{option} = {section[option]!r}, an "
-                                          f"option removed after commit {REMOVED_AFTER} (git checkout "
-                                          f"{REMOVED_AFTER} to use it)")
+                                          f"option removed after commit {removed_after(option)} (git checkout "
+                                          f"{removed_after(option)} to use it)")
             cfg[key] = cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
     for item in overrides:
         section, key, value = parse_override(item)

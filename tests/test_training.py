@@ -376,6 +376,11 @@ def test_removed_options_load_when_off_and_fail_in_one_line_when_on(trained_run,
         load_trained(old)
     msg = str(exc.value)
     assert "\n" not in msg and "model.guide_usage_weight" in msg and REMOVED_AFTER in msg and "old.pt" in msg
+    ckpt["metadata"]["configs"]["model"]["guide_usage_weight"] = 0.0
+    ckpt["metadata"]["configs"]["encoder"]["object_pose_scales"] = True  # removed later: its own commit is named
+    torch.save(ckpt, old)
+    with pytest.raises(CheckpointError, match="encoder.object_pose_scales.*removed after commit e38bab9"):
+        load_trained(old)
 
 
 # --------------------------------------------------------------------------------------------- config errors
