@@ -252,7 +252,7 @@ def test_a_ctrl_c_inside_an_atomic_write_waits_for_the_file(tmp_path):
 
     def write(f):
         torch.save({"w": torch.arange(3)}, f)
-        os.kill(os.getpid(), signal.SIGINT)  # delivered now, in the middle of the write
+        signal.raise_signal(signal.SIGINT)  # to this thread: delivered now, in the middle of the write
         f.write(b"")
 
     with pytest.raises(KeyboardInterrupt):
@@ -502,7 +502,7 @@ def test_sigterm_writes_a_checkpoint_and_stops(tiny_toml, tmp_path, monkeypatch,
 
     def loss_then_sigterm(self, elbo, x):
         if calls["n"] == 4:
-            os.kill(os.getpid(), signal.SIGTERM)  # delivered at once, inside the 5th step: honoured at its end
+            signal.raise_signal(signal.SIGTERM)  # to this thread, inside the 5th step: honoured at its end
         calls["n"] += 1
         return original_loss(self, elbo, x)
 
