@@ -212,8 +212,8 @@ def main(argv=None) -> int:
     add_config_args(p, DEFAULT_CONFIG, [0])
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
     add_run_args(p, name=False, out_help="run folders, one per seed (default runs/<name>)",
-                 resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/multimnist.md, multimnist_bench.md)",
-                 threads=1)
+                 resume="continue each seed from its last checkpoint",
+                 tables="tables (RESULTS_DIR/multimnist.md, multimnist_bench.md)", threads=1)
     args = p.parse_args(argv)
     if setup_run(args, write_tables):
         return 0
@@ -261,6 +261,7 @@ TABLE, BENCH_TABLE = "multimnist", "multimnist_bench"
 
 
 def write_tables(results_dir) -> list:
+    """Write both tables from the results JSON in ``results_dir``; returns the files written (None: not written)."""
     return [write_table(results_dir, TABLE, readme_table(Path(results_dir))),
             write_table(results_dir, BENCH_TABLE, bench_table(Path(results_dir)))]
 

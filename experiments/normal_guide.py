@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from probcaps.experiments.mnist_probe import (checkpoint_out_path, checkpoint_parser, export_checkpoint,
-                                             plot_training_curves, train_run, write_report)
+                                             plot_training_curves, train_run)
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import test_elbo
 from probcaps.inference.train import TrainConfig
@@ -26,7 +26,7 @@ from probcaps.cli import (add_run_args, finite_positive_float, setup_run, table_
                           positive_int, launch, one_line_errors)
 from probcaps.errors import ProbcapsError
 from probcaps.metrics import LinearProbe
-from probcaps.report import provenance_line, results_table
+from probcaps.report import provenance_line, results_table, write_report
 
 
 def evaluate(system, cfg: dict, train, test, elbo_images: torch.Tensor, elbo_samples: int, device: str,

@@ -230,9 +230,9 @@ def readme_table(m: dict, prov: dict) -> str:
     head = "| rotation | LeNet-5 (%) | CapsNet (%) |" + (" probabilistic capsules, probe (%) |" if probe else "") + \
         " numpy reproduction, LeNet-5 | numpy reproduction, CapsNet |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    ref = m.get("numpy_reference") or m["writeup"]  # "writeup": the earlier name of the key
     for i, a in enumerate(m["angles"]):
         key = str(int(a)) if float(a).is_integer() else str(a)
-        ref = m.get("numpy_reference") or m["writeup"]  # "writeup": the earlier name of the key
         wl, wc = ref["lenet"].get(key), ref["capsnet"].get(key)
         label = f"**{a:.0f}°** (reference point)" if a == 35 else f"{a:.0f}°"
         probe_cell = f" {100 * probe['probe_presence_pose_acc'][i]:.1f} |" if probe else ""

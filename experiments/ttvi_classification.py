@@ -233,9 +233,8 @@ def main(argv=None) -> int:
         fair_feats = {name: reading_features(system.model, lat, ecfg.batch_size) for name, lat in fair_train.items()}
         fair_labels = train_labels[:n_fair]
         for key in FAIR_FEATURES:
-            probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
             for name, feats in test_feats.items():  # encoder -> each reading
-                metrics[f"{name}_{key}_acc"] = probe.accuracy(feats[key], test_labels)
+                metrics[f"{name}_{key}_acc"] = encoder_probes[key].accuracy(feats[key], test_labels)
             for name, feats in fair_feats.items():  # the same reading -> the same reading
                 fair_probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(feats[key], fair_labels)
                 metrics[f"fair_{name}_{key}_acc"] = fair_probe.accuracy(test_feats[name][key], test_labels)
@@ -243,6 +242,9 @@ def main(argv=None) -> int:
 
     train_lat = encode_dataset(system.encoder, train_images, ecfg.batch_size, args.device, progress)
     train_feats = reading_features(system.model, train_lat, ecfg.batch_size)
+    # the probes on the encoder's features of the training images: the same for every seed
+    encoder_probes = {key: LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key], train_labels)
+                      for key in FAIR_FEATURES}
     runs = [run_seed(seed) for seed in args.seeds]
     metrics, result = runs[0]
     if len(runs) > 1:

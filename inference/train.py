@@ -68,7 +68,7 @@ class TrainConfig(Section):
         line naming the key (``train.steps: must be >= 1, got 0``)."""
         for f in fields(self):
             check_value(f, getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default,
-                   f"train.{f.name}")
+                        f"train.{f.name}")
         return self
 
 

@@ -228,7 +228,8 @@ def test_ttvi_classification_fair_protocol(tiny_run, tmp_path):
     assert tc.fair_table(tmp_path, "fair") is not None
     # without the test-time VI of the parts, its rows are left out; over two seeds, each accuracy is their mean
     rc = tc.main(["--checkpoint", str(tiny_run), "--n-test", "8", "--n-train-ttvi", "12", "--steps", "1",
-                  "--no-parts-ttvi", "--name", "noparts", "--results-dir", str(tmp_path), "--quiet", "--seeds", "0", "1"])
+                  "--no-parts-ttvi", "--name", "noparts", "--results-dir", str(tmp_path), "--quiet",
+                  "--seeds", "0", "1"])
     m = json.loads((tmp_path / "noparts.json").read_text())["metrics"]
     assert rc == 0 and "fair_ttvi_parts_presence_acc" not in m and "fair_ttvi_reencoded_presence_acc" in m
     assert [r["seed"] for r in m["per_seed"]] == [0, 1]
