@@ -290,7 +290,7 @@ TABLE_SOURCES = [
     *[("experiments.ttvi_classification", ["--name", p.stem], [p.stem])  # every checkpoint and protocol run
       for p in sorted((ROOT / "results").glob("ttvi_classification*.json"))],
     ("experiments.normal_guide", [], ["normal_guide"]),
-    ("experiments.rotated_training", [], ["rotated_training"]),
+    *[("experiments.rotated_training", ["--name", n], [n]) for n in ("rotated_training", "rotated_training_headline")],
     ("experiments.rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
     ("experiments.rotated_mnist_cnn_vs_capsnet", ["--config", "experiments/configs/rotated_mnist_full_capsnet.toml"],
      ["rotated_mnist_full_capsnet"]),
