@@ -26,7 +26,7 @@ from probcaps.provenance import provenance, write_results
 from probcaps.report import load_result, provenance_line, write_table
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
-           "posterior_part_counts", "readout_features", "readout_table", "READOUTS", "SCAE_PUBLISHED"]
+           "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds", "READOUTS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
@@ -122,19 +122,21 @@ def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[
 
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
                         data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
-                        figures: bool | None = None) -> dict:
+                        figures: bool | None = None, seed_suffix: bool = False, table: bool = True) -> dict:
     """Probe and k-means accuracies on every readout of :data:`READOUTS`, the objects' class purity, per-class
     accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a checkpoint.
 
     Probes are fit on the training features and scored on both splits; k-means (10 clusters, matched by the
     Hungarian algorithm) is fit on each split.  Writes ``results_dir/<name>.json`` (metrics + provenance) and, with
     figures, ``<name>_*.png`` (under ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
-    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report``, ``object_class_purity[_presence]``, ...).
+    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report``, ``object_class_purity[_presence]``, ...)
+    and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are ``<name>_seed<the training seed>``; ``table``: also write ``<name>.md``.
     """
     t0 = time.perf_counter()
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
     # the name the recipe's own evaluation of this seed has (experiments/mnist_probe.py): never its seeds' summary
-    name = name or f"{cfg['name']}_seed{cfg['train'].seed}"
+    seed = cfg["train"].seed
+    name = f"{name}_seed{seed}" if name and seed_suffix else name or f"{cfg['name']}_seed{seed}"
     ecfg = cfg["eval"]
     # the probe is fit on the first probe_train_limit training images (0: the training set the model saw)
     train_images, train_labels = load_images(cfg["data"], "train", data_dir, limit=ecfg.probe_train_limit or None)
@@ -169,8 +171,10 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["parents_in_use"] = int((parent_on.float().mean(0) >= 0.01).sum())
     metrics["mean_active_parts"] = float((torch.sigmoid(test_lat.part_logits) > 0.5).float().sum(1).mean())
     metrics["n_train"], metrics["n_test"] = len(train_images), len(test_images)
+    state = cfg.get("train_state", {})
+    run = {"seed": seed, "steps": state.get("step"), "train_wall_time_s": state.get("wall_time_s")}
     if init_from_env().rank > 0:  # under torchrun: every process computes, rank 0 alone writes
-        return metrics
+        return metrics | run
     results_dir = Path(results_dir)
     figure_paths = []
     if ecfg.figures if figures is None else figures:
@@ -191,19 +195,45 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
                 report["confusion"], results_dir / f"{name}_confusion_{key}.png", class_labels=report["classes"],
                 title=f"linear probe on {READOUTS[key]}: test accuracy {100 * report['accuracy']:.1f}%")
               for key, report in reports.items())]]
-    state = cfg.get("train_state", {})
-    prov = provenance(seed=cfg["train"].seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
+    prov = provenance(seed=seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}, figures=figure_paths)
     write_results(results_dir / f"{name}.json", metrics, prov)
+    if table:
+        write_table(results_dir, name, readout_table(results_dir, name))
+    return metrics | run
+
+
+def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "results", device: str = "cpu",
+                   figures: bool = True, **kwargs) -> dict:
+    """:func:`evaluate_checkpoint` of each of ``checkpoints`` (one per training seed) into
+    ``results_dir/<name>_seed<S>.json`` (the figures of the first alone), then ``<name>.json``: the seeds' metrics
+    (``per_seed``), the mean and standard deviation of each number over them, and its table ``<name>.md``."""
+    from probcaps.cli import seed_summary
+
+    t0 = time.perf_counter()
+    runs = [evaluate_checkpoint(path, name, results_dir, device=device, figures=figures and i == 0,
+                                seed_suffix=True, table=False, **kwargs) for i, path in enumerate(checkpoints)]
+    runs = [{k: v for k, v in run.items() if not isinstance(v, dict)} for run in runs]  # the per-class reports stay
+    summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items()
+                                                       if isinstance(v, float) and k != "train_wall_time_s"])}
+    summary["published_scae"] = dict(SCAE_PUBLISHED)
+    if init_from_env().rank > 0:
+        return summary
+    prov = provenance(seed=[r["seed"] for r in runs], steps=runs[0]["steps"], device=device,
+                      wall_time_s=[r["train_wall_time_s"] for r in runs], checkpoints=[str(c) for c in checkpoints],
+                      eval_wall_time_s=time.perf_counter() - t0)
+    write_results(Path(results_dir) / f"{name}.json", summary, prov)
     write_table(results_dir, name, readout_table(results_dir, name))
-    return metrics
+    return summary
 
 
 def readout_table(results_dir: str | Path, name: str) -> str | None:
     """The table of ``results_dir/<name>.json`` written by :func:`evaluate_checkpoint`: probe and k-means on every
     readout (train / test), beside SCAE's; None when the file does not exist."""
     loaded = load_result(results_dir, name)
+    if loaded is not None and "probe_posterior_counts_test_acc_mean" in loaded[0]:
+        return seeds_readout_table(*loaded)
     if loaded is None or "probe_posterior_counts_test_acc" not in loaded[0]:
         return None
     m, prov = loaded
@@ -223,3 +253,31 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
         f"{m['mean_active_parents']:.1f} objects on per image, {m['parents_in_use']} in use; probes fit on "
         f"{m['n_train']} training images, scored on {m['n_test']} test images; checkpoint `{prov.get('checkpoint')}`; "
         + provenance_line(prov)])
+
+
+def seeds_readout_table(m: dict, prov: dict) -> str:
+    """The table of an :func:`evaluate_seeds` summary: test accuracy of the probe and of k-means on every readout,
+    mean ± std over the seeds, beside SCAE's."""
+    from probcaps.report import fmt_mean_std
+
+    runs = m["per_seed"]
+
+    def ms(key: str, scale: float = 100.0, digits: int = 1) -> str:
+        return fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)
+
+    lines = [f"| object features (MNIST test, 40×40) | linear probe (%), mean ± std over {len(runs)} seeds | "
+             "k-means (10) + Hungarian (%) |", "| --- | --- | --- |"]
+    lines += [f"| {label} | {ms(f'probe_{key}_test_acc')} | {ms(f'kmeans_{key}_test_acc')} |"
+              for key, label in READOUTS.items()]
+    lines.append(f"| SCAE (Kosiorek et al. 2019, Table 1) | {100 * SCAE_PUBLISHED['probe_test_acc']:.1f} | "
+                 f"{100 * SCAE_PUBLISHED['kmeans_test_acc']:.1f} |")
+    minutes = ", ".join(f"{w / 60:.0f}" if w is not None else "—" for w in prov.get("wall_time_s") or [])
+    return "\n".join(lines + [
+        "",
+        f"Objects' class purity {ms('object_class_purity', 1.0, 3)} by expected part counts, "
+        f"{ms('object_class_purity_presence', 1.0, 3)} by presences (0.1: no class preference); "
+        f"{ms('mean_active_parents', 1.0)} objects on per image; objects in use per seed: "
+        f"{', '.join(str(r['parents_in_use']) for r in runs)}; probes fit on {runs[0]['n_train']} training images, "
+        f"scored on {runs[0]['n_test']} test images; seeds {', '.join(str(r['seed']) for r in runs)}; "
+        f"{runs[0]['steps']} steps each; training wall time per seed (min): {minutes}; checkpoints "
+        + ", ".join(f"`{c}`" for c in prov.get("checkpoints", [])) + "; " + provenance_line(prov)])

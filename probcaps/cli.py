@@ -2,6 +2,7 @@
 
     probcaps train --config experiments/configs/mnist.toml --out runs/mnist [--resume] [--set train.steps=100]
     probcaps evaluate --checkpoint runs/mnist/final.pt [--name mnist] [--results-dir results]
+    probcaps evaluate --checkpoint runs/mnist/seed0/final.pt runs/mnist/seed1/final.pt --name mnist_readout  # mean ± std
     probcaps ttvi --checkpoint runs/mnist/final.pt [--limit 1000] [--out results/ttvi_mnist.json]
     probcaps run <experiment> [its arguments]   # any experiment script, e.g. probcaps run mnist_probe --seeds 0
     probcaps demo                      # a few minutes of training on real MNIST, then the probe report
@@ -308,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(p, results_dir="results")
 
     p = sub.add_parser("evaluate", help="probe accuracies, k-means accuracy and figures of a checkpoint")
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, nargs="+",
+                   help="a trained model; several (one per seed): each is evaluated, then mean ± std (needs --name)")
     p.add_argument("--name", default=None,
                    help="results/<name>.json (default: <the run's config name>_seed<its training seed>)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -385,7 +387,14 @@ def _evaluate_path(checkpoint, args, name=None, overrides=()):
 
 
 def _evaluate(args) -> None:
-    _print_metrics(_evaluate_path(args.checkpoint, args, name=args.name, overrides=args.set))
+    if len(args.checkpoint) == 1:
+        return _print_metrics(_evaluate_path(args.checkpoint[0], args, name=args.name, overrides=args.set))
+    from probcaps.inference.evaluate import evaluate_seeds
+
+    summary = evaluate_seeds(args.checkpoint, args.name, results_dir=args.results_dir, data_dir=args.data_dir,
+                             device=args.device, overrides=list(args.set), progress=not args.quiet,
+                             figures=not args.no_figures)
+    _print_metrics({k: v for k, v in summary.items() if k.endswith("_mean")})
 
 
 def _print_metrics(metrics: dict) -> None:
@@ -435,7 +444,10 @@ def _ttvi(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "evaluate" and len(args.checkpoint) > 1 and not args.name:
+        parser.error("argument --name: needed with several --checkpoint (their summary is results/<name>.json)")
     if args.command in ("train", "demo", "evaluate", "ttvi", "run"):
         reexec_with_allocator_settings(["-m", "probcaps", *argv])
     if args.command == "run":  # the experiment prints its own one-line errors

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from probcaps.inference.train import load_checkpoint
@@ -80,6 +81,34 @@ def test_train_resume_evaluate(tiny_toml, tmp_path, capsys):
                                                           "templates")]
     assert all((results / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "probe_presence_test_acc" in capsys.readouterr().out
+
+
+def test_evaluate_several_seeds_gives_mean_and_std(tiny_toml, tmp_path, capsys):
+    # catches: several checkpoints not each evaluated under its own seed, a summary that is not their mean and
+    # sample std, figures of every seed, or a missing --name not refused in one line
+    runs = [tmp_path / f"run{s}" for s in (0, 1)]
+    for seed, out in enumerate(runs):
+        assert main(["train", "--config", str(tiny_toml), "--out", str(out), "--steps", "2", "--seed", str(seed),
+                     "--quiet"]) == 0
+    checkpoints = [str(out / "final.pt") for out in runs]
+    results = tmp_path / "results"
+    with pytest.raises(SystemExit) as refused:
+        main(["evaluate", "--checkpoint", *checkpoints, "--results-dir", str(results), "--quiet"])
+    assert refused.value.code == 2 and "--name" in capsys.readouterr().err and not results.exists()
+    assert main(["evaluate", "--checkpoint", *checkpoints, "--name", "pair", "--results-dir", str(results),
+                 "--quiet"]) == 0
+    seeds = [json.loads((results / f"pair_seed{s}.json").read_text())["metrics"] for s in (0, 1)]
+    summary = json.loads((results / "pair.json").read_text())
+    m, prov = summary["metrics"], summary["provenance"]
+    assert [r["seed"] for r in m["per_seed"]] == prov["seed"] == [0, 1]
+    for key in ("probe_presence_test_acc", "kmeans_posterior_counts_test_acc", "object_class_purity"):
+        values = [r[key] for r in seeds]
+        assert m[f"{key}_mean"] == pytest.approx(np.mean(values))
+        assert m[f"{key}_std"] == pytest.approx(np.std(values, ddof=1))
+    assert prov["checkpoints"] == checkpoints and prov["steps"] == 2
+    assert {p.name.split("_", 2)[1] for p in results.glob("*.png")} == {"seed0"}  # the first seed's figures alone
+    table = (results / "pair.md").read_text()
+    assert "over 2 seeds" in table and "seeds 0, 1" in table and " ± " in table
 
 
 def test_train_with_evaluate_flag_and_no_figures(tiny_toml, tmp_path):
