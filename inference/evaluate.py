@@ -130,7 +130,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     Hungarian algorithm) is fit on each split.  Writes ``results_dir/<name>.json`` (metrics + provenance) and, with
     figures, ``<name>_*.png`` (under ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
     ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report``, ``object_class_purity[_presence]``, ...)
-    and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are ``<name>_seed<the training seed>``; ``table``: also write ``<name>.md``.
+    and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
+    ``<name>_seed<the training seed>``; ``table``: also write ``<name>.md``.
     """
     t0 = time.perf_counter()
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
