@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     add_run_args(p, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
                  resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/<name>.md, "
                  "RESULTS_DIR/mnist_ablations.md)", checkpoint_out="export the first seed's model here (default: "
-                 "checkpoints/<name>.pt; '' for none)")
+                 "checkpoints/<name>.pt, not with --train-only; '' for none)")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
     args.out = args.out or str(ROOT / "runs" / args.name)
@@ -200,6 +200,8 @@ def main(argv=None) -> int:
             print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
                   f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
                   f"training {state['wall_time_s'] / 60:.1f} min")
+    if args.train_only and args.checkpoint_out and init_from_env().rank == 0:  # exported only when told where
+        export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", Path(args.checkpoint_out))
     if args.train_only or init_from_env().rank > 0:  # under torchrun every process evaluates, rank 0 alone writes
         return 0
     summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items() if isinstance(v, float)])}

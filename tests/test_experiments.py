@@ -38,6 +38,22 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
     assert metrics["probe_presence_pose_test_acc"] == pytest.approx(per_seed[0]["probe_presence_pose_test_acc"])
 
 
+def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_clean, monkeypatch):
+    # catches: a seed trained on its own (--train-only) not exported to --checkpoint-out, or exported by default
+    # over the committed checkpoints/<name>.pt
+    from probcaps.experiments import mnist_probe
+
+    monkeypatch.setattr(mnist_probe, "ROOT", tmp_path)
+    args = ["--config", str(tiny_toml), "--seeds", "1", "--out", str(tmp_path / "runs"), "--train-only", "--quiet",
+            "--results-dir", str(tmp_path / "results"), "--set", "train.steps=2"]
+    assert mnist_probe.main(args) == 0
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "results").exists()
+    assert mnist_probe.main([*args, "--resume", "--checkpoint-out", str(tmp_path / "seed1.pt")]) == 0
+    exported = torch.load(tmp_path / "seed1.pt", weights_only=False)
+    assert "optimiser" not in exported and exported["state"]["step"] == 2
+    assert exported["train_config"]["seed"] == 1
+
+
 def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
     # catches: a short run under another --name silently overwriting the committed checkpoints/mnist.pt
     from probcaps.experiments import mnist_probe
