@@ -122,7 +122,7 @@ def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[
 
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
                         data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
-                        figures: bool | None = None, seed_suffix: bool = False, table: bool = True) -> dict:
+                        figures: bool | None = None, seed_suffix: bool = False) -> dict:
     """Probe and k-means accuracies on every readout of :data:`READOUTS`, the objects' class purity, per-class
     accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a checkpoint.
 
@@ -131,7 +131,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     figures, ``<name>_*.png`` (under ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
     ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report``, ``object_class_purity[_presence]``, ...)
     and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
-    ``<name>_seed<the training seed>``; ``table``: also write ``<name>.md``.
+    ``<name>_seed<the training seed>``.
     """
     t0 = time.perf_counter()
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
@@ -200,21 +200,20 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}, figures=figure_paths)
     write_results(results_dir / f"{name}.json", metrics, prov)
-    if table:
-        write_table(results_dir, name, readout_table(results_dir, name))
+    write_table(results_dir, name, readout_table(results_dir, name))
     return metrics | run
 
 
 def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "results", device: str = "cpu",
                    figures: bool = True, **kwargs) -> dict:
     """:func:`evaluate_checkpoint` of each of ``checkpoints`` (one per training seed) into
-    ``results_dir/<name>_seed<S>.json`` (the figures of the first alone), then ``<name>.json``: the seeds' metrics
-    (``per_seed``), the mean and standard deviation of each number over them, and its table ``<name>.md``."""
+    ``results_dir/<name>_seed<S>.json`` and its table (the figures of the first seed alone), then ``<name>.json``:
+    the seeds' metrics (``per_seed``), the mean and standard deviation of each number over them, and its table."""
     from probcaps.cli import seed_summary
 
     t0 = time.perf_counter()
     runs = [evaluate_checkpoint(path, name, results_dir, device=device, figures=figures and i == 0,
-                                seed_suffix=True, table=False, **kwargs) for i, path in enumerate(checkpoints)]
+                                seed_suffix=True, **kwargs) for i, path in enumerate(checkpoints)]
     runs = [{k: v for k, v in run.items() if not isinstance(v, dict)} for run in runs]  # the per-class reports stay
     summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items()
                                                        if isinstance(v, float) and k != "train_wall_time_s"])}

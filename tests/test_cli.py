@@ -107,6 +107,7 @@ def test_evaluate_several_seeds_gives_mean_and_std(tiny_toml, tmp_path, capsys):
         assert m[f"{key}_std"] == pytest.approx(np.std(values, ddof=1))
     assert prov["checkpoints"] == checkpoints and prov["steps"] == 2
     assert {p.name.split("_", 2)[1] for p in results.glob("*.png")} == {"seed0"}  # the first seed's figures alone
+    assert all((results / f"pair_seed{s}.md").is_file() for s in (0, 1))  # each seed's train / test table
     table = (results / "pair.md").read_text()
     assert "over 2 seeds" in table and "seeds 0, 1" in table and " ± " in table
 
