@@ -16,7 +16,8 @@ import torch
 
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.distributed import init_from_env
-from probcaps.inference.train import make_elbo
+from probcaps.errors import CheckpointError
+from probcaps.inference.train import load_checkpoint, make_elbo
 from probcaps import plotting
 from probcaps.inference.guides import Latents
 from probcaps.data import iterate_batches, to_float
@@ -212,6 +213,12 @@ def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "resu
     from probcaps.cli import seed_summary
 
     t0 = time.perf_counter()
+    seen = {}  # every checkpoint read before anything is written; one file per seed
+    for path in checkpoints:
+        seed = load_checkpoint(path)["train_config"].get("seed")
+        if seed in seen:
+            raise CheckpointError(f"{path}: trained with seed {seed}, as {seen[seed]} is; give one checkpoint a seed")
+        seen[seed] = path
     runs = [evaluate_checkpoint(path, name, results_dir, device=device, figures=figures and i == 0,
                                 seed_suffix=True, **kwargs) for i, path in enumerate(checkpoints)]
     runs = [{k: v for k, v in run.items() if not isinstance(v, dict)} for run in runs]  # the per-class reports stay

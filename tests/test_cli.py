@@ -95,6 +95,11 @@ def test_evaluate_several_seeds_gives_mean_and_std(tiny_toml, tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["evaluate", "--checkpoint", *checkpoints, "--results-dir", str(results), "--quiet"])
     assert refused.value.code == 2 and "--name" in capsys.readouterr().err and not results.exists()
+    for bad, needle in ((tmp_path / "missing.pt", "missing.pt"), (checkpoints[0], "seed 0")):
+        assert main(["evaluate", "--checkpoint", *checkpoints, str(bad), "--name", "pair", "--results-dir",
+                     str(results), "--quiet"]) == 2
+        _one_error_line(capsys, needle, "probcaps evaluate: error:")
+        assert not results.exists()  # refused before the first seed was evaluated
     assert main(["evaluate", "--checkpoint", *checkpoints, "--name", "pair", "--results-dir", str(results),
                  "--quiet"]) == 0
     seeds = [json.loads((results / f"pair_seed{s}.json").read_text())["metrics"] for s in (0, 1)]
