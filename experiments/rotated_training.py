@@ -104,7 +104,7 @@ def readme_table(m: dict, prov: dict) -> str:
     """The table of ``results_dir/<name>.json``: probe accuracy, the objects' class purity and k-means on their
     posterior presences per θmax."""
     lines = ["| θmax (train and test) | probe, presences + poses (%) | probe, presences (%) | class purity: by part "
-             "counts / by presences | k-means on part counts (%) | training (min per run) |",
+             "counts / where on | k-means on part counts (%) | training (min per run) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for p in m["per_theta"]:
         rows = [r for r in m["per_run"] if r["theta_max"] == p["theta_max"]]
@@ -122,8 +122,10 @@ def readme_table(m: dict, prov: dict) -> str:
                      f"{f['slope_points_per_90deg']:+.1f} points per 90°, {f['drop_first_to_last_points']:+.1f} "
                      f"points from the smallest to the largest θmax (presences + poses).")
     lines.append(f"Seeds {prov.get('seed')}; {prov.get('steps')} steps of batch {prov.get('batch_size')} per run; "
-                 "class purity: the mean over objects of the largest class share of the test images they explain (0.1: "
-                 f"none); probe fit on {m['per_run'][0]['n_train']} training and scored on "
+                 "class purity: the mean over objects of the largest class share among the test images, each "
+                 "weighted by the object's expected part count, or counted where the object is on (presence > 0.5) "
+                 "(0.1: none); "
+                 f"probe fit on {m['per_run'][0]['n_train']} training and scored on "
                  f"{m['per_run'][0]['n_test']} test digits; {provenance_line(prov)}")
     return "\n".join(lines)
 

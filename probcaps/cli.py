@@ -2,7 +2,7 @@
 
     probcaps train --config experiments/configs/mnist.toml --out runs/mnist [--resume] [--set train.steps=100]
     probcaps evaluate --checkpoint runs/mnist/final.pt [--name mnist] [--results-dir results]
-    probcaps evaluate --checkpoint runs/mnist/seed0/final.pt runs/mnist/seed1/final.pt --name mnist_readout  # mean ± std
+    probcaps evaluate --checkpoint runs/a/final.pt runs/b/final.pt --name mnist_readout   # one per seed: mean ± std
     probcaps ttvi --checkpoint runs/mnist/final.pt [--limit 1000] [--out results/ttvi_mnist.json]
     probcaps run <experiment> [its arguments]   # any experiment script, e.g. probcaps run mnist_probe --seeds 0
     probcaps demo                      # a few minutes of training on real MNIST, then the probe report
