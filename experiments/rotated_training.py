@@ -88,15 +88,23 @@ def summarise(runs: list[dict], thetas: list[float]) -> dict:
 
 
 def plot(summary: dict, path: Path) -> Path:
+    """Accuracy against θmax and, beside it, how class-specific the objects are (mean ± std over the seeds)."""
     pts = summary["per_theta"]
     x = [p["theta_max"] for p in pts]
-    curves = {f"probe on {label}": (x, [100 * p[f"probe_{k}_test_acc_mean"] for p in pts],
-                                    [100 * p[f"probe_{k}_test_acc_std"] for p in pts])
-              for k, label in FEATURES.items()}
-    n = len(pts[0]["seeds"])
-    return plotting.plot_curves(curves, path, xlabel="maximum training rotation θmax (degrees)",
-                                ylabel="linear-probe test accuracy (%)",
-                                title=f"rotated MNIST (test rotated within ±θmax); mean ± std, {n} seeds")
+
+    def curve(key: str, scale: float = 100.0):
+        return x, [scale * p[f"{key}_mean"] for p in pts], [scale * p[f"{key}_std"] for p in pts]
+    accuracy = {f"probe on {label}": curve(f"probe_{k}_test_acc") for k, label in FEATURES.items()}
+    xlabel, n = "maximum training rotation θmax (degrees)", len(pts[0]["seeds"])
+    panels = [{"curves": accuracy, "xlabel": xlabel, "ylabel": "test accuracy (%)",
+               "title": f"rotated MNIST (test rotated within ±θmax); {n} seeds"}]
+    if "kmeans_posterior_counts_test_acc_mean" in pts[0]:
+        accuracy["k-means on posterior presences"] = curve("kmeans_posterior_counts_test_acc")
+        panels.append({"curves": {"by expected part counts": curve("parent_class_purity_posterior", 1.0),
+                                  "where on (presence > 0.5)": curve("parent_class_purity", 1.0)},
+                       "xlabel": xlabel, "ylabel": "objects' class purity (0.1: none)", "ylim": (0.0, 0.5),
+                       "title": "how class-specific the objects are"})
+    return plotting.plot_curve_panels(panels, path)
 
 
 @results_table("rotated_training")
