@@ -217,7 +217,7 @@ def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "resu
     for path in checkpoints:
         seed = load_checkpoint(path)["train_config"].get("seed")
         if seed in seen:
-            raise CheckpointError(f"{path}: trained with seed {seed}, as {seen[seed]} is; give one checkpoint a seed")
+            raise CheckpointError(f"{path}: trained with seed {seed}, like {seen[seed]}; give one checkpoint per seed")
         seen[seed] = path
     runs = [evaluate_checkpoint(path, name, results_dir, device=device, figures=figures and i == 0,
                                 seed_suffix=True, **kwargs) for i, path in enumerate(checkpoints)]
