@@ -16,8 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from probcaps.inference.capsule_svi import (REMOVED_OPTIONS, SCHEMA, load_experiment_config, removed_after,
-                                            train_capsules)
+from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.evaluate import evaluate_checkpoint
 from probcaps.inference.train import load_checkpoint, run_finished
@@ -125,7 +124,8 @@ def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
         # a key the headline run predates holds its default (for a removed option: its off value)
         if key in stored[section]:
             return stored[section][key]
-        return REMOVED_OPTIONS.get(section, {}).get(key, getattr(SCHEMA[section](), key, None))
+        removed = REMOVED_OPTIONS.get(section, {})
+        return removed[key][0] if key in removed else getattr(SCHEMA[section](), key, None)
 
     lines = ["| change from the headline config | training steps | training wall time (s) | test ELBO per image | "
              "probe: presences + poses | probe: presences | k-means on presences | objects in use | probe images: "
@@ -136,7 +136,8 @@ def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
         m, prov = data["metrics"], data["provenance"]
         # an option removed since is named with the last commit that had it
         changes = [f"{section}.{key} = {value}"
-                   + (f" (removed; last at {removed_after(key)})" if key in REMOVED_OPTIONS.get(section, {}) else "")
+                   + (f" (removed; last at {REMOVED_OPTIONS[section][key][1]})"
+                      if key in REMOVED_OPTIONS.get(section, {}) else "")
                    for section in ("model", "encoder") for key, value in prov["configs"][section].items()
                    if key != "seed" and value != headline_value(section, key)]
         rows.append((m["probe_presence_pose_test_acc"], f"| {'; '.join(changes) or 'none'} | {prov['steps']} | "

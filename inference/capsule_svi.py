@@ -21,7 +21,7 @@ from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import CheckpointError, ConfigError
 
-__all__ = ["SCHEMA", "REMOVED_OPTIONS", "removed_after", "load_experiment_config", "load_images", "prior_schedule",
+__all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "load_images", "prior_schedule",
            "CapsuleSystem", "train_capsules", "load_trained", "encode_dataset", "probe_features"]
 
 SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder": EncoderConfig, "train": TrainConfig,
@@ -30,19 +30,12 @@ SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder
 # Options that no shipped recipe uses any more, with the value that meant "off" and the last commit that had them
 # (README and docs/ say what each did and which results used it).  A checkpoint that holds one at that value loads
 # without it; one trained with it on names the commit to check out.
-REMOVED_OPTIONS = {
-    "model": {"presence_sparsity_weight": 0.0, "parent_usage_weight": 0.0, "guide_usage_weight": 0.0,
-              "guide_certainty_weight": 0.0, "learn_parent_prior": False, "template_init": "blob"},
-    "encoder": {"parent_pose_scale": 1.0, "object_pose_scales": False},
+REMOVED_OPTIONS = {  # option: (its off value, the last commit that had it)
+    "model": {"presence_sparsity_weight": (0.0, "e00fb33"), "parent_usage_weight": (0.0, "e00fb33"),
+              "guide_usage_weight": (0.0, "e00fb33"), "guide_certainty_weight": (0.0, "e00fb33"),
+              "learn_parent_prior": (False, "e00fb33"), "template_init": ("blob", "e00fb33")},
+    "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "e38bab9")},
 }
-REMOVED_AFTER = "e00fb33"
-#: options removed later than REMOVED_AFTER, with the last commit that had each
-REMOVED_LATER = {"object_pose_scales": "e38bab9"}
-
-
-def removed_after(option: str) -> str:
-    """The last commit that had the removed ``option``."""
-    return REMOVED_LATER.get(option, REMOVED_AFTER)
 
 # state the model no longer keeps: the annealed prior's step counter (the training loop owns the schedule) and the
 # fixed prior's logits (computed from model.expected_parents)
@@ -174,11 +167,10 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
     for key, cls in SCHEMA.items():
         if cls is not str:
             section = meta["configs"].get(key, {})
-            for option, off in REMOVED_OPTIONS.get(key, {}).items():
+            for option, (off, commit) in REMOVED_OPTIONS.get(key, {}).items():
                 if option in section and section[option] != off:
                     raise CheckpointError(f"{checkpoint}: trained with {key}.{option} = {section[option]!r}, an "
-                                          f"option removed after commit {removed_after(option)} (git checkout "
-                                          f"{removed_after(option)} to use it)")
+                                          f"option removed after commit {commit} (git checkout {commit} to use it)")
             cfg[key] = cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
     for item in overrides:
         section, key, value = parse_override(item)

@@ -24,7 +24,7 @@ from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
 from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_accuracy, mean_by_class
 from probcaps.provenance import provenance, write_results
-from probcaps.report import load_result, provenance_line, write_table
+from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
            "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds", "READOUTS", "SCAE_PUBLISHED"]
@@ -265,8 +265,6 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
 def seeds_readout_table(m: dict, prov: dict) -> str:
     """The table of an :func:`evaluate_seeds` summary: test accuracy of the probe and of k-means on every readout,
     mean ± std over the seeds, beside SCAE's."""
-    from probcaps.report import fmt_mean_std
-
     runs = m["per_seed"]
 
     def ms(key: str, scale: float = 100.0, digits: int = 1) -> str:

@@ -4,7 +4,6 @@ entry point on tiny synthetic data (evaluation curve, resume)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

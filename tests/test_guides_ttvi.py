@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import pyro
 import pyro.distributions as dist
 import pytest
 import torch
