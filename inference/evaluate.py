@@ -21,7 +21,7 @@ from probcaps.inference.train import load_checkpoint, make_elbo
 from probcaps import plotting
 from probcaps.inference.guides import Latents
 from probcaps.data import iterate_batches, to_float
-from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
+from probcaps.distributions import RELAXED_CLAMP
 from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_accuracy, mean_by_class
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
@@ -82,20 +82,12 @@ def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, dev
 
 @torch.no_grad()
 def parent_log_posterior(model, latents: Latents) -> torch.Tensor:
-    """``(B, M, K+1)`` log q(s_m = k): the exact posterior over each part's parent (the dummy ``k = 0`` first),
-    ``q(s_m = k) ∝ P(s_m = k | z1) p(z0_m, y0_m | s_m = k, y1)``, the marginal ``TraceEnum_ELBO`` sums over.  The
-    latents are taken at the guide's point values: presences at ``sigmoid`` of their logits, clamped into the
-    relaxed Bernoulli's support, poses as given.
-    """
+    """``(B, M, K+1)`` log q(s_m = k) of :meth:`CapsuleModel.parent_log_posterior` at the guide's point values:
+    presences at ``sigmoid`` of their logits, clamped into the relaxed Bernoulli's support, poses as given."""
     ref = model.offsets
     z1 = torch.sigmoid(latents.parent_logits.to(ref)).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)
     z0 = torch.sigmoid(latents.part_logits.to(ref)).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)
-    y1, y0 = latents.parent_poses.to(ref), latents.part_poses.to(ref)
-    selection_logits, gamma, pose_mean, pose_var_on = model.child_tables(z1, y1)       # (B, M, K+1), ...
-    log_z0 = ClampedRelaxedBernoulli(ref.new_tensor(model.config.temperature), probs=gamma).log_prob(z0.unsqueeze(-1))
-    std = model.child_pose_std(z0.unsqueeze(-1), pose_var_on)                           # (B, M, K+1, 6)
-    log_y0 = torch.distributions.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
-    return (selection_logits + log_z0 + log_y0).log_softmax(-1)
+    return model.parent_log_posterior(z1, latents.parent_poses.to(ref), z0, latents.part_poses.to(ref))
 
 
 @torch.no_grad()
