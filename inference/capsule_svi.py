@@ -34,7 +34,7 @@ REMOVED_OPTIONS = {  # option: (its off value, the last commit that had it)
     "model": {"presence_sparsity_weight": (0.0, "e00fb33"), "parent_usage_weight": (0.0, "e00fb33"),
               "guide_usage_weight": (0.0, "e00fb33"), "guide_certainty_weight": (0.0, "e00fb33"),
               "learn_parent_prior": (False, "e00fb33"), "template_init": ("blob", "e00fb33")},
-    "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "e38bab9")},
+    "encoder": {"parent_pose_scale": (1.0, "e00fb33")},
 }
 
 # state the model no longer keeps: the annealed prior's step counter (the training loop owns the schedule) and the
@@ -133,10 +133,14 @@ class CapsuleSystem(nn.Module):
         part_logits, y0 = self.encoder.encode_parts(x)
         q_z0 = ClampedRelaxedBernoulli(tau, logits=part_logits)
         z0 = q_z0.rsample()
-        parent_logits, y1 = self.encoder.encode_parents(y0, z0)
+        parent_logits, y1, *scales = self.encoder.encode_parents(y0, z0, self.guide.amortised_scales)
         q_z1 = ClampedRelaxedBernoulli(tau, logits=parent_logits)
         z1 = q_z1.rsample()
         log_q = q_z0.log_prob(z0).sum(-1) + q_z1.log_prob(z1).sum(-1)
+        if scales:  # Normal object poses: y1 drawn after z1, as the guide draws them
+            q_y1 = torch.distributions.Normal(y1, scales[0])
+            y1 = q_y1.rsample()
+            log_q = log_q + q_y1.log_prob(y1).sum((-2, -1))
         elbo = self.model.log_joint(x, z1, y1, z0, y0, expected_parents) - log_q
         return -elbo.mean()
 

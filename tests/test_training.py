@@ -378,9 +378,9 @@ def test_removed_options_load_when_off_and_fail_in_one_line_when_on(trained_run,
     msg = str(exc.value)
     assert "\n" not in msg and "model.guide_usage_weight" in msg and "e00fb33" in msg and "old.pt" in msg
     ckpt["metadata"]["configs"]["model"]["guide_usage_weight"] = 0.0
-    ckpt["metadata"]["configs"]["encoder"]["object_pose_scales"] = True  # removed later: its own commit is named
+    ckpt["metadata"]["configs"]["encoder"]["parent_pose_scale"] = 2.0  # another section: its own entry is read
     torch.save(ckpt, old)
-    with pytest.raises(CheckpointError, match="encoder.object_pose_scales.*removed after commit e38bab9"):
+    with pytest.raises(CheckpointError, match="encoder.parent_pose_scale.*removed after commit e00fb33"):
         load_trained(old)
 
 
