@@ -132,7 +132,7 @@ def readme_table(m: dict, prov: dict) -> str:
     lines.append(f"Seeds {prov.get('seed')}; {prov.get('steps')} steps of batch {prov.get('batch_size')} per run; "
                  "class purity: the mean over objects of the largest class share among the test images, each "
                  "weighted by the object's expected part count, or counted where the object is on (presence > 0.5) "
-                 "(0.1: none); "
+                 "(0.1: none; —: no object on in any test image); "
                  f"probe fit on {m['per_run'][0]['n_train']} training and scored on "
                  f"{m['per_run'][0]['n_test']} test digits; {provenance_line(prov)}")
     return "\n".join(lines)

@@ -124,10 +124,13 @@ def provenance_line(prov: dict) -> str:
 
 
 def fmt_mean_std(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
-    """``"mean ± std"`` (sample std) of ``values`` times ``scale``; the value alone for one value."""
+    """``"mean ± std"`` (sample std) of ``values`` times ``scale``; the value alone for one value; ``"—"`` where a
+    value is undefined (NaN)."""
     import numpy as np
 
     a = np.asarray(values, dtype=float) * scale
+    if np.isnan(a).any():
+        return "—"
     return f"{a[0]:.{digits}f}" if len(a) == 1 else f"{a.mean():.{digits}f} ± {a.std(ddof=1):.{digits}f}"
 
 

@@ -182,3 +182,11 @@ def test_device_description_cpu():
     d = device_description("cpu")
     assert d.startswith("cpu") and "cores" in d
     assert device_description(torch.device("cpu")) == d
+
+
+def test_fmt_mean_std_sample_std_one_value_and_undefined():
+    # catches: a population std, a lone value printed as "x ± nan", or a NaN (no object ever on) printed as "nan"
+    from probcaps.report import fmt_mean_std
+    assert fmt_mean_std([0.9, 0.92, 0.94]) == "92.0 ± 2.0"
+    assert fmt_mean_std([0.123], scale=1.0, digits=2) == "0.12"
+    assert fmt_mean_std([0.5, float("nan")]) == "—"
