@@ -27,7 +27,8 @@ from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
-           "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds", "READOUTS", "SCAE_PUBLISHED"]
+           "posterior_part_counts", "certain_parent_share", "readout_features", "readout_table", "evaluate_seeds",
+           "READOUTS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
@@ -100,6 +101,20 @@ def posterior_part_counts(model, latents: Latents, batch_size: int = 1000) -> to
     return torch.cat(chunks).cpu() if chunks else torch.zeros(0, model.config.num_parents)
 
 
+@torch.no_grad()
+def certain_parent_share(model, latents: Latents, batch_size: int = 1000, certain: float = 0.99) -> float:
+    """The share of the parts that are on (presence > 0.5) whose parent is all but certain under the exact posterior
+    (:func:`parent_log_posterior`: ``max_k q(s_m = k) > certain``, the dummy included): where it is near 1, terms on
+    the posterior coupling (SCAE's entropies of the part counts) get almost no gradient."""
+    certain_on = on = 0
+    for i in range(0, len(latents.part_logits), batch_size):
+        chunk = Latents(*(t[i:i + batch_size] for t in latents))
+        part_on = torch.sigmoid(chunk.part_logits) > 0.5
+        sure = parent_log_posterior(model, chunk).exp().amax(-1).cpu() > certain
+        certain_on, on = certain_on + int((sure & part_on).sum()), on + int(part_on.sum())
+    return certain_on / max(on, 1)
+
+
 def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per :data:`READOUTS` key, ``(probe features, k-means features)``, each ``(N, D)``, from ``counts``, the
     :func:`posterior_part_counts` of ``latents``.  Presences alone: logits for the probe (it standardises them),
@@ -156,6 +171,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
     metrics["mean_posterior_part_count"] = float(test_counts.sum(1).mean())  # parts explained by objects, not dummy
+    metrics["certain_parent_share"] = certain_parent_share(system.model, test_lat, ecfg.batch_size)
     metrics["published_scae"] = dict(SCAE_PUBLISHED)
     metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
     metrics["test_recon_mse"] = reconstruction_error(system.model, test_images[:2000], test_lat, device=device)
@@ -249,7 +265,10 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
         "",
         f"Objects' class purity {m['object_class_purity']:.3f} by expected part counts, "
         f"{m['object_class_purity_presence']:.3f} by presences (0.1: no class preference); "
-        f"{m['mean_active_parents']:.1f} objects on per image, {m['parents_in_use']} in use; probes fit on "
+        f"{m['mean_active_parents']:.1f} objects on per image, {m['parents_in_use']} in use; "
+        + (f"{100 * m['certain_parent_share']:.0f}% of the parts on have a certain parent (posterior > 0.99); "
+           if "certain_parent_share" in m else "")
+        + f"probes fit on "
         f"{m['n_train']} training images, scored on {m['n_test']} test images; checkpoint `{prov.get('checkpoint')}`; "
         + provenance_line(prov)])
 
@@ -274,7 +293,10 @@ def seeds_readout_table(m: dict, prov: dict) -> str:
         f"Objects' class purity {ms('object_class_purity', 1.0, 3)} by expected part counts, "
         f"{ms('object_class_purity_presence', 1.0, 3)} by presences (0.1: no class preference); "
         f"{ms('mean_active_parents', 1.0)} objects on per image; objects in use per seed: "
-        f"{', '.join(str(r['parents_in_use']) for r in runs)}; probes fit on {runs[0]['n_train']} training images, "
+        f"{', '.join(str(r['parents_in_use']) for r in runs)}; "
+        + (f"{ms('certain_parent_share', 100.0, 0)}% of the parts on have a certain parent (posterior > 0.99); "
+           if "certain_parent_share" in runs[0] else "")
+        + f"probes fit on {runs[0]['n_train']} training images, "
         f"scored on {runs[0]['n_test']} test images; seeds {', '.join(str(r['seed']) for r in runs)}; "
         f"{runs[0]['steps']} steps each; training wall time per seed (min): {minutes}; checkpoints "
         + ", ".join(f"`{c}`" for c in prov.get("checkpoints", [])) + "; " + provenance_line(prov)])

@@ -12,7 +12,7 @@ import torch
 
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
-    READOUTS, REPORTED_PROBES, evaluate_checkpoint, parent_log_posterior, posterior_part_counts,
+    READOUTS, REPORTED_PROBES, certain_parent_share, evaluate_checkpoint, parent_log_posterior, posterior_part_counts,
 )
 from probcaps.inference.guides import Latents
 from probcaps.metrics import class_purity, classification_summary, mean_by_class, object_class_shares
@@ -80,6 +80,21 @@ def test_posterior_part_counts_match_brute_force_enumeration():
     log_q = parent_log_posterior(model, latents)
     torch.testing.assert_close(log_q.exp().sum(-1), torch.ones(2, 3, dtype=torch.float64))
     torch.testing.assert_close(counts.sum(1) + log_q[..., 0].exp().sum(1), torch.full((2,), 3.0, dtype=torch.float64))
+
+
+def test_certain_parent_share_counts_the_parts_on_whose_brute_force_posterior_is_sure():
+    # catches: parts that are off counted, the threshold applied to another quantity than max_k q(s_m = k), or
+    # chunks that drop or repeat images
+    model, latents = _tiny_model_and_latents(B=6, M=5, seed=0)
+    sure = parent_log_posterior(model, latents).exp().amax(-1)                       # (B, M)
+    on = torch.sigmoid(latents.part_logits) > 0.5
+    threshold = float(sure.median())  # about half the parts are above it, some of them off
+    expected = float(((sure > threshold) & on).sum()) / float(on.sum())
+    assert 0 < expected < 1 and ((sure > threshold) & ~on).any()
+    for batch_size in (1, 4, 100):
+        assert certain_parent_share(model, latents, batch_size, certain=threshold) == pytest.approx(expected)
+    off = latents._replace(part_logits=torch.full_like(latents.part_logits, -5.0))
+    assert certain_parent_share(model, off) == 0.0
 
 
 def test_posterior_part_counts_follow_the_parts_poses():
