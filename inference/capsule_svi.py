@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
-from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, posterior_entropies
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 from probcaps.distributions import ClampedRelaxedBernoulli
 from probcaps.config import DataConfig, EvalConfig, load_sections, parse_override, replace_checked
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
@@ -33,8 +33,9 @@ SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder
 REMOVED_OPTIONS = {  # option: (its off value, the last commit that had it)
     "model": {"presence_sparsity_weight": (0.0, "e00fb33"), "parent_usage_weight": (0.0, "e00fb33"),
               "guide_usage_weight": (0.0, "e00fb33"), "guide_certainty_weight": (0.0, "e00fb33"),
-              "learn_parent_prior": (False, "e00fb33"), "template_init": ("blob", "e00fb33")},
-    "encoder": {"parent_pose_scale": (1.0, "e00fb33")},
+              "learn_parent_prior": (False, "e00fb33"), "template_init": ("blob", "e00fb33"),
+              "within_image_entropy_weight": (0.0, "a9c4f67"), "between_image_entropy_weight": (0.0, "a9c4f67")},
+    "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "a9c4f67")},
 }
 
 # state the model no longer keeps: the annealed prior's step counter (the training loop owns the schedule) and the
@@ -98,28 +99,10 @@ class CapsuleSystem(nn.Module):
         self.guide_spec = {"family": "normal", "init_scale": init_scale, "min_scale": min_scale}
         return self
 
-    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None):
+    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
         """Negative ELBO per image (``s`` enumerated out); ``expected_parents``: the prior at this training step
-        (:func:`prior_schedule`; ``None``: the config's final value).
-
-        With the model's posterior entropy weights, SCAE's posterior sparsity terms of the objects' expected part
-        counts (:func:`~probcaps.models.capsule_model.posterior_entropies`, at the guide's sample of this ELBO) are
-        added, and the loss is returned as ``(loss, {"within_entropy", "between_entropy"})``.
-        """
-        cfg = self.model.config
-        if not (cfg.within_image_entropy_weight or cfg.between_image_entropy_weight):
-            return elbo.differentiable_loss(self.model, self.guide, x, expected_parents=expected_parents) / x.shape[0]
-        drawn = []
-
-        def guide(*args, **kwargs):  # keeps the latents the ELBO scores (one particle: one call)
-            drawn.append(self.guide(*args, **kwargs))
-            return drawn[-1]
-
-        neg_elbo = elbo.differentiable_loss(self.model, guide, x, expected_parents=expected_parents) / x.shape[0]
-        counts = self.model.parent_log_posterior(*drawn[-1])[..., 1:].exp().sum(-2)   # (B, K), the dummy left out
-        within, between = posterior_entropies(counts)
-        loss = neg_elbo + cfg.within_image_entropy_weight * within - cfg.between_image_entropy_weight * between
-        return loss, {"within_entropy": within.item(), "between_entropy": between.item()}
+        (:func:`prior_schedule`; ``None``: the config's final value)."""
+        return elbo.differentiable_loss(self.model, self.guide, x, expected_parents=expected_parents) / x.shape[0]
 
     def reference_loss(self, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
         """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).
@@ -133,14 +116,10 @@ class CapsuleSystem(nn.Module):
         part_logits, y0 = self.encoder.encode_parts(x)
         q_z0 = ClampedRelaxedBernoulli(tau, logits=part_logits)
         z0 = q_z0.rsample()
-        parent_logits, y1, *scales = self.encoder.encode_parents(y0, z0, self.guide.amortised_scales)
+        parent_logits, y1 = self.encoder.encode_parents(y0, z0)
         q_z1 = ClampedRelaxedBernoulli(tau, logits=parent_logits)
         z1 = q_z1.rsample()
         log_q = q_z0.log_prob(z0).sum(-1) + q_z1.log_prob(z1).sum(-1)
-        if scales:  # Normal object poses: y1 drawn after z1, as the guide draws them
-            q_y1 = torch.distributions.Normal(y1, scales[0])
-            y1 = q_y1.rsample()
-            log_q = log_q + q_y1.log_prob(y1).sum((-2, -1))
         elbo = self.model.log_joint(x, z1, y1, z0, y0, expected_parents) - log_q
         return -elbo.mean()
 
@@ -162,10 +141,6 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
         system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=tcfg.compile)
     system = system.to(device).train()
     images, labels = load_images(cfg["data"], "train", data_dir)
-    mcfg = cfg["model"]
-    if tcfg.jit and (mcfg.within_image_entropy_weight or mcfg.between_image_entropy_weight):
-        raise ConfigError("train.jit: the JIT ELBO cannot add the model's posterior entropy terms "
-                          "(model.within_image_entropy_weight, model.between_image_entropy_weight); set one or the other")
     elbo = make_elbo(tcfg.jit)
     rotation = cfg["data"].train_rotation or None
 

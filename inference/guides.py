@@ -41,9 +41,6 @@ class EncoderConfig(Section):
     max_scale: float = 2.0
     max_translation: float = 0.5   # of the offset from where each part's attention looks
     bf16: bool = False             # part encoder convolutions in bfloat16 (~1.8x faster on AMX CPUs and GPUs)
-    # Normal object poses, each image's scales from a head of its own: an object's pose is paid for by its posterior
-    # volume (the Occam factor MAP poses leave out), so one object explaining many parts beats one per part
-    object_pose_scales: bool = False
 
     def validate(self) -> None:
         """What no single key's range says (``probcaps.config`` runs this on every encoder section it builds)."""
@@ -88,26 +85,21 @@ class CapsuleEncoder(nn.Module):
                                               num_inds=cfg.set_inducing, num_isab=cfg.set_blocks)
         self.presence_head = _head(cfg.parent_code, cfg.head_hidden, 1)
         self.pose_head = _head(cfg.parent_code, cfg.head_hidden, 6)
-        self.pose_scale_head = _head(cfg.parent_code, cfg.head_hidden, 6) if cfg.object_pose_scales else None
 
     def encode_parts(self, x: torch.Tensor):
         """``x (B, 1, H, W)`` -> ``(presence logits (B, M), poses (B, M, 6))``."""
         out = self.parts(x)
         return out.presence_logit, out.pose
 
-    def encode_parents(self, part_poses: torch.Tensor, part_presences: torch.Tensor, with_scales: bool = False):
-        """Part poses ``(B, M, 6)`` and presences ``(B, M)`` -> ``(logits (B, K), poses (B, K, 6))``, and with
-        ``with_scales`` the poses' posterior scales ``(B, K, 6)`` (``object_pose_scales``; starting near 0.05).
+    def encode_parents(self, part_poses: torch.Tensor, part_presences: torch.Tensor):
+        """Part poses ``(B, M, 6)`` and presences ``(B, M)`` -> ``(logits (B, K), poses (B, K, 6))``.
 
         Absent parts are masked out of the attention by their presence.
         """
         emb = self.part_embedding.expand(part_poses.shape[0], *self.part_embedding.shape)
         tokens = torch.cat([part_poses, part_presences.unsqueeze(-1), emb], -1)
         code = self.set_transformer(tokens, key_weights=part_presences)
-        out = self.presence_head(code).squeeze(-1), self.pose_head(code)
-        if not with_scales:
-            return out
-        return *out, 1e-3 + F.softplus(self.pose_scale_head(code) + inverse_softplus(0.05 - 1e-3))
+        return self.presence_head(code).squeeze(-1), self.pose_head(code)
 
     @torch.no_grad()
     def encode(self, x: torch.Tensor) -> Latents:
@@ -118,13 +110,11 @@ class CapsuleEncoder(nn.Module):
 
 
 class DeltaGuide(PyroModule):
-    """Amortised guide with delta (MAP) poses and concrete presences; with ``encoder.object_pose_scales`` the object
-    poses are Normal, their scales per image and object from the encoder."""
+    """Amortised guide with delta (MAP) poses and concrete presences."""
 
     def __init__(self, encoder: CapsuleEncoder, temperature: float):
         super().__init__()
         self.encoder, self.temperature = encoder, temperature
-        self.amortised_scales = encoder.pose_scale_head is not None  # Normal object poses (object_pose_scales)
 
     def pose_distribution(self, loc: torch.Tensor, name: str):
         """The variational family of the poses ``name`` (here a point mass)."""
@@ -141,12 +131,10 @@ class DeltaGuide(PyroModule):
         with data, pyro.plate("children", part_logits.shape[-1], dim=-1):
             z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=part_logits))
             y0 = pyro.sample("y0", self.pose_distribution(part_poses, "y0"))
-        parent_logits, parent_poses, *scales = self.encoder.encode_parents(y0, z0, self.amortised_scales)
+        parent_logits, parent_poses = self.encoder.encode_parents(y0, z0)
         with data, pyro.plate("parents", parent_logits.shape[-1], dim=-1):
             z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
-            q_y1 = dist.Normal(parent_poses, scales[0]).to_event(1) if scales else self.pose_distribution(
-                parent_poses, "y1")
-            y1 = pyro.sample("y1", q_y1)
+            y1 = pyro.sample("y1", self.pose_distribution(parent_poses, "y1"))
         return z1, y1, z0, y0
 
 

@@ -32,7 +32,7 @@ from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import compose_pose6, pose6_to_matrix
 from probcaps.render import render_over
 
-__all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent", "posterior_entropies"]
+__all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent"]
 
 
 @dataclass
@@ -61,12 +61,6 @@ class CapsuleModelConfig(Section):
     # upper bound on the affinities ρ_km (0: unbounded): an unbounded ρ_km lets an object whose presence is sampled
     # near 0 still win its parts from the dummy, so presence has no absolute effect
     max_affinity: float = 0.0
-    # SCAE's posterior sparsity (Kosiorek et al. 2019, §3.1), on each object's expected part count under the exact
-    # posterior over the parts' parents: the training loss adds within_image_entropy_weight times the entropy of
-    # each image's counts over the objects (few objects per image) and subtracts between_image_entropy_weight times
-    # the entropy of the batch's total counts (every object used by some images); 0: the plain negative ELBO
-    within_image_entropy_weight: float = 0.0
-    between_image_entropy_weight: float = 0.0
     seed: int = 0                  # parameter initialisation
 
 
@@ -258,13 +252,3 @@ class CapsuleModel(PyroModule):
         if x.dim() != 4 or x.shape[1:] != (1, H, H):
             raise ValueError(f"CapsuleModel: expected images of shape (B, 1, {H}, {H}), got {tuple(x.shape)}")
         return x
-
-
-def posterior_entropies(counts: torch.Tensor, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
-    """SCAE's posterior sparsity terms (Kosiorek et al. 2019, §3.1) of per-image object counts ``(B, K)``:
-    ``(within, between)``, the mean over images of the entropy of each image's counts normalised over the objects,
-    and the entropy of the batch's summed counts normalised over the objects (nats, each in ``[0, log K]``)."""
-    def entropy(p):
-        p = p / (p.sum(-1, keepdim=True) + eps)
-        return -(p * (p + eps).log()).sum(-1)
-    return entropy(counts).mean(), entropy(counts.sum(0))
