@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from probcaps.errors import ProbcapsError
+from probcaps.provenance import pinned_commit
 
 # glibc hands large per-step buffers back to the OS and page-faults them in again every step; keeping them
 # mapped makes a training step 25-40% faster on CPU.  These must be set before the process starts.
@@ -62,7 +63,8 @@ def one_line_errors(name: str):
         @functools.wraps(main)
         def wrapped(argv=None) -> int:
             try:
-                return main(argv) or 0
+                with pinned_commit():  # every results file of this command names the commit it started at
+                    return main(argv) or 0
             except (ProbcapsError, OSError) as e:
                 print(f"{name}: error: {e if isinstance(e, ProbcapsError) else os_error_message(e)}", file=sys.stderr)
                 return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 import os
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "device_description", "provenance", "write_results", "repo_relative", "command_line",
+__all__ = ["git_commit", "pinned_commit", "device_description", "provenance", "write_results", "repo_relative", "command_line",
            "REPO_ROOT"]
 
 #: the checkout holding this package: recorded paths under it are written relative to it
@@ -69,6 +70,22 @@ def git_commit(repo_dir: str | os.PathLike | None = None) -> str | None:
     return commit
 
 
+#: the commits of the commands now running, outermost first (:func:`pinned_commit`)
+_PINNED_COMMITS: list = []
+
+
+@contextlib.contextmanager
+def pinned_commit():
+    """Within it, :func:`provenance` names the commit the checkout had on entry: a command's results files name the
+    code that ran, not a tree that the command's own first outputs have made dirty (a committed results file it
+    rewrites before writing the next).  Every entry point runs inside one (``probcaps.cli.one_line_errors``)."""
+    _PINNED_COMMITS.append(git_commit())
+    try:
+        yield
+    finally:
+        _PINNED_COMMITS.pop()
+
+
 def _cpu_model_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -111,7 +128,7 @@ def provenance(command: str | None = None, seed: int | None = None, steps: int |
     ``command`` defaults to :func:`command_line`; paths under the repository are recorded relative to it."""
     record = {
         "command": command if command is not None else command_line(),
-        "git_commit": git_commit(),
+        "git_commit": _PINNED_COMMITS[0] if _PINNED_COMMITS else git_commit(),
         "seed": seed,
         "steps": steps,
         "wall_time_s": wall_time_s,

@@ -190,3 +190,22 @@ def test_fmt_mean_std_sample_std_one_value_and_undefined():
     assert fmt_mean_std([0.9, 0.92, 0.94]) == "92.0 ± 2.0"
     assert fmt_mean_std([0.123], scale=1.0, digits=2) == "0.12"
     assert fmt_mean_std([0.5, float("nan")]) == "—"
+
+
+def test_a_command_names_the_commit_it_started_at_though_its_own_outputs_dirty_the_tree(monkeypatch):
+    # catches: the second seed's results of one command stamped "+dirty" because the first seed's results file, a
+    # committed one, was rewritten in between
+    import probcaps.provenance as prov_module
+    from probcaps.cli import one_line_errors
+
+    states = iter(["abc1234", "abc1234+dirty", "abc1234+dirty", "abc1234+dirty"])
+    monkeypatch.setattr(prov_module, "git_commit", lambda repo_dir=None: next(states))
+    seen = []
+
+    @one_line_errors("fake")
+    def main(argv):
+        seen.extend(provenance()["git_commit"] for _ in range(2))
+
+    assert main([]) == 0
+    assert seen == ["abc1234", "abc1234"]
+    assert provenance()["git_commit"] == "abc1234+dirty"  # outside a command: the tree as it is now
