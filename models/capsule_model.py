@@ -216,16 +216,21 @@ class CapsuleModel(PyroModule):
                         obs=x.flatten(1).unsqueeze(1))
         return image
 
-    def parent_log_posterior(self, z1, y1, z0, y0) -> torch.Tensor:
-        """``(..., M, K+1)`` log q(s_m = k): the exact posterior over each part's parent (the dummy ``k = 0`` first),
-        ``q(s_m = k) ∝ P(s_m = k | z1) p(z0_m, y0_m | s_m = k, y1)``, the marginal the enumerated ELBO sums over.
-        ``z1 (..., K)``, ``y1 (..., K, 6)``, ``z0 (..., M)``, ``y0 (..., M, 6)``; differentiable in all of them."""
+    def child_log_joint(self, z1, y1, z0, y0) -> torch.Tensor:
+        """``(..., M, K+1)`` log P(s_m = k | z1) + log p(z0_m, y0_m | s_m = k, y1) for every candidate parent ``k``
+        (the dummy ``k = 0`` first): what the enumeration of ``s`` sums over.  ``z1 (..., K)``, ``y1 (..., K, 6)``,
+        ``z0 (..., M)``, ``y0 (..., M, 6)``; differentiable in all of them."""
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         tau = z0.new_tensor(self.config.temperature)
         log_z0 = ClampedRelaxedBernoulli(tau, probs=gamma).log_prob(z0.unsqueeze(-1))
         std = self.child_pose_std(z0.unsqueeze(-1), pose_var_on)                  # (..., M, K+1, 6)
         log_y0 = dist.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
-        return (selection_logits + log_z0 + log_y0).log_softmax(-1)
+        return selection_logits.log_softmax(-1) + log_z0 + log_y0
+
+    def parent_log_posterior(self, z1, y1, z0, y0) -> torch.Tensor:
+        """``(..., M, K+1)`` log q(s_m = k): the exact posterior over each part's parent given the latents,
+        :meth:`child_log_joint` normalised over the candidates."""
+        return self.child_log_joint(z1, y1, z0, y0).log_softmax(-1)
 
     # ---------------------------------------------------------------- plain-torch reference
     def log_joint(self, x, z1, y1, z0, y0, expected_parents: float | None = None) -> torch.Tensor:
@@ -236,12 +241,7 @@ class CapsuleModel(PyroModule):
         tau = x.new_tensor(cfg.temperature)
         lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs(expected_parents)).log_prob(z1).sum(-1)
         lp = lp + dist.Normal(y1.new_zeros(()), cfg.parent_pose_std).log_prob(y1).sum((-1, -2))
-        selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
-        log_sel = selection_logits.log_softmax(-1)                                 # (B, M, K+1)
-        lp_z = ClampedRelaxedBernoulli(tau, probs=gamma).log_prob(z0.unsqueeze(-1))
-        std = self.child_pose_std(z0.unsqueeze(-1), pose_var_on)                  # (B, M, K+1, 6)
-        lp_y = dist.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
-        lp = lp + torch.logsumexp(log_sel + lp_z + lp_y, -1).sum(-1)
+        lp = lp + torch.logsumexp(self.child_log_joint(z1, y1, z0, y0), -1).sum(-1)      # s summed out
         image, _ = self.render(z0, y0, contributions=False)
         return lp + dist.Normal(image, cfg.pixel_std).log_prob(x).flatten(1).sum(-1)
 

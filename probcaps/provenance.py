@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["git_commit", "pinned_commit", "device_description", "provenance", "write_results", "repo_relative", "command_line",
-           "REPO_ROOT"]
+__all__ = ["git_commit", "pinned_commit", "device_description", "provenance", "write_results", "repo_relative",
+           "command_line", "REPO_ROOT"]
 
 #: the checkout holding this package: recorded paths under it are written relative to it
 REPO_ROOT = Path(__file__).resolve().parent.parent
