@@ -496,4 +496,3 @@ def test_bounded_affinity_stops_an_absent_object_winning_parts_from_the_dummy():
     model.log_affinity.data[0, :3] = raw
     by_hand = math.log(1.0) - F.softplus(-raw)
     assert torch.allclose(model.log_rho()[0, :3], by_hand) and model.log_rho().max().item() <= 0.0
-
