@@ -255,10 +255,15 @@ def test_a_ctrl_c_inside_an_atomic_write_waits_for_the_file(tmp_path):
         signal.raise_signal(signal.SIGINT)  # to this thread: delivered now, in the middle of the write
         f.write(b"")
 
-    with pytest.raises(KeyboardInterrupt):
-        atomic_write(path, write)
-    assert torch.equal(torch.load(path)["w"], torch.arange(3))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own Ctrl-C handler, whatever the launcher left: a job started in the background ignores SIGINT
+    launched_with = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            atomic_write(path, write)
+        assert torch.equal(torch.load(path)["w"], torch.arange(3))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, launched_with)
 
 
 def test_train_loop_checkpoint_survives_a_failed_save(tmp_path, monkeypatch):
