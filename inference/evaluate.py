@@ -27,7 +27,7 @@ from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
-           "posterior_part_counts", "certain_parent_share", "readout_features", "readout_table", "evaluate_seeds",
+           "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
            "READOUTS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
@@ -92,27 +92,31 @@ def parent_log_posterior(model, latents: Latents) -> torch.Tensor:
 
 
 @torch.no_grad()
-def posterior_part_counts(model, latents: Latents, batch_size: int = 1000) -> torch.Tensor:
-    """``(B, K)`` posterior presences on the CPU: each object's expected number of parts, ``Σ_m q(s_m = k)``, under
-    the exact posterior over the parts' parents (:func:`parent_log_posterior`; the dummy left out), computed
-    ``batch_size`` images at a time."""
-    chunks = [parent_log_posterior(model, Latents(*(t[i:i + batch_size] for t in latents)))[..., 1:].exp().sum(-2)
-              for i in range(0, len(latents.part_logits), batch_size)]
-    return torch.cat(chunks).cpu() if chunks else torch.zeros(0, model.config.num_parents)
+def posterior_presences(model, latents: Latents, batch_size: int = 1000,
+                        certain: float = 0.99) -> tuple[torch.Tensor, float]:
+    """One pass over the exact posterior over the parts' parents (:func:`parent_log_posterior`), ``batch_size``
+    images at a time: ``(counts, certain share)``.
 
-
-@torch.no_grad()
-def certain_parent_share(model, latents: Latents, batch_size: int = 1000, certain: float = 0.99) -> float:
-    """The share of the parts that are on (presence > 0.5) whose parent is all but certain under the exact posterior
-    (:func:`parent_log_posterior`: ``max_k q(s_m = k) > certain``, the dummy included): where it is near 1, terms on
-    the posterior coupling (SCAE's entropies of the part counts) get almost no gradient."""
-    certain_on = on = 0
+    ``counts`` ``(N, K)`` on the CPU: the posterior presences, each object's expected number of parts
+    ``Σ_m q(s_m = k)`` (the dummy left out).  ``certain share``: of the parts that are on (presence > 0.5), the share
+    whose parent is all but certain, ``max_k q(s_m = k) > certain`` (the dummy included); where it is near 1, terms
+    on the posterior coupling (SCAE's entropies of the part counts) get almost no gradient.
+    """
+    chunks, certain_on, on = [], 0, 0
     for i in range(0, len(latents.part_logits), batch_size):
         chunk = Latents(*(t[i:i + batch_size] for t in latents))
+        q = parent_log_posterior(model, chunk).exp()                               # (B, M, K+1)
+        chunks.append(q[..., 1:].sum(-2).cpu())
         part_on = torch.sigmoid(chunk.part_logits) > 0.5
-        sure = parent_log_posterior(model, chunk).exp().amax(-1).cpu() > certain
-        certain_on, on = certain_on + int((sure & part_on).sum()), on + int(part_on.sum())
-    return certain_on / max(on, 1)
+        certain_on += int(((q.amax(-1).cpu() > certain) & part_on.cpu()).sum())
+        on += int(part_on.sum())
+    counts = torch.cat(chunks) if chunks else torch.zeros(0, model.config.num_parents)
+    return counts, certain_on / max(on, 1)
+
+
+def posterior_part_counts(model, latents: Latents, batch_size: int = 1000) -> torch.Tensor:
+    """``(N, K)`` posterior presences of :func:`posterior_presences`."""
+    return posterior_presences(model, latents, batch_size)[0]
 
 
 def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -152,8 +156,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     test_images, test_labels = load_images(cfg["data"], "test", data_dir)
     train_lat, test_lat = (encode_dataset(system.encoder, images, ecfg.batch_size, device, progress=progress)
                            for images in (train_images, test_images))
-    train_counts, test_counts = (posterior_part_counts(system.model, lat, ecfg.batch_size)
-                                 for lat in (train_lat, test_lat))
+    train_counts = posterior_part_counts(system.model, train_lat, ecfg.batch_size)
+    test_counts, certain_share = posterior_presences(system.model, test_lat, ecfg.batch_size)
     train_feats, test_feats = readout_features(train_lat, train_counts), readout_features(test_lat, test_counts)
     metrics, reports = {}, {}
     for key in READOUTS:
@@ -171,7 +175,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
     metrics["mean_posterior_part_count"] = float(test_counts.sum(1).mean())  # parts explained by objects, not dummy
-    metrics["certain_parent_share"] = certain_parent_share(system.model, test_lat, ecfg.batch_size)
+    metrics["certain_parent_share"] = certain_share
     metrics["published_scae"] = dict(SCAE_PUBLISHED)
     metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
     metrics["test_recon_mse"] = reconstruction_error(system.model, test_images[:2000], test_lat, device=device)

@@ -12,7 +12,7 @@ import torch
 
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
-    READOUTS, REPORTED_PROBES, certain_parent_share, evaluate_checkpoint, parent_log_posterior, posterior_part_counts,
+    READOUTS, REPORTED_PROBES, evaluate_checkpoint, parent_log_posterior, posterior_part_counts, posterior_presences,
 )
 from probcaps.inference.guides import Latents
 from probcaps.metrics import class_purity, classification_summary, mean_by_class, object_class_shares
@@ -82,7 +82,7 @@ def test_posterior_part_counts_match_brute_force_enumeration():
     torch.testing.assert_close(counts.sum(1) + log_q[..., 0].exp().sum(1), torch.full((2,), 3.0, dtype=torch.float64))
 
 
-def test_certain_parent_share_counts_the_parts_on_whose_brute_force_posterior_is_sure():
+def test_certain_share_counts_the_parts_on_whose_posterior_parent_is_sure():
     # catches: parts that are off counted, the threshold applied to another quantity than max_k q(s_m = k), or
     # chunks that drop or repeat images
     model, latents = _tiny_model_and_latents(B=6, M=5, seed=0)
@@ -92,9 +92,11 @@ def test_certain_parent_share_counts_the_parts_on_whose_brute_force_posterior_is
     expected = float(((sure > threshold) & on).sum()) / float(on.sum())
     assert 0 < expected < 1 and ((sure > threshold) & ~on).any()
     for batch_size in (1, 4, 100):
-        assert certain_parent_share(model, latents, batch_size, certain=threshold) == pytest.approx(expected)
+        counts, share = posterior_presences(model, latents, batch_size, certain=threshold)
+        assert share == pytest.approx(expected)
+        torch.testing.assert_close(counts, posterior_part_counts(model, latents))  # the same pass gives both
     off = latents._replace(part_logits=torch.full_like(latents.part_logits, -5.0))
-    assert certain_parent_share(model, off) == 0.0
+    assert posterior_presences(model, off)[1] == 0.0
 
 
 def test_posterior_part_counts_follow_the_parts_poses():
