@@ -185,7 +185,8 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         flags = [f"train.{key}=true" for key in ("jit", "compile") if getattr(args, key)]
         overrides = [*args.set, f"train.seed={seed}", *flags]
-        cfg = load_experiment_config(args.config, overrides)
+        # the run's name, not the config's: a model trained under --name with --set changes says so in its checkpoint
+        cfg = {**load_experiment_config(args.config, overrides), "name": args.name}
         final, state = train_run(cfg, Path(args.out) / f"seed{seed}", args)
         if args.train_only:
             continue

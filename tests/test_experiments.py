@@ -39,19 +39,19 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
 
 
 def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_clean, monkeypatch):
-    # catches: a seed trained on its own (--train-only) not exported to --checkpoint-out, or exported by default
-    # over the committed checkpoints/<name>.pt
+    # catches: a seed trained on its own (--train-only) not exported to --checkpoint-out, exported by default
+    # over the committed checkpoints/<name>.pt, or recording the config's name instead of the run's --name
     from probcaps.experiments import mnist_probe
 
     monkeypatch.setattr(mnist_probe, "ROOT", tmp_path)
     args = ["--config", str(tiny_toml), "--seeds", "1", "--out", str(tmp_path / "runs"), "--train-only", "--quiet",
-            "--results-dir", str(tmp_path / "results"), "--set", "train.steps=2"]
+            "--results-dir", str(tmp_path / "results"), "--set", "train.steps=2", "--name", "trial"]
     assert mnist_probe.main(args) == 0
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "results").exists()
     assert mnist_probe.main([*args, "--resume", "--checkpoint-out", str(tmp_path / "seed1.pt")]) == 0
     exported = torch.load(tmp_path / "seed1.pt", weights_only=False)
     assert "optimiser" not in exported and exported["state"]["step"] == 2
-    assert exported["train_config"]["seed"] == 1
+    assert exported["train_config"]["seed"] == 1 and exported["metadata"]["name"] == "trial"
 
 
 def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
