@@ -53,6 +53,9 @@ def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
 def train_run(cfg: dict, out: Path, args, **kw) -> tuple[Path, dict]:
     """Train ``cfg`` into the run folder ``out`` (with ``--resume``: from its checkpoint, and not at all once
     finished); returns its ``final.pt`` and training state.  ``kw`` go to :func:`train_capsules`."""
+    # the checkpoint names the run (--name), not the config it started from: a model trained with --set changes, or
+    # fine-tuned from another checkpoint, says what it is
+    cfg = {**cfg, "name": args.name}
     if not (args.resume and run_finished(out, cfg["train"].steps)):
         train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
                        data_dir=args.data_dir, progress=not args.quiet, **kw)
@@ -185,8 +188,7 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         flags = [f"train.{key}=true" for key in ("jit", "compile") if getattr(args, key)]
         overrides = [*args.set, f"train.seed={seed}", *flags]
-        # the run's name, not the config's: a model trained under --name with --set changes says so in its checkpoint
-        cfg = {**load_experiment_config(args.config, overrides), "name": args.name}
+        cfg = load_experiment_config(args.config, overrides)
         final, state = train_run(cfg, Path(args.out) / f"seed{seed}", args)
         if args.train_only:
             continue

@@ -108,7 +108,7 @@ def posterior_presences(model, latents: Latents, batch_size: int = 1000,
         q = parent_log_posterior(model, chunk).exp()                               # (B, M, K+1)
         chunks.append(q[..., 1:].sum(-2).cpu())
         part_on = torch.sigmoid(chunk.part_logits) > 0.5
-        certain_on += int(((q.amax(-1).cpu() > certain) & part_on.cpu()).sum())
+        certain_on += int(((q.amax(-1) > certain) & part_on).sum())
         on += int(part_on.sum())
     counts = torch.cat(chunks) if chunks else torch.zeros(0, model.config.num_parents)
     return counts, certain_on / max(on, 1)
