@@ -29,7 +29,7 @@ from pyro.ops.indexing import Vindex
 
 from probcaps.config import Section
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
-from probcaps.geometry import compose_pose6, pose6_to_matrix
+from probcaps.geometry import POSE_GROUPS, compose_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.render import render_over
 
 __all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent"]
@@ -44,6 +44,10 @@ class CapsuleModelConfig(Section):
     temperature: float = 0.5       # τ of every relaxed presence
     pixel_std: float = 0.1         # σ_x
     parent_pose_std: float = 1.0   # σ_p
+    # the maps an object's pose applies to its parts' offsets: "affine" (the paper's six degrees of freedom),
+    # "similarity" (rotation, scale, translation) or "translation"; the rest of y1 is drawn from its prior and unused.
+    # Fewer degrees of freedom leave an object less room to fit one part's pose exactly
+    object_pose: str = "affine"
     part_pose_std_init: float = 0.1
     part_pose_std_min: float = 0.02  # σ_min: the floor on the learned σ_km
     part_pose_std_max: float = 0.0   # σ_max (0: none): one object cannot explain every digit's parts loosely
@@ -122,6 +126,8 @@ class CapsuleModel(PyroModule):
         else:
             raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
+        if cfg.object_pose not in POSE_GROUPS:
+            raise ValueError(f"model.object_pose must be one of {', '.join(POSE_GROUPS)}, got {cfg.object_pose!r}")
         if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
             raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0,"
                              f" got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
@@ -159,7 +165,7 @@ class CapsuleModel(PyroModule):
         dummy_gamma = self.presence_logits.new_full((1, M), cfg.dummy_presence)
         presence_probs = torch.cat([dummy_gamma, torch.sigmoid(self.presence_logits)], 0).T  # (M, K+1)
         # pose6(P(y1_k) P(Δ_km)) for every (k, m); the dummy predicts the origin
-        parent_mean = compose_pose6(y1.unsqueeze(-2), self.offsets)               # (..., K, M, 6)
+        parent_mean = compose_pose6(restrict_pose6(y1, cfg.object_pose).unsqueeze(-2), self.offsets)  # (..., K, M, 6)
         pose_mean = torch.cat([torch.zeros_like(parent_mean[..., :1, :, :]), parent_mean], -3).transpose(-3, -2)
         dummy_var = self.offsets.new_full((1, M, 6), cfg.clutter_pose_std**2)
         pose_var_on = torch.cat([dummy_var, self.part_pose_std() ** 2], 0).transpose(0, 1)  # (M, K+1, 6)

@@ -18,7 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pose6_to_matrix", "matrix_to_pose6", "compose", "invert", "determinant", "compose_pose6", "affine_matrix",
+__all__ = ["pose6_to_matrix", "matrix_to_pose6", "compose", "invert", "determinant", "compose_pose6", "restrict_pose6",
+           "POSE_GROUPS", "affine_matrix",
            "rotation_matrix", "translation_matrix", "pixels_to_normalised"]
 
 
@@ -47,6 +48,28 @@ def compose_pose6(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (a11, a12, a13, a21, a22, a23), (b11, b12, b13, b21, b22, b23) = (a + eye).unbind(-1), (b + eye).unbind(-1)
     return torch.stack([a11 * b11 + a12 * b21 - 1, a11 * b12 + a12 * b22, a11 * b13 + a12 * b23 + a13,
                         a21 * b11 + a22 * b21, a21 * b12 + a22 * b22 - 1, a21 * b13 + a22 * b23 + a23], -1)
+
+
+POSE_GROUPS = ("affine", "similarity", "translation")
+
+
+def restrict_pose6(y: torch.Tensor, group: str) -> torch.Tensor:
+    """The part of pose 6-vectors ``(..., 6)`` that lies in a subgroup of the affine maps, ``(..., 6)``.
+
+    ``"affine"``: ``y`` itself; ``"similarity"``: the nearest rotation-and-scale linear part (the orthogonal
+    projection of ``[[1 + y1, y2], [y4, 1 + y5]]`` onto matrices ``[[a, -b], [b, a]]``) and the translation;
+    ``"translation"``: the translation alone.  A projection: applying it twice changes nothing.
+    """
+    if group == "affine":
+        return y
+    a11, a12, tx, a21, a22, ty = y.unbind(-1)
+    zero = torch.zeros_like(tx)
+    if group == "translation":
+        return torch.stack([zero, zero, tx, zero, zero, ty], -1)
+    if group == "similarity":
+        scale, turn = (a11 + a22) / 2, (a21 - a12) / 2  # y1 + 1 = a, y4 = b: a − 1 and b
+        return torch.stack([scale, -turn, tx, turn, scale, ty], -1)
+    raise ValueError(f"restrict_pose6: group must be one of {', '.join(POSE_GROUPS)}, got {group!r}")
 
 
 def determinant(P: torch.Tensor) -> torch.Tensor:

@@ -480,6 +480,26 @@ def test_part_pose_std_ceiling_bounds_sigma_on_both_sides():
         CapsuleModel(CapsuleModelConfig(part_pose_std_init=0.5, part_pose_std_max=0.15))
 
 
+def test_object_pose_group_limits_what_an_object_pose_does_to_its_parts():
+    # catches: the option ignored in child_tables, or a group that lets an object's shear reach its parts
+    cfg = dict(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
+    z1 = torch.rand(4, K)
+    y1 = 0.3 * torch.randn(4, K, 6)
+    shear = torch.zeros(4, K, 6)
+    shear[..., 1] = 0.4
+    shear[..., 3] = 0.4                       # a symmetric shear: nothing of it is a rotation or a scale
+    for group, moves in [("affine", True), ("similarity", False), ("translation", False)]:
+        model = CapsuleModel(CapsuleModelConfig(object_pose=group, **cfg))
+        mean = model.child_tables(z1, y1)[2]
+        assert torch.allclose(mean, model.child_tables(z1, y1 + shear)[2]) != moves
+    turn = torch.zeros(4, K, 6)
+    turn[..., 1], turn[..., 3] = -0.2, 0.2
+    similarity = CapsuleModel(CapsuleModelConfig(object_pose="similarity", **cfg))
+    assert not torch.allclose(similarity.child_tables(z1, y1)[2], similarity.child_tables(z1, y1 + turn)[2])
+    with pytest.raises(ValueError, match="object_pose"):
+        CapsuleModel(CapsuleModelConfig(object_pose="projective", **cfg))
+
+
 def test_bounded_affinity_stops_an_absent_object_winning_parts_from_the_dummy():
     # catches: the bound not applied in child_tables, a bound that can be exceeded, or one that changes the default
     cfg = dict(num_parents=K, num_parts=M, template_size=T, canvas_size=S)
