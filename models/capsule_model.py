@@ -44,9 +44,9 @@ class CapsuleModelConfig(Section):
     temperature: float = 0.5       # τ of every relaxed presence
     pixel_std: float = 0.1         # σ_x
     parent_pose_std: float = 1.0   # σ_p
-    # the maps an object's pose applies to its parts' offsets: "affine" (the paper's six degrees of freedom),
-    # "similarity" (rotation, scale, translation) or "translation"; the rest of y1 is drawn from its prior and unused.
-    # Fewer degrees of freedom leave an object less room to fit one part's pose exactly
+    # the maps an object's pose applies to its parts' offsets: "affine" (the paper's six degrees of freedom) or
+    # "similarity" (rotation, scale, translation; y1's shear and unequal scale are drawn from the prior and unused):
+    # with four degrees of freedom an object cannot fit one part's pose exactly, so fragments of a digit pay less
     object_pose: str = "affine"
     part_pose_std_init: float = 0.1
     part_pose_std_min: float = 0.02  # σ_min: the floor on the learned σ_km

@@ -50,23 +50,20 @@ def compose_pose6(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                         a21 * b11 + a22 * b21, a21 * b12 + a22 * b22 - 1, a21 * b13 + a22 * b23 + a23], -1)
 
 
-POSE_GROUPS = ("affine", "similarity", "translation")
+POSE_GROUPS = ("affine", "similarity")
 
 
 def restrict_pose6(y: torch.Tensor, group: str) -> torch.Tensor:
     """The part of pose 6-vectors ``(..., 6)`` that lies in a subgroup of the affine maps, ``(..., 6)``.
 
     ``"affine"``: ``y`` itself; ``"similarity"``: the nearest rotation-and-scale linear part (the orthogonal
-    projection of ``[[1 + y1, y2], [y4, 1 + y5]]`` onto matrices ``[[a, -b], [b, a]]``) and the translation;
-    ``"translation"``: the translation alone.  A projection: applying it twice changes nothing.
+    projection of ``[[1 + y1, y2], [y4, 1 + y5]]`` onto matrices ``[[a, -b], [b, a]]``) and the translation.
+    A projection: applying it twice changes nothing.
     """
     if group == "affine":
         return y
-    a11, a12, tx, a21, a22, ty = y.unbind(-1)
-    zero = torch.zeros_like(tx)
-    if group == "translation":
-        return torch.stack([zero, zero, tx, zero, zero, ty], -1)
     if group == "similarity":
+        a11, a12, tx, a21, a22, ty = y.unbind(-1)
         scale, turn = (a11 + a22) / 2, (a21 - a12) / 2  # y1 + 1 = a, y4 = b: a − 1 and b
         return torch.stack([scale, -turn, tx, turn, scale, ty], -1)
     raise ValueError(f"restrict_pose6: group must be one of {', '.join(POSE_GROUPS)}, got {group!r}")
