@@ -6,7 +6,8 @@ Sites, per image (plates: ``data`` at dim -2; ``parents`` / ``children`` at dim 
 - ``y1`` (B, K, 6)  parent poses, Normal(0, σ_p²)
 - ``s``  (B, M)     each child's parent in {0 = dummy, 1..K}; enumerated in parallel, summed out exactly
 - ``z0`` (B, M)     child presences, relaxed Bernoulli(τ, γ[s])
-- ``y0`` (B, M, 6)  child poses, Normal(pose6(P(y1[s]) P(Δ[s])), z0 σ[s]² + (1 − z0) σ_off²)
+- ``y0`` (B, M, 6)  child poses, Normal(pose6(P(y1[s]) P(Δ[s])), z0 σ[s]² + (1 − z0) σ_off²), ``y1``
+                    restricted to the group of ``object_pose`` (the paper's: all affine maps)
 - ``x``  (B, H, W)  the image, Normal(composite of the rendered templates, σ_x²)
 
 The quantities that define these distributions are computed once, by :meth:`CapsuleModel.child_tables` and
@@ -67,6 +68,10 @@ class CapsuleModelConfig(Section):
     max_affinity: float = 0.0
     seed: int = 0                  # parameter initialisation
 
+    def validate(self) -> None:
+        if self.object_pose not in POSE_GROUPS:
+            raise ValueError(f"model.object_pose must be one of {', '.join(POSE_GROUPS)}, got {self.object_pose!r}")
+
 
 def _orthogonal_logits(n: int, size: int, gen: torch.Generator) -> torch.Tensor:
     # SCAE: templates start mutually orthogonal, so that each part starts with its own shape.
@@ -126,8 +131,7 @@ class CapsuleModel(PyroModule):
         else:
             raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
-        if cfg.object_pose not in POSE_GROUPS:
-            raise ValueError(f"model.object_pose must be one of {', '.join(POSE_GROUPS)}, got {cfg.object_pose!r}")
+        cfg.validate()
         if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
             raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0,"
                              f" got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
@@ -164,7 +168,7 @@ class CapsuleModel(PyroModule):
         selection_logits = log_rho + torch.log(z1_full).unsqueeze(-2)             # (..., M, K+1)
         dummy_gamma = self.presence_logits.new_full((1, M), cfg.dummy_presence)
         presence_probs = torch.cat([dummy_gamma, torch.sigmoid(self.presence_logits)], 0).T  # (M, K+1)
-        # pose6(P(y1_k) P(Δ_km)) for every (k, m); the dummy predicts the origin
+        # pose6(P(y1_k) P(Δ_km)) for every (k, m), y1 in the object-pose group; the dummy predicts the origin
         parent_mean = compose_pose6(restrict_pose6(y1, cfg.object_pose).unsqueeze(-2), self.offsets)  # (..., K, M, 6)
         pose_mean = torch.cat([torch.zeros_like(parent_mean[..., :1, :, :]), parent_mean], -3).transpose(-3, -2)
         dummy_var = self.offsets.new_full((1, M, 6), cfg.clutter_pose_std**2)

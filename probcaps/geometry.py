@@ -64,7 +64,7 @@ def restrict_pose6(y: torch.Tensor, group: str) -> torch.Tensor:
         return y
     if group == "similarity":
         a11, a12, tx, a21, a22, ty = y.unbind(-1)
-        scale, turn = (a11 + a22) / 2, (a21 - a12) / 2  # y1 + 1 = a, y4 = b: a − 1 and b
+        scale, turn = (a11 + a22) / 2, (a21 - a12) / 2  # a − 1 and b (pose 6-vectors hold P minus the identity)
         return torch.stack([scale, -turn, tx, turn, scale, ty], -1)
     raise ValueError(f"restrict_pose6: group must be one of {', '.join(POSE_GROUPS)}, got {group!r}")
 
