@@ -245,6 +245,7 @@ def test_key_cases_cover_every_rule_and_kind():
     ("model.temperature", -1.0, "model.temperature: must be > 0"),
     ("model.pixel_std", math.inf, "model.pixel_std: must be a finite number"),
     ("model.dummy_presence", 1.5, "model.dummy_presence: must be in [0, 1], got 1.5"),
+    ("model.object_pose", "shear", "model.object_pose must be one of affine, similarity, got 'shear'"),
     ("data.test_limit", -1, "data.test_limit: must be >= 0 (0: all), got -1"),
     ("encoder.channels", [64, "a"], "encoder.channels[1]: expected an integer, got 'a'"),
     ("encoder.strides", [2, 0, 1, 1], "encoder.strides[1]: must be >= 1, got 0"),
@@ -255,7 +256,8 @@ def test_rule_messages_name_the_file_and_key(key, value, message, tmp_path):
     section, name = key.split(".")
     path = tmp_path / "x.toml"
     literal = {list: lambda v: "[" + ", ".join(f'"{e}"' if isinstance(e, str) else str(e) for e in v) + "]",
-               dict: lambda v: "{ " + ", ".join(f'"{k}" = {toml(e)}' for k, e in v.items()) + " }"}
+               dict: lambda v: "{ " + ", ".join(f'"{k}" = {toml(e)}' for k, e in v.items()) + " }",
+               str: lambda v: f'"{v}"'}
     path.write_text(f"[{section}]\n{name} = {literal.get(type(value), toml)(value)}\n")
     with pytest.raises(ConfigError) as e:
         load_sections(path, _capsule_schema())
