@@ -156,9 +156,8 @@ def main(argv=None) -> int:
     runs = []
     for theta in thetas:
         for seed in args.seeds:
-            overrides = [*args.set, f"train.seed={seed}", f"data.train_rotation={theta}",
-                         *(["train.jit=true"] if args.jit else [])]
-            cfg = load_experiment_config(args.config, overrides)
+            cfg = load_experiment_config(args.config, [*args.set, f"train.seed={seed}", f"data.train_rotation={theta}",
+                                                       *(["train.jit=true"] if args.jit else [])])
             out = Path(args.out) / f"theta{theta:g}_seed{seed}"
             (final, state), metrics_path = train_run(cfg, out, args), out / "metrics.json"
             if args.resume and metrics_path.is_file() and metrics_path.stat().st_mtime > final.stat().st_mtime:
