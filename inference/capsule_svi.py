@@ -84,7 +84,8 @@ class CapsuleSystem(nn.Module):
         super().__init__()
         # compile (train.compile): the model's compositing and the part CNN through torch.compile
         self.model = CapsuleModel(model_cfg, compile=compile)
-        self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg, compile=compile)
+        self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg, compile=compile,
+                                      object_pose=model_cfg.object_pose)
         self.guide = DeltaGuide(self.encoder, model_cfg.temperature)
         self.guide_spec = {"family": "delta"}
         if guide and guide.get("family", "delta") != "delta":

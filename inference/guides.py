@@ -21,6 +21,7 @@ from pyro.nn import PyroModule
 from probcaps.config import Section
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.encoders import PartEncoder, SetTransformer
+from probcaps.geometry import restrict_pose6
 
 __all__ = ["EncoderConfig", "CapsuleEncoder", "Latents", "DeltaGuide", "NormalPoseGuide", "from_delta"]
 
@@ -71,10 +72,14 @@ def _head(dim_in: int, hidden: int, dim_out: int) -> nn.Sequential:
 class CapsuleEncoder(nn.Module):
     """Image -> part capsules -> object capsules."""
 
-    def __init__(self, num_parts: int, num_parents: int, config: EncoderConfig | None = None, compile: bool = False):
+    def __init__(self, num_parts: int, num_parents: int, config: EncoderConfig | None = None, compile: bool = False,
+                 object_pose: str = "affine"):
         super().__init__()
         cfg = self.config = config or EncoderConfig()
         self.num_parts, self.num_parents = num_parts, num_parents  # plain ints: not in the state_dict
+        # the model's object-pose group: object poses are emitted inside it, so no coordinate the model ignores
+        # carries noise into the readouts (a projection of the head's output; the state_dict is unchanged)
+        self.object_pose = object_pose
         self.parts = PartEncoder(
             num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides), feature_dim=cfg.part_features,
             pose_kwargs=dict(min_scale=cfg.min_scale, max_scale=cfg.max_scale, max_translation=cfg.max_translation),
@@ -94,12 +99,12 @@ class CapsuleEncoder(nn.Module):
     def encode_parents(self, part_poses: torch.Tensor, part_presences: torch.Tensor):
         """Part poses ``(B, M, 6)`` and presences ``(B, M)`` -> ``(logits (B, K), poses (B, K, 6))``.
 
-        Absent parts are masked out of the attention by their presence.
+        Absent parts are masked out of the attention by their presence; the poses lie in the group ``object_pose``.
         """
         emb = self.part_embedding.expand(part_poses.shape[0], *self.part_embedding.shape)
         tokens = torch.cat([part_poses, part_presences.unsqueeze(-1), emb], -1)
         code = self.set_transformer(tokens, key_weights=part_presences)
-        return self.presence_head(code).squeeze(-1), self.pose_head(code)
+        return self.presence_head(code).squeeze(-1), restrict_pose6(self.pose_head(code), self.object_pose)
 
     @torch.no_grad()
     def encode(self, x: torch.Tensor) -> Latents:

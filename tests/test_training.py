@@ -19,6 +19,7 @@ from probcaps.inference.guides import EncoderConfig
 from probcaps.inference.train import TrainConfig, load_checkpoint, make_elbo, read_jsonl, run_finished, train_loop
 from probcaps.models.capsule_model import CapsuleModelConfig
 from probcaps.data import placed_mnist
+from probcaps.geometry import restrict_pose6
 from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
 from probcaps.io import atomic_torch_save, atomic_write
 
@@ -313,6 +314,19 @@ def test_load_trained_round_trip(trained_run):
     assert cfg["encoder"].channels == [8, 8]
     _assert_same_state(system.state_dict(), load_checkpoint(trained_run)["module"])
     assert cfg["train_state"]["step"] == 1
+
+
+def test_the_guide_emits_object_poses_inside_the_models_group(trained_run):
+    # catches: an encoder whose object poses keep coordinates the model ignores (noise for every pose readout)
+    configs = torch.load(trained_run, weights_only=False)["metadata"]["configs"]
+    x = torch.rand(3, 1, configs["model"]["canvas_size"], configs["model"]["canvas_size"])
+    for group in ("affine", "similarity"):
+        torch.manual_seed(0)
+        system = CapsuleSystem(CapsuleModelConfig(**{**configs["model"], "object_pose": group}),
+                               EncoderConfig(**configs["encoder"]))
+        poses = system.encoder.encode(x).parent_poses
+        in_group = torch.allclose(restrict_pose6(poses, "similarity"), poses, atol=1e-6)
+        assert in_group == (group == "similarity")
 
 
 def test_checkpoint_of_another_shape_names_file_and_key(trained_run, tmp_path):
