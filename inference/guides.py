@@ -77,8 +77,8 @@ class CapsuleEncoder(nn.Module):
         super().__init__()
         cfg = self.config = config or EncoderConfig()
         self.num_parts, self.num_parents = num_parts, num_parents  # plain ints: not in the state_dict
-        # the model's object-pose group: object poses are emitted inside it, so no coordinate the model ignores
-        # carries noise into the readouts (a projection of the head's output; the state_dict is unchanged)
+        # the model's object-pose group: object poses are emitted inside it, so a coordinate the model ignores never
+        # reaches a readout of the latents (a projection of the head's output; the state_dict is unchanged)
         self.object_pose = object_pose
         self.parts = PartEncoder(
             num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides), feature_dim=cfg.part_features,
