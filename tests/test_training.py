@@ -317,7 +317,7 @@ def test_load_trained_round_trip(trained_run):
 
 
 def test_the_guide_emits_object_poses_inside_the_models_group(trained_run):
-    # catches: an encoder whose object poses keep coordinates the model ignores (noise for every pose readout)
+    # catches: an encoder whose object poses keep coordinates the model ignores (read by every pose readout)
     configs = torch.load(trained_run, weights_only=False)["metadata"]["configs"]
     x = torch.rand(3, 1, configs["model"]["canvas_size"], configs["model"]["canvas_size"])
     for group in ("affine", "similarity"):
