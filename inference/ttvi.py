@@ -27,6 +27,7 @@ from probcaps.inference.guides import DeltaGuide, Latents, NormalPoseGuide
 from probcaps.inference.train import make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.errors import TrainingDiverged
+from probcaps.geometry import restrict_pose6
 
 __all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "fit_guide", "run_ttvi",
            "frozen_and_seeded", "run_chunks", "ttvi_batches", "reencode_parents"]
@@ -70,7 +71,8 @@ class FreeFormGuide(nn.Module):
     """A guide with its own variational parameters for each of ``B`` images (free-form, not amortised): part presence
     logits ``(B, M)`` and pose locations ``(B, M, 6)``, parent presence logits ``(B, K)`` and pose locations
     ``(B, K, 6)``, and for ``pose_family="normal"`` pose scales ``(B, M, 6)``, ``(B, K, 6)``, each
-    ``min_scale + softplus(raw)``.
+    ``min_scale + softplus(raw)``.  The object poses the guide emits lie in the model's group ``object_pose`` (as
+    the encoder's do): with Normal poses, noise in the coordinates the model ignores would otherwise move them.
 
     Sites and plates match :class:`CapsuleModel` (``data`` at dim -2, ``children`` / ``parents`` at dim -1).  A plain
     ``nn.Module`` rather than a ``PyroModule``: under Pyro's global parameter store a ``PyroModule`` would register
@@ -79,8 +81,9 @@ class FreeFormGuide(nn.Module):
 
     def __init__(self, latents: Latents, temperature: float, pose_family: str = "delta",
                  part_scales: torch.Tensor | None = None, parent_scales: torch.Tensor | None = None,
-                 min_scale: float = DEFAULT_MIN_SCALE):
+                 min_scale: float = DEFAULT_MIN_SCALE, object_pose: str = "affine"):
         super().__init__()
+        self.object_pose = object_pose
         if pose_family not in POSE_FAMILIES:
             raise ValueError(f"FreeFormGuide: pose_family must be one of {POSE_FAMILIES}, got {pose_family!r}")
         self.pose_family, self.temperature, self.min_scale = pose_family, float(temperature), float(min_scale)
@@ -104,15 +107,14 @@ class FreeFormGuide(nn.Module):
 
     def latents(self) -> Latents:
         """The current variational parameters as detached :class:`Latents`."""
-        return Latents(*(t.detach().clone() for t in (self.part_logits, self.part_locs, self.parent_logits,
-                                                       self.parent_locs)))
+        return Latents(*(t.detach().clone() for t in (self.part_logits, self.part_locs, *self.parents(None, None))))
 
     def _pose(self, loc: torch.Tensor, scale: torch.Tensor | None):
         return dist.Delta(loc).to_event(1) if scale is None else dist.Normal(loc, scale).to_event(1)
 
     def parents(self, z0: torch.Tensor, y0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The parents' presence logits ``(B, K)`` and pose locations ``(B, K, 6)`` given the sampled parts."""
-        return self.parent_logits, self.parent_locs
+        return self.parent_logits, restrict_pose6(self.parent_locs, self.object_pose)
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         B, M = self.part_logits.shape
@@ -152,7 +154,8 @@ def per_image_elbo(model, guide: FreeFormGuide, x: torch.Tensor, num_samples: in
     x = model._check_images(x)
     gen = torch.Generator().manual_seed(seed)
     tau = guide.temperature
-    lp, ll, pp, pl = guide.part_logits, guide.part_locs, guide.parent_logits, guide.parent_locs
+    lp, ll = guide.part_logits, guide.part_locs
+    pp, pl = guide.parents(None, None)
     part_scale, parent_scale = guide.pose_scales()
     q_z0 = ClampedRelaxedBernoulli(lp.new_tensor(tau), logits=lp)
     q_z1 = ClampedRelaxedBernoulli(pp.new_tensor(tau), logits=pp)
@@ -241,7 +244,8 @@ def run_ttvi(model, guide: DeltaGuide, x: torch.Tensor, steps: int = 200, lr: fl
     with frozen_and_seeded((model, guide), seed, x.device):
         part_scales, parent_scales, floor = _initial_scales(guide, pose_family, init_scale, min_scale)
         init = guide.encoder.encode(x)
-        ff = FreeFormGuide(init, guide.temperature, pose_family, part_scales, parent_scales, floor)
+        ff = FreeFormGuide(init, guide.temperature, pose_family, part_scales, parent_scales, floor,
+                           object_pose=model.config.object_pose)
         elbo_start = per_image_elbo(model, ff, x, elbo_samples, elbo_seed)
         with (contextlib.nullcontext(_bar) if _bar is not None else
               tqdm(total=steps, disable=not progress, desc="ttvi", unit="step", dynamic_ncols=True)) as bar:

@@ -17,6 +17,7 @@ from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig,
 from probcaps.inference.ttvi import FreeFormGuide, _concrete_sample, per_image_elbo, run_ttvi, ttvi_batches
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 from probcaps.data import synthetic_digits, to_float
+from probcaps.geometry import restrict_pose6
 
 K, M, T, S = 2, 3, 5, 12
 ENC = dict(channels=[8, 8], strides=[2, 2], set_hidden=16, set_heads=2, set_inducing=4, set_blocks=1, parent_code=8,
@@ -192,6 +193,21 @@ def test_ttvi_normal_poses_raise_the_elbo_and_start_from_a_normal_guides_scales(
     assert result.elbo_end.mean() > result.elbo_start.mean()
     assert not torch.allclose(result.part_pose_scales, normal.pose_scales("y0").expand(3, M, 6).detach())
     assert (result.part_pose_scales > normal.min_scale).all()
+
+
+def test_ttvi_normal_poses_keep_the_object_poses_inside_the_models_group():
+    # catches: free-form object poses leaving the similarity group through the coordinates the model ignores (the
+    # Normal poses' noise moves them; MAP poses keep them by symmetry), so that the readouts of test-time VI carry
+    # shear the model never used
+    torch.manual_seed(0)
+    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, object_pose="similarity")
+    model = CapsuleModel(cfg)
+    guide = DeltaGuide(CapsuleEncoder(M, K, EncoderConfig(**ENC), object_pose="similarity"), cfg.temperature)
+    _, x = _images(3)
+    r = run_ttvi(model, guide, x, steps=10, lr=0.1, progress=False, pose_family="normal", init_scale=0.3, seed=0)
+    poses = r.latents.parent_poses
+    assert not torch.allclose(poses, guide.encoder.encode(x).parent_poses)  # the poses did move
+    assert torch.allclose(restrict_pose6(poses, "similarity"), poses, atol=1e-6)
 
 
 @pytest.mark.parametrize("pose_family", ["delta", "normal"])
