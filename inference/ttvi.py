@@ -107,14 +107,19 @@ class FreeFormGuide(nn.Module):
 
     def latents(self) -> Latents:
         """The current variational parameters as detached :class:`Latents`."""
-        return Latents(*(t.detach().clone() for t in (self.part_logits, self.part_locs, *self.parents(None, None))))
+        return Latents(*(t.detach().clone() for t in (self.part_logits, self.part_locs, *self.parent_params())))
 
     def _pose(self, loc: torch.Tensor, scale: torch.Tensor | None):
         return dist.Delta(loc).to_event(1) if scale is None else dist.Normal(loc, scale).to_event(1)
 
-    def parents(self, z0: torch.Tensor, y0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The parents' presence logits ``(B, K)`` and pose locations ``(B, K, 6)`` given the sampled parts."""
+    def parent_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parents' own presence logits ``(B, K)`` and pose locations ``(B, K, 6)``, in the model's group."""
         return self.parent_logits, restrict_pose6(self.parent_locs, self.object_pose)
+
+    def parents(self, z0: torch.Tensor, y0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parents' presence logits ``(B, K)`` and pose locations ``(B, K, 6)`` given the sampled parts (free-form:
+        :meth:`parent_params`, whatever the parts)."""
+        return self.parent_params()
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         B, M = self.part_logits.shape
@@ -155,7 +160,7 @@ def per_image_elbo(model, guide: FreeFormGuide, x: torch.Tensor, num_samples: in
     gen = torch.Generator().manual_seed(seed)
     tau = guide.temperature
     lp, ll = guide.part_logits, guide.part_locs
-    pp, pl = guide.parents(None, None)
+    pp, pl = guide.parent_params()
     part_scale, parent_scale = guide.pose_scales()
     q_z0 = ClampedRelaxedBernoulli(lp.new_tensor(tau), logits=lp)
     q_z1 = ClampedRelaxedBernoulli(pp.new_tensor(tau), logits=pp)
