@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
-from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information
 from probcaps.distributions import ClampedRelaxedBernoulli
 from probcaps.config import DataConfig, EvalConfig, load_sections, parse_override, replace_checked
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
@@ -100,10 +100,29 @@ class CapsuleSystem(nn.Module):
         self.guide_spec = {"family": "normal", "init_scale": init_scale, "min_scale": min_scale}
         return self
 
-    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
+    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None):
         """Negative ELBO per image (``s`` enumerated out); ``expected_parents``: the prior at this training step
-        (:func:`prior_schedule`; ``None``: the config's final value)."""
-        return elbo.differentiable_loss(self.model, self.guide, x, expected_parents=expected_parents) / x.shape[0]
+        (:func:`prior_schedule`; ``None``: the config's final value).
+
+        With ``model.object_information_weight``, that weight times the mutual information between an image and
+        its objects (:func:`~probcaps.models.capsule_model.object_information` of the expected part counts, at the
+        guide's sample this ELBO scores) is subtracted, and the loss is returned as ``(loss, {"within_entropy",
+        "between_entropy"})`` for the training log.
+        """
+        weight = self.model.config.object_information_weight
+        if not weight:
+            return elbo.differentiable_loss(self.model, self.guide, x, expected_parents=expected_parents) / x.shape[0]
+        drawn = []
+
+        def guide(*args, **kwargs):  # keeps the latents the ELBO scores (one particle: one call)
+            drawn.append(self.guide(*args, **kwargs))
+            return drawn[-1]
+
+        neg_elbo = elbo.differentiable_loss(self.model, guide, x, expected_parents=expected_parents) / x.shape[0]
+        counts = self.model.parent_log_posterior(*drawn[-1])[..., 1:].exp().sum(-2)   # (B, K), the dummy left out
+        within, between = object_information(counts)
+        return neg_elbo - weight * (between - within), {"within_entropy": within.item(),
+                                                        "between_entropy": between.item()}
 
     def reference_loss(self, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
         """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).
@@ -142,6 +161,9 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
         system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=tcfg.compile)
     system = system.to(device).train()
     images, labels = load_images(cfg["data"], "train", data_dir)
+    if tcfg.jit and cfg["model"].object_information_weight:
+        raise ConfigError("train.jit: the JIT ELBO never calls the guide in Python, so it cannot add "
+                          "model.object_information_weight's term; set one or the other")
     elbo = make_elbo(tcfg.jit)
     rotation = cfg["data"].train_rotation or None
 

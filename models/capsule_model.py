@@ -33,7 +33,7 @@ from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import POSE_GROUPS, compose_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.render import render_over
 
-__all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent"]
+__all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent", "object_information"]
 
 
 @dataclass
@@ -66,6 +66,11 @@ class CapsuleModelConfig(Section):
     # upper bound on the affinities ρ_km (0: unbounded): an unbounded ρ_km lets an object whose presence is sampled
     # near 0 still win its parts from the dummy, so presence has no absolute effect
     max_affinity: float = 0.0
+    # SCAE's posterior sparsity (Kosiorek et al. 2019, §2.4) as one term: the training loss subtracts this weight
+    # times the mutual information between an image and the objects that explain its parts (``object_information``
+    # of the expected part counts under the exact posterior over the parts' parents): few objects within an image,
+    # different ones in different images; 0: the plain negative ELBO
+    object_information_weight: float = 0.0
     seed: int = 0                  # parameter initialisation
 
     def validate(self) -> None:
@@ -262,3 +267,14 @@ class CapsuleModel(PyroModule):
         if x.dim() != 4 or x.shape[1:] != (1, H, H):
             raise ValueError(f"CapsuleModel: expected images of shape (B, 1, {H}, {H}), got {tuple(x.shape)}")
         return x
+
+
+def object_information(counts: torch.Tensor, eps: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(within, between)`` entropies (nats, each in ``[0, log K]``) of per-image object part counts ``(B, K)``:
+    the mean over images of the entropy of each image's counts normalised over the objects, and the entropy of the
+    batch's summed counts normalised over the objects.  ``between - within`` is the mutual information between an
+    image of the batch and the object that explains one of its parts (SCAE's two posterior sparsity terms)."""
+    def entropy(p):
+        p = p / (p.sum(-1, keepdim=True) + eps)
+        return -(p * (p + eps).log()).sum(-1)
+    return entropy(counts).mean(), entropy(counts.sum(0))

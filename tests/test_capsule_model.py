@@ -19,7 +19,7 @@ from pyro.infer import TraceEnum_ELBO
 from pyro.ops.indexing import Vindex
 
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig
-from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, select_parent
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information, select_parent
 from probcaps.data import synthetic_digits, to_float
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
 
@@ -516,3 +516,48 @@ def test_bounded_affinity_stops_an_absent_object_winning_parts_from_the_dummy():
     model.log_affinity.data[0, :3] = raw
     by_hand = math.log(1.0) - F.softplus(-raw)
     assert torch.allclose(model.log_rho()[0, :3], by_hand) and model.log_rho().max().item() <= 0.0
+
+
+def test_object_information_by_hand():
+    # catches: normalising over the batch instead of the objects, or the between term taken per image
+    counts = torch.tensor([[2.0, 0.0], [1.0, 1.0]], dtype=DT)
+    within, between = object_information(counts)
+    torch.testing.assert_close(within, torch.tensor(math.log(2) / 2, dtype=DT))  # 0 for [1, 0], log 2 for [.5, .5]
+    torch.testing.assert_close(between, torch.tensor(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)), dtype=DT))
+    # one object per image, each object in half the images: the information is log 2
+    within, between = object_information(torch.tensor([[4.0, 0.0], [0.0, 4.0]], dtype=DT))
+    assert within.item() < 1e-6 and abs(between.item() - math.log(2)) < 1e-6
+
+
+@pytest.mark.parametrize("weight", [0.0, 7.0])
+def test_training_loss_subtracts_the_object_information_of_the_elbos_own_sample(weight):
+    # catches: the term computed on another draw of the guide than the ELBO's, the dummy counted as an object,
+    # a sign flipped, or a term added when the weight is 0
+    from probcaps.inference.capsule_svi import CapsuleSystem
+    from probcaps.inference.train import make_elbo
+    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, seed=0, **HYPER,
+                             object_information_weight=weight)
+    system = CapsuleSystem(cfg, EncoderConfig(channels=[8], strides=[2], set_hidden=8, set_heads=1, set_inducing=2,
+                                              parent_code=4, head_hidden=8, part_embedding=2, part_features=0))
+    system = system.to(DT)
+    x = torch.rand(3, 1, S, S, dtype=DT)
+    elbo = make_elbo()
+    pyro.set_rng_seed(5)
+    out = system.loss(elbo, x)
+    pyro.set_rng_seed(5)
+    neg_elbo = elbo.differentiable_loss(system.model, system.guide, x) / 3
+    if not weight:
+        assert torch.is_tensor(out)
+        torch.testing.assert_close(out, neg_elbo)
+        return
+    pyro.set_rng_seed(5)
+    z1, y1, z0, y0 = system.guide(x)  # the ELBO draws the guide first: the same sample
+    counts = system.model.parent_log_posterior(z1, y1, z0, y0).exp()[..., 1:].sum(-2)  # (3, K)
+    p = counts / counts.sum(-1, keepdim=True)
+    within = -(p * p.log()).sum(-1).mean()
+    total = counts.sum(0) / counts.sum()
+    between = -(total * total.log()).sum()
+    loss, terms = out
+    torch.testing.assert_close(loss, neg_elbo - weight * (between - within))
+    assert terms == pytest.approx({"within_entropy": within.item(), "between_entropy": between.item()})
+    assert 0 < terms["within_entropy"] < math.log(K) and 0 < terms["between_entropy"] <= math.log(K) + 1e-9
