@@ -22,13 +22,13 @@ from probcaps import plotting
 from probcaps.inference.guides import Latents
 from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
-from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_accuracy, mean_by_class
+from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_labels, mean_by_class
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
-           "READOUTS", "SCAE_PUBLISHED"]
+           "READOUTS", "REPORTED_KMEANS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
@@ -37,6 +37,9 @@ READOUTS = {"presence": "prior presences (the guide's)",
             "presence_pose": "presences + poses"}
 #: The feature sets whose probes get a per-class report and a confusion-matrix figure.
 REPORTED_PROBES = ("presence", "presence_pose")
+#: The feature sets whose test k-means clusters (each named by its matched class) get the same: which digits share
+#: a cluster.
+REPORTED_KMEANS = ("presence", "posterior_counts")
 #: SCAE's MNIST scores (Kosiorek et al. 2019, Table 1): linear classifier on the object capsules (LIN-PRED) and
 #: k-means with 10 clusters matched to the classes (LIN-MATCH), test accuracy.
 SCAE_PUBLISHED = {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
@@ -141,7 +144,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     Probes are fit on the training features and scored on both splits; k-means (10 clusters, matched by the
     Hungarian algorithm) is fit on each split.  Writes ``results_dir/<name>.json`` (metrics + provenance) and, with
     figures, ``<name>_*.png`` (under ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
-    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report``, ``object_class_purity[_presence]``, ...)
+    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` for :data:`REPORTED_PROBES`,
+    ``kmeans_<readout>_test_report`` for :data:`REPORTED_KMEANS`, ``object_class_purity[_presence]``, ...)
     and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
     ``<name>_seed<the training seed>``.
     """
@@ -165,12 +169,15 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
         metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_feats[key][0], test_labels)
         metrics[f"probe_{key}_train_acc"] = probe.accuracy(train_feats[key][0], train_labels)
         for split, feats, labels in (("test", test_feats, test_labels), ("train", train_feats, train_labels)):
-            metrics[f"kmeans_{key}_{split}_acc"] = kmeans_accuracy(feats[key][1], labels, n_clusters=10,
-                                                                   n_init=ecfg.kmeans_n_init)
+            clustered = kmeans_labels(feats[key][1], labels, n_clusters=10, n_init=ecfg.kmeans_n_init)
+            metrics[f"kmeans_{key}_{split}_acc"] = float((clustered == labels.numpy()).mean())
+            if split == "test" and key in REPORTED_KMEANS:
+                reports[f"kmeans_{key}"] = classification_summary(test_labels, clustered)
         if key in REPORTED_PROBES:
-            reports[key] = classification_summary(test_labels, probe.predict(test_feats[key][0]),
-                                                  classes=torch.unique(torch.cat([train_labels, test_labels])))
-            metrics[f"probe_{key}_test_report"] = reports[key]
+            reports[f"probe_{key}"] = classification_summary(test_labels, probe.predict(test_feats[key][0]),
+                                                             classes=torch.unique(torch.cat([train_labels,
+                                                                                             test_labels])))
+    metrics.update({f"{key}_test_report": report for key, report in reports.items()})
     test_presence = torch.sigmoid(test_lat.parent_logits)
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
@@ -206,8 +213,11 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
                 title=f"objects by class (test set): class purity {metrics['object_class_purity']:.2f} by part "
                       f"counts, {metrics['object_class_purity_presence']:.2f} by presences"),
             *(plotting.plot_confusion_matrix(
-                report["confusion"], results_dir / f"{name}_confusion_{key}.png", class_labels=report["classes"],
-                title=f"linear probe on {READOUTS[key]}: test accuracy {100 * report['accuracy']:.1f}%")
+                report["confusion"], results_dir / f"{name}_confusion_{key.removeprefix('probe_')}.png",
+                class_labels=report["classes"],
+                xlabel="predicted class" if key.startswith("probe_") else "class its k-means cluster is matched to",
+                title=f"{'linear probe' if key.startswith('probe_') else 'k-means (10)'} on "
+                      f"{READOUTS[key.split('_', 1)[1]]}: test accuracy {100 * report['accuracy']:.1f}%")
               for key, report in reports.items())]]
     prov = provenance(seed=seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LinearProbe", "probe_accuracy", "hungarian_accuracy", "kmeans_accuracy", "classification_summary",
+__all__ = ["LinearProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels",
+           "kmeans_accuracy", "classification_summary",
            "mean_by_class", "object_class_shares", "class_purity", "r2_scores", "r2_score", "reconstruction_mse"]
 
 
@@ -124,27 +125,41 @@ def probe_accuracy(train_features: Any, train_labels: Any, test_features: Any, t
     return LinearProbe(**kw).fit(Xtr, ytr).accuracy(Xte, yte)
 
 
-def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
-    """Accuracy under the best one-to-one assignment of clusters to labels (``linear_sum_assignment`` on the
-    contingency matrix); the points of surplus clusters, unmatched, count as errors."""
+def hungarian_labels(cluster_ids: Any, labels: Any) -> np.ndarray:
+    """``(N,)`` the label each point's cluster stands for under the best one-to-one assignment of clusters to labels
+    (``linear_sum_assignment`` on the contingency matrix); the points of surplus clusters, unmatched, get a value
+    below every label (``min(labels) - 1``)."""
     from scipy.optimize import linear_sum_assignment
     from sklearn.metrics.cluster import contingency_matrix
 
     c, y = _rows(cluster_ids, "cluster_ids", labels, "labels", x_as=_labels)
-    counts = contingency_matrix(c, y)  # (n_clusters, n_labels)
-    rows, cols = linear_sum_assignment(counts, maximize=True)
-    return float(counts[rows, cols].sum() / c.shape[0])
+    clusters, cluster_index = np.unique(c, return_inverse=True)
+    classes = np.unique(y)
+    rows, cols = linear_sum_assignment(contingency_matrix(c, y), maximize=True)  # (n_clusters, n_labels)
+    stands_for = np.full(len(clusters), classes.min() - 1, dtype=classes.dtype)
+    stands_for[rows] = classes[cols]
+    return stands_for[cluster_index]
 
 
-def kmeans_accuracy(features: Any, labels: Any, n_clusters: int = 10, seed: int = 0, n_init: int = 10) -> float:
-    """K-means on ``features`` then :func:`hungarian_accuracy` against ``labels`` (SCAE's score)."""
+def hungarian_accuracy(cluster_ids: Any, labels: Any) -> float:
+    """Accuracy of :func:`hungarian_labels`: the points of surplus clusters count as errors."""
+    return float(np.mean(hungarian_labels(cluster_ids, labels) == _labels(labels, "labels")))
+
+
+def kmeans_labels(features: Any, labels: Any, n_clusters: int = 10, seed: int = 0, n_init: int = 10) -> np.ndarray:
+    """``(N,)`` k-means on ``features``, each point labelled by :func:`hungarian_labels` of its cluster."""
     from sklearn.cluster import KMeans
 
     X, y = _rows(features, "features", labels, "labels")
     if int(n_clusters) > X.shape[0]:
         raise ValueError(f"n_clusters={n_clusters} exceeds the number of samples in features ({X.shape[0]})")
     ids = KMeans(n_clusters=int(n_clusters), random_state=seed, n_init=int(n_init)).fit_predict(X)
-    return hungarian_accuracy(ids, y)
+    return hungarian_labels(ids, y)
+
+
+def kmeans_accuracy(features: Any, labels: Any, n_clusters: int = 10, seed: int = 0, n_init: int = 10) -> float:
+    """Accuracy of :func:`kmeans_labels` against ``labels`` (SCAE's score)."""
+    return float(np.mean(kmeans_labels(features, labels, n_clusters, seed, n_init) == _labels(labels, "labels")))
 
 
 def classification_summary(true_labels: Any, predicted: Any, classes: Any = None) -> dict:

@@ -346,9 +346,10 @@ def plot_heatmap(values: Any, path: str | os.PathLike, row_labels: Sequence[str]
 
 
 def plot_confusion_matrix(confusion: Any, path: str | os.PathLike, class_labels: Sequence[str] | None = None,
-                          title: str | None = None) -> Path:
-    """Confusion matrix ``(C, C)`` (row: true class, column: predicted class, as scikit-learn's), coloured by each
-    row's share (the true class's recall on the diagonal) and annotated with the counts."""
+                          title: str | None = None, xlabel: str = "predicted class") -> Path:
+    """Confusion matrix ``(C, C)`` (row: true class, column: predicted class, as scikit-learn's; ``xlabel`` names
+    the columns), coloured by each row's share (the true class's recall on the diagonal) and annotated with the
+    counts."""
     M = _to_numpy(confusion, "confusion")
     if M.ndim != 2 or M.shape[0] != M.shape[1] or M.size == 0:
         raise ValueError(f"confusion must be a non-empty square (C, C) array, got shape {M.shape}")
@@ -368,7 +369,7 @@ def plot_confusion_matrix(confusion: Any, path: str | os.PathLike, class_labels:
             if M[i, j]:
                 ax.text(j, i, f"{M[i, j]:g}", ha="center", va="center", fontsize=6,
                         color="white" if shares[i, j] > 0.5 else "black")
-    _label_axes(ax, labels, labels, "predicted class", "true class", title)
+    _label_axes(ax, labels, labels, xlabel, "true class", title)
     fig.colorbar(im, ax=ax, fraction=0.05, label="share of the true class")
     return _save(fig, path)
 

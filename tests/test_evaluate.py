@@ -12,7 +12,7 @@ import torch
 
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
-    READOUTS, REPORTED_PROBES, evaluate_checkpoint, parent_log_posterior, posterior_part_counts, posterior_presences,
+    READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, parent_log_posterior, posterior_part_counts, posterior_presences,
 )
 from probcaps.inference.guides import Latents
 from probcaps.metrics import class_purity, classification_summary, mean_by_class, object_class_shares
@@ -181,6 +181,11 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
         assert report["accuracy"] == pytest.approx(metrics[f"probe_{key}_test_acc"])
         assert sum(map(sum, report["confusion"])) == metrics["n_test"]
         assert (results / f"tiny_confusion_{key}.png").read_bytes()[:8] == PNG_SIGNATURE
+    for key in REPORTED_KMEANS:  # the clusters, each named by its matched class, score the reported accuracy
+        report = metrics[f"kmeans_{key}_test_report"]
+        assert report["accuracy"] == pytest.approx(metrics[f"kmeans_{key}_test_acc"])
+        assert sum(map(sum, report["confusion"])) == metrics["n_test"]
+        assert (results / f"tiny_confusion_kmeans_{key}.png").read_bytes()[:8] == PNG_SIGNATURE
     assert 0.0 < metrics["object_class_purity"] <= 1.0
     assert 0.0 < metrics["mean_posterior_part_count"] <= cfg["model"].num_parts
     assert metrics["published_scae"] == {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}

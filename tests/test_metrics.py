@@ -10,7 +10,9 @@ import torch
 from probcaps.metrics import (
     LinearProbe,
     hungarian_accuracy,
+    hungarian_labels,
     kmeans_accuracy,
+    kmeans_labels,
     probe_accuracy,
     r2_score,
     r2_scores,
@@ -91,12 +93,21 @@ def test_hungarian_hand_values():
         hungarian_accuracy([0, 1], [0, 1, 2])
 
 
+def test_hungarian_labels_name_each_cluster_by_its_matched_label():
+    # catches: a majority vote instead of a one-to-one match, clusters and labels matched out of order, or a
+    # surplus cluster given a real label
+    out = hungarian_labels([0, 0, 0, 1, 1, 2], [5, 5, 7, 7, 7, 5])  # cluster 2 is surplus: below every label
+    np.testing.assert_array_equal(out, [5, 5, 5, 7, 7, 4])
+    np.testing.assert_array_equal(hungarian_labels([3, 3, 1, 1, 2], [0, 0, 2, 2, 1]), [0, 0, 2, 2, 1])
+
+
 def test_kmeans_accuracy_on_separated_blobs():
     rng = np.random.default_rng(0)
     centres = rng.normal(scale=20.0, size=(4, 6))
     labels = np.repeat(np.arange(4), 50)
     X = centres[labels] + rng.normal(size=(200, 6))
     assert kmeans_accuracy(X, labels, n_clusters=4, seed=0, n_init=4) > 0.99
+    np.testing.assert_array_equal(kmeans_labels(X, labels, n_clusters=4, seed=0, n_init=4), labels)
     with pytest.raises(ValueError, match="features"):
         kmeans_accuracy(X[:10], labels)
 
