@@ -22,7 +22,7 @@ from probcaps.data.loaders import seeded_generator
 from probcaps.errors import CheckpointError, ConfigError
 
 __all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "load_images", "prior_schedule",
-           "information_schedule", "CapsuleSystem", "train_capsules", "load_trained", "encode_dataset", "probe_features"]
+           "CapsuleSystem", "train_capsules", "load_trained", "encode_dataset", "probe_features"]
 
 SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder": EncoderConfig, "train": TrainConfig,
           "eval": EvalConfig}
@@ -34,7 +34,8 @@ REMOVED_OPTIONS = {  # option: (its off value, the last commit that had it)
     "model": {"presence_sparsity_weight": (0.0, "e00fb33"), "parent_usage_weight": (0.0, "e00fb33"),
               "guide_usage_weight": (0.0, "e00fb33"), "guide_certainty_weight": (0.0, "e00fb33"),
               "learn_parent_prior": (False, "e00fb33"), "template_init": ("blob", "e00fb33"),
-              "within_image_entropy_weight": (0.0, "a9c4f67"), "between_image_entropy_weight": (0.0, "a9c4f67")},
+              "within_image_entropy_weight": (0.0, "a9c4f67"), "between_image_entropy_weight": (0.0, "a9c4f67"),
+              "object_information_warmup_steps": (0, "4a3ce0d")},
     "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "a9c4f67")},
 }
 
@@ -76,16 +77,6 @@ def prior_schedule(model_cfg: CapsuleModelConfig) -> Callable[[int], float] | No
     return lambda step: start + (end - start) * min(step, n) / n
 
 
-def information_schedule(model_cfg: CapsuleModelConfig) -> Callable[[int], float] | None:
-    """The weight of the image-object information term as the training loop evaluates it: ``step -> weight``,
-    linear from 0 at step 0 to ``object_information_weight`` at ``object_information_warmup_steps``, constant after
-    (``None`` without a warm-up: the config's weight throughout)."""
-    n, weight = model_cfg.object_information_warmup_steps, model_cfg.object_information_weight
-    if not (n and weight):
-        return None
-    return lambda step: weight * min(step, n) / n
-
-
 class CapsuleSystem(nn.Module):
     """The generative model and its guide, as one module (one ``state_dict``, one optimiser)."""
 
@@ -110,16 +101,14 @@ class CapsuleSystem(nn.Module):
         self.guide_spec = {"family": "normal", "init_scale": init_scale, "min_scale": min_scale}
         return self
 
-    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None,
-             information_weight: float | None = None):
+    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None):
         """Negative ELBO per image (``s`` enumerated out); ``expected_parents``: the prior at this training step
         (:func:`prior_schedule`; ``None``: the config's final value).
 
         With ``model.object_information_weight``, that weight times the mutual information between an image and
         its objects (:func:`~probcaps.models.capsule_model.object_information` of the expected part counts, at the
         guide's sample this ELBO scores) is subtracted, and the loss is returned as ``(loss, {"within_entropy",
-        "between_entropy"})`` for the training log; ``information_weight``: the weight at this training step
-        (:func:`information_schedule`; ``None``: the config's).
+        "between_entropy"})`` for the training log.
         """
         weight = self.model.config.object_information_weight
         if not weight:
@@ -133,8 +122,6 @@ class CapsuleSystem(nn.Module):
         neg_elbo = elbo.differentiable_loss(self.model, guide, x, expected_parents=expected_parents) / x.shape[0]
         counts = self.model.parent_log_posterior(*drawn[-1])[..., 1:].exp().sum(-2)   # (B, K), the dummy left out
         within, between = object_information(counts)
-        if information_weight is not None:
-            weight = information_weight
         return neg_elbo - weight * (between - within), {"within_entropy": within.item(),
                                                         "between_entropy": between.item()}
 
@@ -188,12 +175,10 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
 
     metadata = {"name": cfg["name"], "configs": {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
                 "kind": "capsule_model", "guide": system.guide_spec}
-    schedules = {name: schedule for name, schedule in (("expected_parents", prior_schedule(cfg["model"])),
-                                                       ("information_weight", information_schedule(cfg["model"])))
-                 if schedule is not None}
+    schedule = prior_schedule(cfg["model"])
     return train_loop(system, lambda x, **scheduled: system.loss(elbo, x, **scheduled), batches, tcfg, out_dir,
-                      resume=resume, metadata=metadata, progress=progress, schedules=schedules or None,
-                      **loop_options)
+                      resume=resume, metadata=metadata, progress=progress,
+                      schedules={"expected_parents": schedule} if schedule else None, **loop_options)
 
 
 def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[str] = ()):

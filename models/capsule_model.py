@@ -71,9 +71,6 @@ class CapsuleModelConfig(Section):
     # of the expected part counts under the exact posterior over the parts' parents): few objects within an image,
     # different ones in different images; 0: the plain negative ELBO
     object_information_weight: float = 0.0
-    # the weight rises linearly from 0 over the first object_information_warmup_steps steps (0: from the start;
-    # ``inference.capsule_svi.information_schedule``): the objects take shapes before they are asked to specialise
-    object_information_warmup_steps: int = 0
     seed: int = 0                  # parameter initialisation
 
     def validate(self) -> None:
@@ -140,9 +137,6 @@ class CapsuleModel(PyroModule):
             raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
         cfg.validate()
-        if cfg.object_information_warmup_steps < 0:
-            raise ValueError("CapsuleModelConfig: object_information_warmup_steps must be >= 0, got "
-                             f"{cfg.object_information_warmup_steps}")
         if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
             raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0,"
                              f" got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")

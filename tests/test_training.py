@@ -307,21 +307,6 @@ def test_train_capsules_passes_the_prior_anneal_of_each_step_across_a_resume(tin
     assert seen == [None]  # no anneal: the model's own expected_parents
 
 
-def test_train_capsules_passes_the_information_warmup_of_each_step(tiny_toml, tmp_path, monkeypatch):
-    # catches: the warm-up of the information term's weight not reaching the loss, or evaluated at the wrong step
-    seen = []
-    loss = CapsuleSystem.loss
-
-    def recording_loss(self, elbo, x, **scheduled):
-        seen.append(scheduled)
-        return loss(self, elbo, x, **scheduled)
-
-    monkeypatch.setattr(CapsuleSystem, "loss", recording_loss)
-    warmup = ["model.object_information_weight=6.0", "model.object_information_warmup_steps=2"]
-    train_capsules(_cfg(tiny_toml, "train.steps=3", *warmup), tmp_path, progress=False)
-    assert seen == [{"information_weight": 0.0}, {"information_weight": 3.0}, {"information_weight": 6.0}]
-
-
 def test_load_trained_round_trip(trained_run):
     # catches: load_trained rebuilding a different config or not loading the saved weights
     cfg, system = load_trained(trained_run)
