@@ -12,7 +12,8 @@ import torch
 
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
-    READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, parent_log_posterior, posterior_part_counts, posterior_presences,
+    READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, parent_log_posterior, posterior_part_counts,
+    posterior_presences,
 )
 from probcaps.inference.guides import Latents
 from probcaps.metrics import class_purity, classification_summary, mean_by_class, object_class_shares
