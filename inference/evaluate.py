@@ -173,12 +173,11 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
             clustered = kmeans_labels(feats[key][1], labels, n_clusters=10, n_init=ecfg.kmeans_n_init)
             metrics[f"kmeans_{key}_{split}_acc"] = float((clustered == labels.numpy()).mean())
             if split == "test" and key in REPORTED_KMEANS:
-                reports[f"kmeans_{key}"] = classification_summary(test_labels, clustered)
+                reports["kmeans", key] = classification_summary(test_labels, clustered)
         if key in REPORTED_PROBES:
-            reports[f"probe_{key}"] = classification_summary(test_labels, probe.predict(test_feats[key][0]),
-                                                             classes=torch.unique(torch.cat([train_labels,
-                                                                                             test_labels])))
-    metrics.update({f"{key}_test_report": report for key, report in reports.items()})
+            reports["probe", key] = classification_summary(test_labels, probe.predict(test_feats[key][0]),
+                                                           classes=torch.unique(torch.cat([train_labels, test_labels])))
+    metrics.update({f"{kind}_{key}_test_report": report for (kind, key), report in reports.items()})
     test_presence = torch.sigmoid(test_lat.parent_logits)
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
@@ -214,12 +213,12 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
                 title=f"objects by class (test set): class purity {metrics['object_class_purity']:.2f} by part "
                       f"counts, {metrics['object_class_purity_presence']:.2f} by presences"),
             *(plotting.plot_confusion_matrix(
-                report["confusion"], results_dir / f"{name}_confusion_{key.removeprefix('probe_')}.png",
+                report["confusion"], results_dir / f"{name}_confusion_{key if kind == 'probe' else f'kmeans_{key}'}.png",
                 class_labels=report["classes"],
-                xlabel="predicted class" if key.startswith("probe_") else "class its k-means cluster is matched to",
-                title=f"{'linear probe' if key.startswith('probe_') else 'k-means (10)'} on "
-                      f"{READOUTS[key.split('_', 1)[1]]}: test accuracy {100 * report['accuracy']:.1f}%")
-              for key, report in reports.items())]]
+                xlabel="predicted class" if kind == "probe" else "class its k-means cluster is matched to",
+                title=f"{'linear probe' if kind == 'probe' else 'k-means (10)'} on {READOUTS[key]}: test accuracy "
+                      f"{100 * report['accuracy']:.1f}%")
+              for (kind, key), report in reports.items())]]
     prov = provenance(seed=seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}, figures=figure_paths)

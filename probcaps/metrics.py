@@ -134,9 +134,9 @@ def hungarian_labels(cluster_ids: Any, labels: Any) -> np.ndarray:
 
     c, y = _rows(cluster_ids, "cluster_ids", labels, "labels", x_as=_labels)
     clusters, cluster_index = np.unique(c, return_inverse=True)
-    classes = np.unique(y)
+    classes = np.unique(y).astype(np.int64)  # signed: below the smallest label of unsigned labels (uint8) too
     rows, cols = linear_sum_assignment(contingency_matrix(c, y), maximize=True)  # (n_clusters, n_labels)
-    stands_for = np.full(len(clusters), classes.min() - 1, dtype=classes.dtype)
+    stands_for = np.full(len(clusters), classes.min() - 1, dtype=np.int64)
     stands_for[rows] = classes[cols]
     return stands_for[cluster_index]
 

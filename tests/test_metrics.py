@@ -99,6 +99,9 @@ def test_hungarian_labels_name_each_cluster_by_its_matched_label():
     out = hungarian_labels([0, 0, 0, 1, 1, 2], [5, 5, 7, 7, 7, 5])  # cluster 2 is surplus: below every label
     np.testing.assert_array_equal(out, [5, 5, 5, 7, 7, 4])
     np.testing.assert_array_equal(hungarian_labels([3, 3, 1, 1, 2], [0, 0, 2, 2, 1]), [0, 0, 2, 2, 1])
+    # unsigned labels (MNIST's uint8): the surplus cluster still gets a value below them, not one wrapped to 255
+    np.testing.assert_array_equal(hungarian_labels([0, 0, 1, 2], torch.tensor([0, 0, 1, 1], dtype=torch.uint8)),
+                                  [0, 0, 1, -1])
 
 
 def test_kmeans_accuracy_on_separated_blobs():
