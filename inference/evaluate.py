@@ -213,7 +213,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
                 title=f"objects by class (test set): class purity {metrics['object_class_purity']:.2f} by part "
                       f"counts, {metrics['object_class_purity_presence']:.2f} by presences"),
             *(plotting.plot_confusion_matrix(
-                report["confusion"], results_dir / f"{name}_confusion_{key if kind == 'probe' else f'kmeans_{key}'}.png",
+                report["confusion"],
+                results_dir / f"{name}_confusion_{key if kind == 'probe' else f'kmeans_{key}'}.png",
                 class_labels=report["classes"],
                 xlabel="predicted class" if kind == "probe" else "class its k-means cluster is matched to",
                 title=f"{'linear probe' if kind == 'probe' else 'k-means (10)'} on {READOUTS[key]}: test accuracy "
