@@ -35,7 +35,7 @@ REMOVED_OPTIONS = {  # option: (its off value, the last commit that had it)
               "guide_usage_weight": (0.0, "e00fb33"), "guide_certainty_weight": (0.0, "e00fb33"),
               "learn_parent_prior": (False, "e00fb33"), "template_init": ("blob", "e00fb33"),
               "within_image_entropy_weight": (0.0, "a9c4f67"), "between_image_entropy_weight": (0.0, "a9c4f67"),
-              "object_information_warmup_steps": (0, "4a3ce0d")},
+              "object_information_warmup_steps": (0, "4a3ce0d"), "object_within_weight": (0.0, "b14005e")},
     "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "a9c4f67")},
 }
 
@@ -107,12 +107,11 @@ class CapsuleSystem(nn.Module):
 
         With ``model.object_information_weight``, that weight times the mutual information between an image and
         its objects (:func:`~probcaps.models.capsule_model.object_information` of the expected part counts, at the
-        guide's sample this ELBO scores) is subtracted, and ``model.object_within_weight`` times the within-image
-        entropy alone is added; with either, the loss is returned as ``(loss, {"within_entropy",
+        guide's sample this ELBO scores) is subtracted, and the loss is returned as ``(loss, {"within_entropy",
         "between_entropy"})`` for the training log.
         """
-        weight, within_weight = self.model.config.object_information_weight, self.model.config.object_within_weight
-        if not (weight or within_weight):
+        weight = self.model.config.object_information_weight
+        if not weight:
             return elbo.differentiable_loss(self.model, self.guide, x, expected_parents=expected_parents) / x.shape[0]
         drawn = []
 
@@ -123,8 +122,8 @@ class CapsuleSystem(nn.Module):
         neg_elbo = elbo.differentiable_loss(self.model, guide, x, expected_parents=expected_parents) / x.shape[0]
         counts = self.model.parent_log_posterior(*drawn[-1])[..., 1:].exp().sum(-2)   # (B, K), the dummy left out
         within, between = object_information(counts)
-        loss = neg_elbo - weight * (between - within) + within_weight * within
-        return loss, {"within_entropy": within.item(), "between_entropy": between.item()}
+        return neg_elbo - weight * (between - within), {"within_entropy": within.item(),
+                                                        "between_entropy": between.item()}
 
     def reference_loss(self, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
         """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).
@@ -163,10 +162,9 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
         system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=tcfg.compile)
     system = system.to(device).train()
     images, labels = load_images(cfg["data"], "train", data_dir)
-    if tcfg.jit and (cfg["model"].object_information_weight or cfg["model"].object_within_weight):
+    if tcfg.jit and cfg["model"].object_information_weight:
         raise ConfigError("train.jit: the JIT ELBO never calls the guide in Python, so it cannot add "
-                          "model.object_information_weight's or model.object_within_weight's term; "
-                          "set one or the other")
+                          "model.object_information_weight's term; set one or the other")
     elbo = make_elbo(tcfg.jit)
     rotation = cfg["data"].train_rotation or None
 

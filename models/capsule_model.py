@@ -71,9 +71,6 @@ class CapsuleModelConfig(Section):
     # of the expected part counts under the exact posterior over the parts' parents): few objects within an image,
     # different ones in different images; 0: the plain negative ELBO
     object_information_weight: float = 0.0
-    # a further weight on the within-image entropy alone: fewer objects per image than the information asks for
-    # (SCAE's released MNIST configuration weighs its within-image term 3.5 times its between-image one); 0: none
-    object_within_weight: float = 0.0
     seed: int = 0                  # parameter initialisation
 
     def validate(self) -> None:
