@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
+from probcaps.models.capsule_model import object_information
 from probcaps.inference.distributed import init_from_env
 from probcaps.errors import CheckpointError
 from probcaps.inference.train import load_checkpoint, make_elbo
@@ -146,7 +147,9 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     Hungarian algorithm) is fit on each split.  Writes ``results_dir/<name>.json`` (metrics + provenance) and, with
     figures, ``<name>_*.png`` (under ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
     ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` for :data:`REPORTED_PROBES`,
-    ``kmeans_<readout>_test_report`` for :data:`REPORTED_KMEANS`, ``object_class_purity[_presence]``, ...)
+    ``kmeans_<readout>_test_report`` for :data:`REPORTED_KMEANS`, ``object_class_purity[_presence]``,
+    ``object_information``: the mutual information (nats) between a training image and the object that explains
+    one of its parts, of the posterior part counts of all the training images, which uses no label, ...)
     and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
     ``<name>_seed<the training seed>``.
     """
@@ -182,6 +185,9 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
     metrics["mean_posterior_part_count"] = float(test_counts.sum(1).mean())  # parts explained by objects, not dummy
+    # label-free, on the images the model was fit to: a criterion for choosing among restarts without labels
+    within, between = object_information(train_counts.double())
+    metrics["object_information"] = float(between - within)
     metrics["certain_parent_share"] = certain_share
     metrics["published_scae"] = dict(SCAE_PUBLISHED)
     metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
@@ -285,6 +291,8 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
         f"{m['mean_active_parents']:.1f} objects on per image, {m['parents_in_use']} in use; "
         + (f"{100 * m['certain_parent_share']:.0f}% of the parts on have a certain parent (posterior > 0.99); "
            if "certain_parent_share" in m else "")
+        + (f"object information on the training images {m['object_information']:.3f} nats; "
+           if "object_information" in m else "")
         + f"probes fit on "
         f"{m['n_train']} training images, scored on {m['n_test']} test images; checkpoint `{prov.get('checkpoint')}`; "
         + provenance_line(prov)])
@@ -316,4 +324,9 @@ def seeds_readout_table(m: dict, prov: dict) -> str:
         + f"probes fit on {runs[0]['n_train']} training images, "
         f"scored on {runs[0]['n_test']} test images; seeds {', '.join(str(r['seed']) for r in runs)}; "
         f"{runs[0]['steps']} steps each; training wall time per seed (min): {minutes}; checkpoints "
-        + ", ".join(f"`{c}`" for c in prov.get("checkpoints", [])) + "; " + provenance_line(prov)])
+        + ", ".join(f"`{c}`" for c in prov.get("checkpoints", [])) + "; " + provenance_line(prov)]
+        + ([] if not all("object_information" in r for r in runs) else [
+            "", "| seed | object information, training images (nats) | k-means on the posterior presences, test (%) |",
+            "| --- | --- | --- |", *(f"| {r['seed']} | {r['object_information']:.3f} | "
+                                   f"{100 * r['kmeans_posterior_counts_test_acc']:.1f} |"
+                                   for r in sorted(runs, key=lambda r: -r["object_information"]))]))

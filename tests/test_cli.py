@@ -116,6 +116,11 @@ def test_evaluate_several_seeds_gives_mean_and_std(tiny_toml, tmp_path, capsys):
     assert all((results / f"pair_seed{s}.md").is_file() for s in (0, 1))  # each seed's train / test table
     table = (results / "pair.md").read_text()
     assert "over 2 seeds" in table and "seeds 0, 1" in table and " ± " in table
+    # each seed's label-free object information beside its k-means, the most informative seed first
+    ranked = sorted(m["per_seed"], key=lambda r: -r["object_information"])
+    rows = [f"| {r['seed']} | {r['object_information']:.3f} | {100 * r['kmeans_posterior_counts_test_acc']:.1f} |"
+            for r in ranked]
+    assert table.index(rows[0]) < table.index(rows[1])
 
 
 def test_train_with_evaluate_flag_and_no_figures(tiny_toml, tmp_path):

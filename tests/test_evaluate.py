@@ -166,7 +166,8 @@ def test_plot_objects_by_class(tmp_path):
 
 def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_clean, seed):
     # catches: a readout, split or per-class report missing from the results, or figures not written
-    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
+    from probcaps.inference.capsule_svi import (encode_dataset, load_experiment_config, load_images, load_trained,
+                                                train_capsules)
 
     cfg = load_experiment_config(tiny_toml, ["train.steps=2"])
     train_capsules(cfg, tmp_path / "run", progress=False)
@@ -189,6 +190,17 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
         assert (results / f"tiny_confusion_kmeans_{key}.png").read_bytes()[:8] == PNG_SIGNATURE
     assert 0.0 < metrics["object_class_purity"] <= 1.0
     assert 0.0 < metrics["mean_posterior_part_count"] <= cfg["model"].num_parts
+    # the object information, by hand from the training images' posterior part counts: H(pooled) - mean H(image)
+    _, system = load_trained(tmp_path / "run" / "final.pt")
+    images, _ = load_images(cfg["data"], "train", None, limit=cfg["eval"].probe_train_limit or None)
+    counts = posterior_part_counts(system.model, encode_dataset(system.encoder, images)).double().numpy()
+
+    def entropy(c):
+        p = c / c.sum(-1, keepdims=True)
+        return -(p * np.log(p)).sum(-1)
+    information = entropy(counts.sum(0)) - entropy(counts).mean()
+    assert information > 1e-7  # after 2 steps the objects barely differ, but the sign and the split still show
+    assert metrics["object_information"] == pytest.approx(information, abs=1e-8)
     assert metrics["published_scae"] == {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
     assert (results / "tiny_objects_by_class.png").is_file()
     record = json.loads((results / "tiny.json").read_text())
