@@ -325,8 +325,21 @@ def seeds_readout_table(m: dict, prov: dict) -> str:
         f"scored on {runs[0]['n_test']} test images; seeds {', '.join(str(r['seed']) for r in runs)}; "
         f"{runs[0]['steps']} steps each; training wall time per seed (min): {minutes}; checkpoints "
         + ", ".join(f"`{c}`" for c in prov.get("checkpoints", [])) + "; " + provenance_line(prov)]
-        + ([] if not all("object_information" in r for r in runs) else [
-            "", "| seed | object information, training images (nats) | k-means on the posterior presences, test (%) |",
-            "| --- | --- | --- |", *(f"| {r['seed']} | {r['object_information']:.3f} | "
-                                   f"{100 * r['kmeans_posterior_counts_test_acc']:.1f} |"
-                                   for r in sorted(runs, key=lambda r: -r["object_information"]))]))
+        + ([] if not all("object_information" in r for r in runs) else information_rows(runs)))
+
+
+def information_rows(runs: list[dict]) -> list[str]:
+    """Each seed's label-free object information beside its k-means accuracy on the posterior presences, the most
+    informative seed first, and their rank correlation over the seeds: how well the information, which needs no
+    label, picks the seed whose objects cluster by class."""
+    from scipy.stats import spearmanr
+
+    pairs = [(r["object_information"], r["kmeans_posterior_counts_test_acc"]) for r in runs]
+    rows = ["", "| seed | object information, training images (nats) | k-means on the posterior presences, test (%) |",
+            "| --- | --- | --- |",
+            *(f"| {r['seed']} | {r['object_information']:.3f} | {100 * r['kmeans_posterior_counts_test_acc']:.1f} |"
+              for r in sorted(runs, key=lambda r: -r["object_information"]))]
+    if len(runs) < 3 or any(len(set(column)) == 1 for column in zip(*pairs)):
+        return rows  # a correlation of two points, or of a constant, says nothing
+    rho = spearmanr(*zip(*pairs))[0]
+    return rows + ["", f"Rank correlation (Spearman) of the two over the {len(runs)} seeds: {rho:+.2f}."]

@@ -12,8 +12,8 @@ import torch
 
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
-    READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, parent_log_posterior, posterior_part_counts,
-    posterior_presences,
+    READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, information_rows, parent_log_posterior,
+    posterior_part_counts, posterior_presences,
 )
 from probcaps.inference.guides import Latents
 from probcaps.metrics import class_purity, classification_summary, mean_by_class, object_class_shares
@@ -162,6 +162,18 @@ def test_plot_objects_by_class(tmp_path):
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     with pytest.raises(ValueError, match="one shape"):
         plot_objects_by_class({"a": np.ones((4, 10)), "b": np.ones((3, 10))}, tmp_path / "bad.png")
+
+
+def test_information_rows_rank_the_seeds_and_correlate_by_hand():
+    # catches: seeds not ranked by their information, or a rank correlation that is not Spearman's
+    runs = [{"seed": s, "object_information": i, "kmeans_posterior_counts_test_acc": k}
+            for s, i, k in ((0, 0.5, 0.70), (1, 0.9, 0.80), (2, 0.7, 0.90), (3, 0.1, 0.60))]
+    rows = information_rows(runs)
+    assert [row.split(" | ")[0] for row in rows if row[:3] in ("| 0", "| 1", "| 2", "| 3")] == \
+        ["| 1", "| 2", "| 0", "| 3"]
+    # ranks of the information 2, 4, 3, 1 and of k-means 2, 3, 4, 1: Σd² = 2, ρ = 1 - 6·2 / (4·15) = 0.8
+    assert rows[-1] == "Rank correlation (Spearman) of the two over the 4 seeds: +0.80."
+    assert "Rank correlation" not in information_rows(runs[:2])[-1]   # two seeds: no correlation to speak of
 
 
 def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_clean, seed):
