@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
-from probcaps.models.capsule_model import object_information
-from probcaps.inference.distributed import init_from_env
-from probcaps.errors import CheckpointError
-from probcaps.inference.train import load_checkpoint, make_elbo
 from probcaps import plotting
-from probcaps.inference.guides import Latents
 from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
+from probcaps.errors import CheckpointError
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
+from probcaps.inference.distributed import init_from_env
+from probcaps.inference.guides import Latents
+from probcaps.inference.train import load_checkpoint, make_elbo
 from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_labels, mean_by_class
+from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
 
@@ -185,7 +185,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
     metrics["mean_posterior_part_count"] = float(test_counts.sum(1).mean())  # parts explained by objects, not dummy
-    # label-free, on the images the model was fit to: a criterion for choosing among restarts without labels
+    # what the information term maximises, on the images the model was fit to; it needs no label
     within, between = object_information(train_counts.double())
     metrics["object_information"] = float(between - within)
     metrics["certain_parent_share"] = certain_share
