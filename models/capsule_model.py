@@ -36,6 +36,10 @@ from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import POSE_GROUPS, compose_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.render import render_over
 
+# the offset of a presence pattern's objects from the prior's logit at the start: + for its objects, − for the rest
+# (at ±3 every presence falls towards 0 in the first steps, no pattern fitting any image)
+PATTERN_START_LOGIT = 1.5
+
 __all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent", "object_information"]
 
 
@@ -76,7 +80,8 @@ class CapsuleModelConfig(Section):
     object_information_weight: float = 0.0
     # C > 0: the objects' presences are drawn together, from one of C learned patterns per image (a mixture of
     # independent Bernoullis whose choice c is summed out exactly): a digit is one set of objects, not each object
-    # on by itself; logit π_ck = logit(expected_parents / K) + a learned offset; 0: every object independently
+    # on by itself; logit π_ck = logit(expected_parents / K) + a learned offset, which starts at ±1.5 (each pattern
+    # a random set of expected_parents objects); 0: every object independently
     presence_patterns: int = 0
     seed: int = 0                  # parameter initialisation
 
@@ -147,8 +152,10 @@ class CapsuleModel(PyroModule):
             raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
         if cfg.presence_patterns:  # drawn last, so the other parameters start as without patterns
-            # unequal starts break the patterns' symmetry (equal ones would get equal gradients forever)
-            self.pattern_logits = nn.Parameter(torch.randn(cfg.presence_patterns, K, generator=gen))
+            # each pattern starts as its own random set of expected_parents objects: patterns that start alike get
+            # alike gradients, and the images all settle on the one whose objects are on most
+            on = torch.rand(cfg.presence_patterns, K, generator=gen).argsort(-1) < max(1, round(cfg.expected_parents))
+            self.pattern_logits = nn.Parameter(PATTERN_START_LOGIT * (2.0 * on - 1.0))
         if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
             raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0,"
                              f" got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
@@ -234,6 +241,16 @@ class CapsuleModel(PyroModule):
             return ClampedRelaxedBernoulli(tau, logits=logits).log_prob(z1).sum(-1)
         per_pattern = ClampedRelaxedBernoulli(tau, logits=logits).log_prob(z1.unsqueeze(-2)).sum(-1)  # (..., C)
         return per_pattern.logsumexp(-1) - math.log(self.config.presence_patterns)
+
+    def pattern_log_posterior(self, z1: torch.Tensor) -> torch.Tensor:
+        """``(..., C)`` log p(c | z1): which presence pattern the objects' presences ``z1 (..., K)`` follow, under
+        the prior at the end of its anneal: the model's own clustering of the images."""
+        if not self.config.presence_patterns:
+            raise ValueError("CapsuleModel.pattern_log_posterior: the model has no presence patterns "
+                             "(model.presence_patterns = 0)")
+        tau = z1.new_tensor(self.config.temperature)
+        dist_c = ClampedRelaxedBernoulli(tau, logits=self.parent_prior_logits(None))
+        return dist_c.log_prob(z1.unsqueeze(-2)).sum(-1).log_softmax(-1)
 
     # ---------------------------------------------------------------- the Pyro model
     def forward(self, x: torch.Tensor, expected_parents: float | None = None):
