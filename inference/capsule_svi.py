@@ -35,7 +35,8 @@ REMOVED_OPTIONS = {  # option: (its off value, the last commit that had it)
               "guide_usage_weight": (0.0, "e00fb33"), "guide_certainty_weight": (0.0, "e00fb33"),
               "learn_parent_prior": (False, "e00fb33"), "template_init": ("blob", "e00fb33"),
               "within_image_entropy_weight": (0.0, "a9c4f67"), "between_image_entropy_weight": (0.0, "a9c4f67"),
-              "object_information_warmup_steps": (0, "4a3ce0d"), "object_within_weight": (0.0, "b14005e")},
+              "object_information_warmup_steps": (0, "4a3ce0d"), "object_within_weight": (0.0, "b14005e"),
+              "presence_patterns": (0, "77ec531")},
     "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "a9c4f67")},
 }
 

@@ -22,8 +22,7 @@ from probcaps.inference.capsule_svi import encode_dataset, load_images, load_tra
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
 from probcaps.inference.train import load_checkpoint, make_elbo
-from probcaps.metrics import (LinearProbe, class_purity, classification_summary, hungarian_accuracy, kmeans_labels,
-                              mean_by_class)
+from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_labels, mean_by_class
 from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
@@ -150,9 +149,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` for :data:`REPORTED_PROBES`,
     ``kmeans_<readout>_test_report`` for :data:`REPORTED_KMEANS`, ``object_class_purity[_presence]``,
     ``object_information``: the mutual information (nats) between a training image and the object that explains
-    one of its parts, of the posterior part counts of all the training images, which uses no label,
-    ``pattern_test_acc`` with presence patterns: each test image's most probable pattern matched to the classes by
-    the Hungarian algorithm, ...)
+    one of its parts, of the posterior part counts of all the training images, which uses no label, ...)
     and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
     ``<name>_seed<the training seed>``.
     """
@@ -192,11 +189,6 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     within, between = object_information(train_counts.double())
     metrics["object_information"] = float(between - within)
     metrics["certain_parent_share"] = certain_share
-    if system.model.config.presence_patterns:
-        # the model's own clustering: each test image's most probable presence pattern, matched to the classes
-        with torch.no_grad():
-            pattern = system.model.pattern_log_posterior(test_presence.to(device)).argmax(-1).cpu()
-        metrics["pattern_test_acc"] = hungarian_accuracy(pattern, test_labels)
     metrics["published_scae"] = dict(SCAE_PUBLISHED)
     metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
     metrics["test_recon_mse"] = reconstruction_error(system.model, test_images[:2000], test_lat, device=device)

@@ -2,9 +2,7 @@
 
 Sites, per image (plates: ``data`` at dim -2; ``parents`` / ``children`` at dim -1):
 
-- ``c``  (B,)       with ``presence_patterns`` C > 0: which of C presence patterns the image's objects follow,
-                    uniform; enumerated in parallel, summed out exactly
-- ``z1`` (B, K)     parent presences, relaxed Bernoulli(τ, π) (π_c with patterns)
+- ``z1`` (B, K)     parent presences, relaxed Bernoulli(τ, π)
 - ``y1`` (B, K, 6)  parent poses, Normal(0, σ_p²)
 - ``s``  (B, M)     each child's parent in {0 = dummy, 1..K}; enumerated in parallel, summed out exactly
 - ``z0`` (B, M)     child presences, relaxed Bernoulli(τ, γ[s])
@@ -29,16 +27,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pyro.nn import PyroModule
 from pyro.ops.indexing import Vindex
-from torch.distributions.utils import probs_to_logits
 
 from probcaps.config import Section
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import POSE_GROUPS, compose_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.render import render_over
-
-# the offset of a presence pattern's objects from the prior's logit at the start: + for its objects, − for the rest
-# (at ±3 every presence falls towards 0 in the first steps, no pattern fitting any image)
-PATTERN_START_LOGIT = 1.5
 
 __all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent", "object_information"]
 
@@ -78,18 +71,11 @@ class CapsuleModelConfig(Section):
     # of the expected part counts under the exact posterior over the parts' parents): few objects within an image,
     # different ones in different images; 0: the plain negative ELBO
     object_information_weight: float = 0.0
-    # C > 0: the objects' presences are drawn together, from one of C learned patterns per image (a mixture of
-    # independent Bernoullis whose choice c is summed out exactly): a digit is one set of objects, not each object
-    # on by itself; logit π_ck = logit(expected_parents / K) + a learned offset, which starts at ±1.5 (each pattern
-    # a random set of expected_parents objects); 0: every object independently
-    presence_patterns: int = 0
     seed: int = 0                  # parameter initialisation
 
     def validate(self) -> None:
         if self.object_pose not in POSE_GROUPS:
             raise ValueError(f"model.object_pose must be one of {', '.join(POSE_GROUPS)}, got {self.object_pose!r}")
-        if self.presence_patterns < 0:
-            raise ValueError(f"model.presence_patterns must be >= 0, got {self.presence_patterns}")
 
 
 def _orthogonal_logits(n: int, size: int, gen: torch.Generator) -> torch.Tensor:
@@ -128,7 +114,6 @@ class CapsuleModel(PyroModule):
         super().__init__()
         self.footprint, self.compile = footprint, compile
         cfg = self.config = config or CapsuleModelConfig()
-        cfg.validate()
         K, M, t = cfg.num_parents, cfg.num_parts, cfg.template_size
         gen = torch.Generator().manual_seed(cfg.seed)
         # every part starts as a soft round brush that can paint a stroke wherever the encoder puts it, so poses get
@@ -151,11 +136,7 @@ class CapsuleModel(PyroModule):
         else:
             raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
-        if cfg.presence_patterns:  # drawn last, so the other parameters start as without patterns
-            # each pattern starts as its own random set of expected_parents objects: patterns that start alike get
-            # alike gradients, and the images all settle on the one whose objects are on most
-            on = torch.rand(cfg.presence_patterns, K, generator=gen).argsort(-1) < max(1, round(cfg.expected_parents))
-            self.pattern_logits = nn.Parameter(PATTERN_START_LOGIT * (2.0 * on - 1.0))
+        cfg.validate()
         if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
             raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0,"
                              f" got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
@@ -224,34 +205,6 @@ class CapsuleModel(PyroModule):
         expected = cfg.expected_parents if expected_parents is None else float(expected_parents)
         return self.offsets.new_full((cfg.num_parents,), min(expected / cfg.num_parents, 0.99))
 
-    def parent_prior_logits(self, c: torch.Tensor | None = None, expected_parents: float | None = None):
-        """Logits of the prior presence probabilities: ``(K,)`` without presence patterns; with them, those of the
-        patterns ``c`` (any shape ``S``, values in ``[0, C)``) ``(*S, K)``, or of all patterns ``(C, K)`` for
-        ``c = None``."""
-        base = probs_to_logits(self.parent_prior_probs(expected_parents), is_binary=True)  # as probs= would
-        if not self.config.presence_patterns:
-            return base
-        return base + (self.pattern_logits if c is None else self.pattern_logits[c])
-
-    def parent_prior_log_prob(self, z1: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
-        """``log p(z1)`` per image ``(...,)`` for presences ``z1 (..., K)``, the patterns summed out."""
-        tau = z1.new_tensor(self.config.temperature)
-        logits = self.parent_prior_logits(None, expected_parents)
-        if not self.config.presence_patterns:
-            return ClampedRelaxedBernoulli(tau, logits=logits).log_prob(z1).sum(-1)
-        per_pattern = ClampedRelaxedBernoulli(tau, logits=logits).log_prob(z1.unsqueeze(-2)).sum(-1)  # (..., C)
-        return per_pattern.logsumexp(-1) - math.log(self.config.presence_patterns)
-
-    def pattern_log_posterior(self, z1: torch.Tensor) -> torch.Tensor:
-        """``(..., C)`` log p(c | z1): which presence pattern the objects' presences ``z1 (..., K)`` follow, under
-        the prior at the end of its anneal: the model's own clustering of the images."""
-        if not self.config.presence_patterns:
-            raise ValueError("CapsuleModel.pattern_log_posterior: the model has no presence patterns "
-                             "(model.presence_patterns = 0)")
-        tau = z1.new_tensor(self.config.temperature)
-        dist_c = ClampedRelaxedBernoulli(tau, logits=self.parent_prior_logits(None))
-        return dist_c.log_prob(z1.unsqueeze(-2)).sum(-1).log_softmax(-1)
-
     # ---------------------------------------------------------------- the Pyro model
     def forward(self, x: torch.Tensor, expected_parents: float | None = None):
         """``x (B, 1, H, W)``; ``expected_parents``: the prior's objects per image at this training step (the loop's
@@ -262,14 +215,9 @@ class CapsuleModel(PyroModule):
         B, K, M = x.shape[0], cfg.num_parents, cfg.num_parts
         tau = x.new_tensor(cfg.temperature)
         data = pyro.plate("data", B, dim=-2)
-        c = None
-        if cfg.presence_patterns:
-            with data:
-                c = pyro.sample("c", dist.Categorical(logits=x.new_zeros(cfg.presence_patterns)),
-                                infer={"enumerate": "parallel"}).squeeze(-1)      # (B,), or (C, 1) enumerated
-        prior_logits = self.parent_prior_logits(c, expected_parents).expand(*(c.shape if c is not None else (B,)), K)
+        prior_probs = self.parent_prior_probs(expected_parents).expand(B, K)
         with data, pyro.plate("parents", K, dim=-1):
-            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=prior_logits))
+            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, probs=prior_probs))
             y1 = pyro.sample("y1", dist.Normal(x.new_zeros(()), cfg.parent_pose_std).expand([B, K, 6]).to_event(1))
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         with data, pyro.plate("children", M, dim=-1):
@@ -306,7 +254,7 @@ class CapsuleModel(PyroModule):
         cfg = self.config
         x = self._check_images(x)
         tau = x.new_tensor(cfg.temperature)
-        lp = self.parent_prior_log_prob(z1, expected_parents)
+        lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs(expected_parents)).log_prob(z1).sum(-1)
         lp = lp + dist.Normal(y1.new_zeros(()), cfg.parent_pose_std).log_prob(y1).sum((-1, -2))
         lp = lp + torch.logsumexp(self.child_log_joint(z1, y1, z0, y0), -1).sum(-1)      # s summed out
         image, _ = self.render(z0, y0, contributions=False)

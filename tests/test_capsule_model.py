@@ -218,59 +218,6 @@ def test_enumerated_loss_equals_negative_log_joint():
     assert torch.allclose(model.log_joint(x[:, 0], z1, y1, z0, y0), log_joint)
 
 
-def test_presence_patterns_prior_is_the_mixture_summed_over_patterns_by_hand():
-    # catches: the pattern c enumerated on the wrong dim (per object instead of per image, or mixed with s's),
-    # a pattern's logits not added to the prior's, the uniform weight 1/C left out, the plain-torch reference and
-    # the Pyro model disagreeing, and patterns that change the other parameters' start (old seeds' models)
-    C, B = 3, 3
-    cfg = dict(num_parents=K, num_parts=M, template_size=T, canvas_size=S, **HYPER)
-    plain = CapsuleModel(CapsuleModelConfig(**cfg)).to(DT)
-    model = CapsuleModel(CapsuleModelConfig(presence_patterns=C, **cfg)).to(DT)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in plain.state_dict().items())
-    assert model.pattern_logits.shape == (C, K) and "pattern_logits" not in plain.state_dict()
-    # each pattern starts as its own set of round(expected_parents) objects at +1.5, the rest at -1.5
-    n_on = max(1, round(HYPER["expected_parents"]))
-    assert ((model.pattern_logits == 1.5).sum(-1) == n_on).all() and (model.pattern_logits.abs() == 1.5).all()
-    z1, y1, z0, y0 = _latents(B=B, seed=11)
-    x = _images(model, z0, y0, seed=12)
-    guide = FixedGuide(z1, y1, z0, y0)
-    tau, pi = HYPER["temperature"], HYPER["expected_parents"] / K
-    # by hand: log (1/C) Σ_c Π_k p(z1_bk | π_ck), logit π_ck = logit π + offset_ck, against the independent prior
-    with torch.no_grad():
-        p_c = torch.sigmoid(math.log(pi / (1 - pi)) + model.pattern_logits)                   # (C, K)
-        mixture = torch.logsumexp(_relaxed_bernoulli_log_density(z1[:, None], p_c, tau).sum(-1), -1) - math.log(C)
-        independent = _relaxed_bernoulli_log_density(z1, torch.full_like(z1, pi), tau).sum(-1)
-    difference = (independent - mixture).sum().item()
-    assert abs(difference) > 1e-2                                                # the patterns matter here
-    loss, plain_loss = _enum_loss(model, guide, x), _enum_loss(plain, guide, x)
-    assert math.isclose(loss.item() - plain_loss.item(), difference, rel_tol=1e-9, abs_tol=1e-9)
-    assert math.isclose(loss.item(), -model.log_joint(x, z1, y1, z0, y0).sum().item(), rel_tol=1e-10)
-    # the patterns learn: the loss has a gradient in every pattern's logits
-    grad, = torch.autograd.grad(loss, model.pattern_logits)
-    assert (grad.abs() > 0).all()
-    with pytest.raises(ValueError, match="presence_patterns"):
-        CapsuleModel(CapsuleModelConfig(presence_patterns=-1))
-
-
-def test_pattern_posterior_by_hand_picks_the_pattern_whose_objects_are_on():
-    # catches: a posterior over patterns not normalised, computed under the annealed instead of the final prior, or
-    # with patterns and objects swapped
-    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, presence_patterns=3,
-                             expected_parents_start=1.9, prior_anneal_steps=10, **HYPER)
-    model = CapsuleModel(cfg).to(DT)
-    with torch.no_grad():
-        model.pattern_logits.copy_(torch.tensor([[4.0, -4.0], [-4.0, 4.0], [0.0, 0.0]]))
-    z1 = torch.tensor([[0.98, 0.02], [0.03, 0.97], [0.4, 0.5]], dtype=DT)
-    log_post = model.pattern_log_posterior(z1)
-    pi = HYPER["expected_parents"] / K
-    p_c = torch.sigmoid(math.log(pi / (1 - pi)) + model.pattern_logits.detach())
-    by_hand = _relaxed_bernoulli_log_density(z1[:, None], p_c, HYPER["temperature"]).sum(-1)
-    assert torch.allclose(log_post, by_hand.log_softmax(-1), rtol=1e-10)
-    assert log_post.argmax(-1)[:2].tolist() == [0, 1]
-    with pytest.raises(ValueError, match="presence_patterns"):
-        _model().pattern_log_posterior(z1)
-
-
 def test_selection_ignores_absent_parent():
     # catches: a parent that is off (z1 -> 0) still being selectable: with z1_k tiny, the children's marginal
     # must not depend on that parent's offsets at all

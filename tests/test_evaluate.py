@@ -214,29 +214,10 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     assert information > 1e-7  # after 2 steps the objects barely differ, but the sign and the split still show
     assert metrics["object_information"] == pytest.approx(information, abs=1e-8)
     assert metrics["published_scae"] == {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
-    assert "pattern_test_acc" not in metrics          # only a model with presence patterns has its own clusters
     assert (results / "tiny_objects_by_class.png").is_file()
     record = json.loads((results / "tiny.json").read_text())
     assert record["metrics"]["probe_presence_test_report"]["per_class_accuracy"] == \
         metrics["probe_presence_test_report"]["per_class_accuracy"]
-
-
-def test_evaluate_checkpoint_scores_the_presence_patterns_as_clusters(tiny_toml, tmp_path, pyro_clean, seed):
-    # catches: the patterns' clustering missing from a patterned model's results, or scored on the wrong images
-    from probcaps.inference.capsule_svi import (encode_dataset, load_experiment_config, load_images, load_trained,
-                                                train_capsules)
-    from probcaps.metrics import hungarian_accuracy
-
-    cfg = load_experiment_config(tiny_toml, ["train.steps=2", "model.presence_patterns=3"])
-    train_capsules(cfg, tmp_path / "run", progress=False)
-    metrics = evaluate_checkpoint(tmp_path / "run" / "final.pt", name="tiny", results_dir=tmp_path / "results",
-                                  progress=False, figures=False)
-    _, system = load_trained(tmp_path / "run" / "final.pt")
-    images, labels = load_images(cfg["data"], "test", None)
-    presence = torch.sigmoid(encode_dataset(system.encoder, images).parent_logits)
-    with torch.no_grad():
-        pattern = system.model.pattern_log_posterior(presence).argmax(-1)
-    assert metrics["pattern_test_acc"] == pytest.approx(hungarian_accuracy(pattern, labels))
 
 
 # --------------------------------------------------------------------------- test-time VI under the fair protocol
