@@ -65,6 +65,31 @@ def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
     assert mnist_probe.checkpoint_out_path("", "trial") is None
 
 
+def test_levers_table_reads_each_recipe_over_its_seeds(tmp_path):
+    # catches: a lever row with a mean or spread not of its own seeds, a miscount of the seeds past 85%, or a row
+    # for a recipe with no results
+    from probcaps.experiments import mnist_probe
+    from probcaps.provenance import write_results
+
+    def run(seed, kmeans):
+        return {"seed": seed, "steps": 7, "n_train": 60, "n_test": 20, "kmeans_posterior_counts_test_acc": kmeans,
+                "kmeans_presence_test_acc": 0.5, "probe_presence_counts_test_acc": 0.9,
+                "probe_presence_pose_test_acc": 0.95 + seed / 100, "object_class_purity": 0.3,
+                "mean_active_parents": 4.0}
+
+    name, what = mnist_probe.LEVER_RUNS[-1]
+    write_results(tmp_path / f"{name}.json", {"per_seed": [run(0, 0.80), run(1, 0.86), run(2, 0.90)]},
+                  {"device": "cpu: Some CPU (2 cores, 1 torch threads)"})
+    assert mnist_probe.levers_table(tmp_path / "none") is None
+    table = mnist_probe.levers_table(tmp_path)
+    rows = [line for line in table.splitlines() if line.startswith(f"| {what} |")]
+    # k-means 80, 86, 90: mean 85.3, sample std 5.0; two seeds of three at 85% or above
+    assert rows == [f"| {what} | `{name}` | 3 (2) | 7 | 85.3 ± 5.0 | 50.0 ± 0.0 | 90.0 ± 0.0 | 96.0 ± 1.0 | "
+                    "0.300 ± 0.000 | 4.0 ± 0.0 | Some CPU |"]
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == 2 + 1 + 2  # head, one row, anchors
+    assert "(60 / 20)" in table
+
+
 def test_mnist_probe_bad_config_is_one_line(tmp_path, capsys):
     from probcaps.experiments import mnist_probe
 

@@ -283,7 +283,7 @@ def test_recorded_paths_are_relative_to_the_repository(tmp_path, monkeypatch):
 
 #: how each committed table file is rebuilt from the committed results: (entry point, its arguments, tables written)
 TABLE_SOURCES = [
-    *[("experiments.mnist_probe", ["--name", n], [n, "mnist_ablations"]) for n in
+    *[("experiments.mnist_probe", ["--name", n], [n, "mnist_ablations", "mnist_levers"]) for n in
       ("mnist", "mnist_probe", "mnist_probe_ceiling", "mnist_probe_prior4", "mnist_probe_tau1", "mnist_probe_rho1",
       "mnist_similarity_k24_information50", "mnist_information_k16", "mnist_information_parents2",
       "mnist_information_within10", "mnist_information_steps5000", "mnist_information_patterns10",
