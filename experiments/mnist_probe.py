@@ -22,6 +22,7 @@ from probcaps.inference.evaluate import evaluate_checkpoint
 from probcaps.inference.train import load_checkpoint, run_finished
 from probcaps import plotting
 from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
+from probcaps.errors import ProbcapsError
 from probcaps.io import atomic_torch_save
 from probcaps.report import (fmt_mean_std, load_result, provenance_line, results_in, results_table, write_report,
                              write_table)
@@ -60,6 +61,20 @@ def train_run(cfg: dict, out: Path, args, **kw) -> tuple[Path, dict]:
         train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
                        data_dir=args.data_dir, progress=not args.quiet, **kw)
     return out / "final.pt", load_checkpoint(out / "final.pt")["state"]
+
+
+def results_without_model(seed_json: Path, run_dir: Path, cfg: dict) -> tuple[dict, dict] | None:
+    """A seed's metrics and training state (``step``, ``wall_time_s``) from its results file, for a run whose model
+    was not kept (its run folder cleaned or moved away): None while ``run_dir`` holds a checkpoint to resume or
+    evaluate, or where there is no results file; an error where the file records another config."""
+    if not seed_json.is_file() or any((run_dir / f).is_file() for f in ("final.pt", "checkpoint.pt")):
+        return None
+    results = json.loads(seed_json.read_text())
+    prov = results.get("provenance", {})
+    if prov.get("configs") != json.loads(json.dumps(config_dicts(cfg))):
+        raise ProbcapsError(f"{seed_json}: its config is not this run's, and {run_dir} holds no model to evaluate "
+                         "instead; drop --reuse-results to train the seed again")
+    return results["metrics"], {"step": prov["steps"], "wall_time_s": prov["wall_time_s"]}
 
 
 def export_checkpoint(src: Path, dst: Path) -> Path:
@@ -234,7 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--reuse-results", action="store_true",
-                   help="take a seed's metrics from its results JSON when that is newer than its final checkpoint")
+                   help="take a seed's metrics from its results JSON when that is newer than its final checkpoint, "
+                   "or when its run folder holds no model and the JSON records the same config")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     add_run_args(p, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
@@ -251,11 +267,14 @@ def main(argv=None) -> int:
         flags = [f"train.{key}=true" for key in ("jit", "compile") if getattr(args, key)]
         overrides = [*args.set, f"train.seed={seed}", *flags]
         cfg = load_experiment_config(args.config, overrides)
-        final, state = train_run(cfg, Path(args.out) / f"seed{seed}", args)
+        seed_json, run_dir = Path(args.results_dir) / f"{args.name}_seed{seed}.json", Path(args.out) / f"seed{seed}"
+        kept = results_without_model(seed_json, run_dir, cfg) if args.reuse_results else None
+        final, state = (None, kept[1]) if kept else train_run(cfg, run_dir, args)
         if args.train_only:
             continue
-        seed_json = Path(args.results_dir) / f"{args.name}_seed{seed}.json"
-        if args.reuse_results and seed_json.is_file() and seed_json.stat().st_mtime > final.stat().st_mtime:
+        if kept:
+            metrics = kept[0]
+        elif args.reuse_results and seed_json.is_file() and seed_json.stat().st_mtime > final.stat().st_mtime:
             metrics = json.loads(seed_json.read_text())["metrics"]
         else:
             metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
@@ -277,8 +296,12 @@ def main(argv=None) -> int:
                  wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size)
     plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},
                          Path(args.results_dir) / f"{args.name}_training.png")
+    first = Path(args.out) / f"seed{args.seeds[0]}" / "final.pt"
     if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
-        export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", checkpoint_out)
+        if first.is_file():
+            export_checkpoint(first, checkpoint_out)
+        else:  # its metrics came from its results file
+            print(f"not exported: {first} is not kept")
     return 0
 
 

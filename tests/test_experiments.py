@@ -38,6 +38,31 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
     assert metrics["probe_presence_pose_test_acc"] == pytest.approx(per_seed[0]["probe_presence_pose_test_acc"])
 
 
+def test_mnist_probe_aggregates_a_seed_whose_model_was_not_kept(tmp_path, tiny_toml, pyro_clean, capsys):
+    # catches: --reuse-results retraining a seed whose run folder is gone though its results file records this very
+    # run, taking a results file of another config, or exporting a model that is not there
+    import shutil
+
+    from probcaps.experiments import mnist_probe
+
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    args = ["--config", str(tiny_toml), "--seeds", "0", "1", "--out", str(runs), "--results-dir", str(results),
+            "--checkpoint-out", "", "--quiet", "--set", "train.steps=2", "--set", "eval.figures=false"]
+    assert mnist_probe.main(args) == 0
+    first = json.loads((results / "tiny.json").read_text())["metrics"]
+    shutil.rmtree(runs / "seed0")
+    assert mnist_probe.main([*args, "--resume", "--reuse-results", "--checkpoint-out", str(tmp_path / "m.pt")]) == 0
+    again = json.loads((results / "tiny.json").read_text())["metrics"]
+    assert not (runs / "seed0").exists() and not (tmp_path / "m.pt").exists()
+    assert again["per_seed"] == first["per_seed"]
+    assert "not exported" in capsys.readouterr().out
+    capsys.readouterr()
+    assert mnist_probe.main([*args[:-4], "--set", "train.steps=3", "--resume", "--reuse-results"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "tiny_seed0.json" in err and "config" in err
+    assert not (runs / "seed0").exists()
+
+
 def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_clean, monkeypatch):
     # catches: a seed trained on its own (--train-only) not exported to --checkpoint-out, exported by default
     # over the committed checkpoints/<name>.pt, or recording the config's name instead of the run's --name
