@@ -73,7 +73,7 @@ def results_without_model(seed_json: Path, run_dir: Path, cfg: dict) -> tuple[di
     prov = results.get("provenance", {})
     if prov.get("configs") != json.loads(json.dumps(config_dicts(cfg))):
         raise ProbcapsError(f"{seed_json}: its config is not this run's, and {run_dir} holds no model to evaluate "
-                         "instead; drop --reuse-results to train the seed again")
+                            "instead; drop --reuse-results to train the seed again")
     return results["metrics"], {"step": prov["steps"], "wall_time_s": prov["wall_time_s"]}
 
 
@@ -286,8 +286,16 @@ def main(argv=None) -> int:
             print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
                   f"{metrics['probe_presence_test_acc']:.4f}, k-means {metrics['kmeans_presence_test_acc']:.4f}, "
                   f"training {state['wall_time_s'] / 60:.1f} min")
+    first = Path(args.out) / f"seed{args.seeds[0]}" / "final.pt"
+
+    def export_first(dst: Path) -> None:
+        if first.is_file():
+            export_checkpoint(first, dst)
+        else:  # its metrics came from its results file
+            print(f"not exported: {first} is not kept")
+
     if args.train_only and args.checkpoint_out and init_from_env().rank == 0:  # exported only when told where
-        export_checkpoint(Path(args.out) / f"seed{args.seeds[0]}" / "final.pt", Path(args.checkpoint_out))
+        export_first(Path(args.checkpoint_out))
     if args.train_only or init_from_env().rank > 0:  # under torchrun every process evaluates, rank 0 alone writes
         return 0
     summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items() if isinstance(v, float)])}
@@ -297,12 +305,8 @@ def main(argv=None) -> int:
                  wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size)
     plot_training_curves({f"seed {s}": Path(args.out) / f"seed{s}" / "log.jsonl" for s in args.seeds},
                          Path(args.results_dir) / f"{args.name}_training.png")
-    first = Path(args.out) / f"seed{args.seeds[0]}" / "final.pt"
     if (checkpoint_out := checkpoint_out_path(args.checkpoint_out, args.name)) is not None:
-        if first.is_file():
-            export_checkpoint(first, checkpoint_out)
-        else:  # its metrics came from its results file
-            print(f"not exported: {first} is not kept")
+        export_first(checkpoint_out)
     return 0
 
 

@@ -56,7 +56,6 @@ def test_mnist_probe_aggregates_a_seed_whose_model_was_not_kept(tmp_path, tiny_t
     assert not (runs / "seed0").exists() and not (tmp_path / "m.pt").exists()
     assert again["per_seed"] == first["per_seed"]
     assert "not exported" in capsys.readouterr().out
-    capsys.readouterr()
     assert mnist_probe.main([*args[:-4], "--set", "train.steps=3", "--resume", "--reuse-results"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tiny_seed0.json" in err and "config" in err
