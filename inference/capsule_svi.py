@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -17,15 +16,13 @@ from probcaps.inference.distributed import init_from_env
 from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information
 from probcaps.distributions import ClampedRelaxedBernoulli
-from probcaps.geometry import invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.config import DataConfig, EvalConfig, load_sections, parse_override, replace_checked
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import CheckpointError, ConfigError
 
 __all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "load_images", "prior_schedule",
-           "CapsuleSystem", "train_capsules", "object_splits", "two_means", "load_trained", "encode_dataset",
-           "probe_features"]
+           "CapsuleSystem", "train_capsules", "load_trained", "encode_dataset", "probe_features"]
 
 SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder": EncoderConfig, "train": TrainConfig,
           "eval": EvalConfig}
@@ -39,7 +36,7 @@ REMOVED_OPTIONS = {  # option: (its off value, the last commit that had it)
               "learn_parent_prior": (False, "e00fb33"), "template_init": ("blob", "e00fb33"),
               "within_image_entropy_weight": (0.0, "a9c4f67"), "between_image_entropy_weight": (0.0, "a9c4f67"),
               "object_information_warmup_steps": (0, "4a3ce0d"), "object_within_weight": (0.0, "b14005e"),
-              "presence_patterns": (0, "77ec531")},
+              "presence_patterns": (0, "77ec531"), "object_split_steps": ([], "fdb571e")},
     "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "a9c4f67")},
 }
 
@@ -105,64 +102,6 @@ class CapsuleSystem(nn.Module):
         self.guide_spec = {"family": "normal", "init_scale": init_scale, "min_scale": min_scale}
         return self
 
-    def object_rows(self) -> list[tuple[nn.Parameter, int]]:
-        """Every parameter that holds one slice per object, with the dimension it is indexed by: the model's
-        :meth:`~probcaps.models.capsule_model.CapsuleModel.object_tables`, the seed vector that makes the encoder's
-        pooling emit each object, and the Normal guide's object pose scales."""
-        rows = [(p, 0) for p in self.model.object_tables()] + [(self.encoder.set_transformer.pool.S, 1)]
-        if hasattr(self.guide, "pose_scale_raw_parents"):
-            rows.append((self.guide.pose_scale_raw_parents, 0))
-        return rows
-
-    @torch.no_grad()
-    def split_busiest_object(self, latents: Latents, optimiser: torch.optim.Optimizer | None = None) -> str:
-        """Split the object that explains the most parts of the images encoded as ``latents`` (``N`` images, as
-        :meth:`CapsuleEncoder.encode` gives them) in two, in place of the object that explains the fewest: the split
-        move of split-and-merge EM (Ueda et al. 2000) for a mixture component that covers two clusters.
-
-        The images where the object explains more than one part that is on (expected count under the exact
-        posterior over the parts' parents, times the part's presence) are split by :func:`two_means` on which of
-        their parts it explains and how far each one's pose lies from its offset Δ_km in the object's frame.  Each
-        copy takes one half's M-step: part presences γ_km (the share of the parts m it explains that are on) and
-        offsets Δ_km (the mean pose of those parts in the object's frame).  Affinities, pose scales and the
-        encoder's seed vector are copied, so the encoder presents both copies alike at first, and the posterior over
-        each part's parent, which prefers the copy whose presences and offsets fit, tells them apart.  The
-        optimiser's moments of the replaced object become the split one's.  Returns what it did, in words.
-        """
-        from probcaps.inference.evaluate import parent_log_posterior  # evaluate imports this module
-
-        model = self.model
-        latents = Latents(*(t.to(model.offsets) for t in latents))
-        q = parent_log_posterior(model, latents).exp()[..., 1:]                       # (N, M, K), the dummy left out
-        shares = q.sum((0, 1))
-        src = int(shares.argmax())
-        dst = int(torch.cat([shares[:src], shares.new_full((1,), math.inf), shares[src + 1:]]).argmin())
-        claimed = q[..., src]                                                         # (N, M)
-        shown = claimed * torch.sigmoid(latents.part_logits)                          # the claimed parts that are on
-        mine = shown.sum(1) > 1.0
-        y1 = restrict_pose6(latents.parent_poses[mine, src], model.config.object_pose)
-        frame = matrix_to_pose6(invert(pose6_to_matrix(y1)).unsqueeze(1) @ pose6_to_matrix(latents.part_poses[mine]))
-        claimed, shown = claimed[mine], shown[mine]                                   # (n, M); frame (n, M, 6)
-        if len(shown) < 2:
-            return f"no split: object {src} explains more than one part of {len(shown)} image(s)"
-        side = two_means(torch.cat([shown, (shown.unsqueeze(-1) * (frame - model.offsets[src])).flatten(1)], 1))
-        if side.all() or not side.any():
-            return f"no split: the {len(shown)} images of object {src} form one group"
-        for p, dim in self.object_rows():
-            p.select(dim, dst).copy_(p.select(dim, src))
-            for moment in (optimiser.state.get(p, {}) if optimiser is not None else {}).values():
-                if torch.is_tensor(moment) and moment.shape == p.shape:
-                    moment.select(dim, dst).copy_(moment.select(dim, src))
-        for k, half in ((src, ~side), (dst, side)):  # the M-step of each copy on its half's images
-            weight, on = claimed[half].sum(0), shown[half]                            # (M,), (n_half, M)
-            presence = on.sum(0) / weight.clamp_min(1e-6)
-            model.presence_logits[k] = torch.where(weight > 1.0, torch.logit(presence.clamp(0.02, 0.98)),
-                                                   model.presence_logits[k])
-            mean_pose = (on.unsqueeze(-1) * frame[half]).sum(0) / on.sum(0).clamp_min(1e-6).unsqueeze(-1)
-            model.offsets[k] = torch.where(on.sum(0).unsqueeze(-1) > 1.0, mean_pose, model.offsets[k])
-        return (f"split object {src} (share {float(shares[src] / shares.sum()):.3f}) into {src} and {dst} "
-                f"({int((~side).sum())} and {int(side.sum())} of its images)")
-
     def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None):
         """Negative ELBO per image (``s`` enumerated out); ``expected_parents``: the prior at this training step
         (:func:`prior_schedule`; ``None``: the config's final value).
@@ -207,21 +146,6 @@ class CapsuleSystem(nn.Module):
         return -elbo.mean()
 
 
-def two_means(features: torch.Tensor, iterations: int = 50) -> torch.Tensor:
-    """Which of two clusters each row of ``features (N, D)`` joins, ``(N,)`` bool: Lloyd's algorithm started from the
-    sign of the rows' first principal component, so the same rows always give the same split (no random draw)."""
-    centred = features - features.mean(0)
-    side = centred @ torch.linalg.svd(centred, full_matrices=False)[2][0] > 0
-    for _ in range(iterations):
-        if side.all() or not side.any():
-            break
-        near_1 = (features - features[side].mean(0)).pow(2).sum(1) < (features - features[~side].mean(0)).pow(2).sum(1)
-        if torch.equal(near_1, side):
-            break
-        side = near_1
-    return side
-
-
 def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, device: str = "cpu", data_dir=None,
                    progress: bool = True, system: CapsuleSystem | None = None, **loop_options) -> TrainState:
     """Train the model of ``cfg`` (a :func:`load_experiment_config` dict), checkpointing into ``out_dir``.
@@ -255,24 +179,7 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
     schedule = prior_schedule(cfg["model"])
     return train_loop(system, lambda x, **scheduled: system.loss(elbo, x, **scheduled), batches, tcfg, out_dir,
                       resume=resume, metadata=metadata, progress=progress,
-                      schedules={"expected_parents": schedule} if schedule else None,
-                      edits=object_splits(system, cfg, images, device), **loop_options)
-
-
-def object_splits(system: CapsuleSystem, cfg: dict, images: torch.Tensor, device: str = "cpu",
-                  probe_images: int = 2048) -> dict:
-    """``train_loop``'s edits for ``model.object_split_steps``: at each, :meth:`CapsuleSystem.split_busiest_object`
-    on ``probe_images`` training images evenly spaced through the training set (the same ones at every split)."""
-    steps = cfg["model"].object_split_steps
-    if late := [s for s in steps if s >= cfg["train"].steps]:
-        raise ConfigError(f"model.object_split_steps: {late} not before train.steps ({cfg['train'].steps})")
-    if steps and cfg["model"].num_parents < 2:
-        raise ConfigError("model.object_split_steps: splitting an object needs model.num_parents >= 2")
-    probe = images[torch.linspace(0, len(images) - 1, min(len(images), probe_images)).long()]
-
-    def split(optimiser):
-        return system.split_busiest_object(encode_dataset(system.encoder, probe, 512, device), optimiser)
-    return {s: split for s in steps}
+                      schedules={"expected_parents": schedule} if schedule else None, **loop_options)
 
 
 def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[str] = ()):

@@ -228,9 +228,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
               for (kind, key), report in reports.items())]]
     prov = provenance(seed=seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,
-                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}, figures=figure_paths,
-                      # what the training loop's scheduled edits did (model.object_split_steps)
-                      **({"train_edits": state["edits"]} if state.get("edits") else {}))
+                      configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}, figures=figure_paths)
     write_results(results_dir / f"{name}.json", metrics, prov)
     write_table(results_dir, name, readout_table(results_dir, name))
     return metrics | run

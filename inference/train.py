@@ -81,7 +81,6 @@ class TrainState:
     epoch: int = 0
     batch_in_epoch: int = 0
     wall_time_s: float = 0.0
-    edits: list = field(default_factory=list)  # {"step", "did"} of each scheduled edit made (``train_loop``'s edits)
 
     summary_writer = None
 
@@ -291,8 +290,7 @@ def train_loop(module: nn.Module, loss_fn: Callable[..., torch.Tensor | tuple[to
                batches: Callable[[int, int], Iterator], cfg: TrainConfig, out_dir: str | Path, *,
                resume: bool = False, force: bool = False, metadata: dict | None = None, progress: bool = True,
                on_checkpoint: Callable[[TrainState], None] | None = None,
-               schedules: dict[str, Callable[[int], float]] | None = None, tensorboard: bool = False,
-               edits: dict[int, Callable[[torch.optim.Optimizer], str]] | None = None) -> TrainState:
+               schedules: dict[str, Callable[[int], float]] | None = None, tensorboard: bool = False) -> TrainState:
     """Optimise ``module``'s parameters on ``loss_fn`` for ``cfg.steps`` steps.
 
     Args:
@@ -312,10 +310,6 @@ def train_loop(module: nn.Module, loss_fn: Callable[..., torch.Tensor | tuple[to
             per step across interruptions and resumes (not at the off-schedule checkpoint of a Ctrl-C).
         schedules: ``{name: step -> float}`` of each 0-based step, passed to ``loss_fn``; logged at each record.
         tensorboard: mirror the log to ``out_dir/tensorboard``; the writer is ``state.summary_writer``.
-        edits: ``{step: edit(optimiser) -> what it did}``: changes made in place to the parameters (and the
-            optimiser's state of them) at the boundary before each 0-based ``step``, once across interruptions and
-            resumes (``state.edits`` records each, and a checkpoint holds the edited model); on every process, so an
-            edit must be a deterministic function of the parameters that draws no random number.
 
     Raises:
         KeyboardInterrupt: Ctrl-C (``Terminated`` for SIGTERM), after writing a checkpoint of the step boundary.
@@ -335,7 +329,7 @@ def train_loop(module: nn.Module, loss_fn: Callable[..., torch.Tensor | tuple[to
         world.barrier()
         with RunLock(out_dir) if world.rank == 0 else contextlib.nullcontext():
             run = _Run(module, loss_fn, batches, cfg, out_dir, world, stop, metadata, progress, on_checkpoint,
-                       schedules, edits)
+                       schedules)
             return run.train(resume, force, tensorboard, started)
 
 
@@ -343,11 +337,10 @@ class _Run:
     """One call of :func:`train_loop`: the optimiser, scheduler, state and files of a run."""
 
     def __init__(self, module, loss_fn, batches, cfg, out_dir, world, stop, metadata, progress, on_checkpoint,
-                 schedules, edits):
+                 schedules):
         self.module, self.loss_fn, self.batches, self.cfg = module, loss_fn, batches, cfg
         self.out_dir, self.world, self.stop = out_dir, world, stop
         self.metadata, self.progress, self.on_checkpoint, self.schedules = metadata, progress, on_checkpoint, schedules
-        self.edits = dict(edits or {})
         self.ckpt_path, self.final_path = out_dir / "checkpoint.pt", out_dir / "final.pt"
         self.log_path, self.tb_dir = out_dir / "log.jsonl", out_dir / "tensorboard"
         self.state = TrainState()
@@ -543,11 +536,6 @@ class _Run:
                 raise _interrupt(signum)
             if state.step >= cfg.steps:
                 return
-            if state.step in self.edits and state.step not in {e["step"] for e in state.edits}:
-                did = self.edits[state.step](self.optimiser)
-                state.edits.append({"step": state.step, "did": did})
-                if self.is_main and did:
-                    self.bar.write(f"step {state.step}: {did}")
             # the RNG state and buffers (e.g. batch-norm statistics, which a forward pass updates) before this
             # step: an interruption inside the step, before its update, checkpoints the step boundary with them
             rng_before = _rng_state()

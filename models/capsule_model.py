@@ -18,7 +18,7 @@ benchmark and the tests) only differ in how ``s`` is summed out.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyro
 import pyro.distributions as dist
@@ -71,10 +71,6 @@ class CapsuleModelConfig(Section):
     # of the expected part counts under the exact posterior over the parts' parents): few objects within an image,
     # different ones in different images; 0: the plain negative ELBO
     object_information_weight: float = 0.0
-    # the training steps before which the object that explains the most parts is split in two, in place of the one
-    # that explains the fewest (``inference.capsule_svi.CapsuleSystem.split_busiest_object``): an object that two
-    # digits share is a local optimum that the gradient does not leave
-    object_split_steps: list = field(default_factory=list)
     seed: int = 0                  # parameter initialisation
 
     def validate(self) -> None:
@@ -160,11 +156,6 @@ class CapsuleModel(PyroModule):
         """``(K, M, 6)`` learned σ_km, floored at ``part_pose_std_min`` (capped at ``part_pose_std_max`` if set)."""
         lo, hi = self.config.part_pose_std_min, self.config.part_pose_std_max
         return lo + ((hi - lo) * torch.sigmoid(self.pose_std_raw) if hi else F.softplus(self.pose_std_raw))
-
-    def object_tables(self) -> tuple[nn.Parameter, ...]:
-        """The parameters that belong to one object each, indexed by the object first: log ρ_km, logit γ_km, Δ_km and
-        the raw σ_km, ``(K, M, ...)``."""
-        return self.log_affinity, self.presence_logits, self.offsets, self.pose_std_raw
 
     # ---------------------------------------------------------------- the shared computations
     def child_tables(self, z1: torch.Tensor, y1: torch.Tensor):

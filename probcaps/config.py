@@ -146,7 +146,6 @@ RULES: list[tuple[tuple[str, ...], Range]] = [
     (("*_weight", "weight_decay", "*_cap", "train_rotation", "jitter_*", "translation_px", "rotation_deg", "scale",
       "shear", "max_translation", "max_shear", "keypoint_offset_gain", "margin_lambda"), NON_NEGATIVE),
     (("angles",), Range(element=float)),
-    (("object_split_steps",), Range(1, element=int)),
     (("lr_multipliers",), POSITIVE),  # the multipliers, by parameter-name prefix
 ]
 
