@@ -193,6 +193,7 @@ LEVER_RUNS = [
     ("mnist_information_one_object_steps10000", "… the same, with 10,000 steps"),
     ("mnist_information_one_object_k10", "… the same at 2,500 steps, with 10 objects"),
     ("mnist_information_one_object_splits", "… the same at 5,000 steps, with four object splits (removed)"),
+    ("mnist_information_one_object_k24", "… the same at 2,500 steps, with 24 objects"),
 ]
 
 
