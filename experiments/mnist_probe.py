@@ -195,6 +195,8 @@ LEVER_RUNS = [
     ("mnist_information_one_object_k10", "… the same at 2,500 steps, with 10 objects"),
     ("mnist_information_one_object_splits", "… the same at 5,000 steps, with four object splits (removed)"),
     ("mnist_information_one_object_k24", "… the same at 2,500 steps, with 24 objects"),
+    ("mnist_information_one_object_anneal2000",
+     "… 1 object per image at 2,500 steps, the prior's anneal over 2,000 steps"),
 ]
 
 
