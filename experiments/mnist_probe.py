@@ -178,7 +178,7 @@ LEVERS = "mnist_levers"
 LEVER_RUNS = [
     ("mnist_readout", "the recommended recipe: affine object poses (`mnist.toml`)"),
     ("mnist_readout_dummy03", "the same, a stronger dummy parent (ρ_0 = 0.3)"),
-    ("mnist_steps5000", "the same, with 5,000 steps"),
+    ("mnist_steps5000", "the recommended recipe with 5,000 steps"),
     ("mnist_readout_similarity", "similarity object poses (`mnist_similarity.toml`)"),
     ("mnist_readout_similarity_k24", "24 similarity objects (`mnist_similarity_k24.toml`)"),
     ("mnist_similarity_k24_information50", "24 similarity objects, the information term at 50"),
