@@ -22,7 +22,8 @@ from probcaps.inference.capsule_svi import encode_dataset, load_images, load_tra
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
 from probcaps.inference.train import load_checkpoint, make_elbo
-from probcaps.metrics import LinearProbe, class_purity, classification_summary, kmeans_labels, mean_by_class
+from probcaps.metrics import (LinearProbe, class_purity, classification_summary, dominant_object_accuracy, kmeans_labels,
+                              mean_by_class)
 from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
@@ -148,6 +149,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     figures, ``<name>_*.png`` (under ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
     ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` for :data:`REPORTED_PROBES`,
     ``kmeans_<readout>_test_report`` for :data:`REPORTED_KMEANS`, ``object_class_purity[_presence]``,
+    ``dominant_object_test_acc`` (:func:`~probcaps.metrics.dominant_object_accuracy` of the posterior part counts),
     ``object_information``: the mutual information (nats) between a training image and the object that explains
     one of its parts, of the posterior part counts of all the training images, which uses no label, ...)
     and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
@@ -184,6 +186,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     test_presence = torch.sigmoid(test_lat.parent_logits)
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
+    metrics["dominant_object_test_acc"] = dominant_object_accuracy(train_counts, train_labels, test_counts, test_labels)
     metrics["mean_posterior_part_count"] = float(test_counts.sum(1).mean())  # parts explained by objects, not dummy
     # what the information term maximises, on the images the model was fit to; it needs no label
     within, between = object_information(train_counts.double())
@@ -289,6 +292,9 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
         f"Objects' class purity {m['object_class_purity']:.3f} by expected part counts, "
         f"{m['object_class_purity_presence']:.3f} by presences (0.1: no class preference); "
         f"{m['mean_active_parents']:.1f} objects on per image, {m['parents_in_use']} in use; "
+        + (f"each image read as the class its dominant object explains most in training "
+           f"{100 * m['dominant_object_test_acc']:.1f}% (one cluster per object); "
+           if "dominant_object_test_acc" in m else "")
         + (f"{100 * m['certain_parent_share']:.0f}% of the parts on have a certain parent (posterior > 0.99); "
            if "certain_parent_share" in m else "")
         + (f"object information on the training images {m['object_information']:.3f} nats; "
@@ -319,6 +325,9 @@ def seeds_readout_table(m: dict, prov: dict) -> str:
         f"{ms('object_class_purity_presence', 1.0, 3)} by presences (0.1: no class preference); "
         f"{ms('mean_active_parents', 1.0)} objects on per image; objects in use per seed: "
         f"{', '.join(str(r['parents_in_use']) for r in runs)}; "
+        + (f"each image read as the class its dominant object explains most in training "
+           f"{ms('dominant_object_test_acc')}% (one cluster per object); "
+           if all("dominant_object_test_acc" in r for r in runs) else "")
         + (f"{ms('certain_parent_share', 100.0, 0)}% of the parts on have a certain parent (posterior > 0.99); "
            if "certain_parent_share" in runs[0] else "")
         + f"probes fit on {runs[0]['n_train']} training images, "

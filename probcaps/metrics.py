@@ -12,7 +12,7 @@ import numpy as np
 
 __all__ = ["LinearProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels",
            "kmeans_accuracy", "classification_summary",
-           "mean_by_class", "object_class_shares", "class_purity", "r2_scores", "r2_score", "reconstruction_mse"]
+           "mean_by_class", "object_class_shares", "class_purity", "dominant_object_accuracy", "r2_scores", "r2_score", "reconstruction_mse"]
 
 
 def _to_numpy(x: Any, name: str) -> np.ndarray:
@@ -219,6 +219,28 @@ def class_purity(weights: Any, labels: Any) -> float:
     shares, _ = object_class_shares(weights, labels)
     used = ~np.isnan(shares[:, 0])
     return float(shares[used].max(1).mean()) if used.any() else float("nan")
+
+
+def dominant_object_accuracy(train_weights: Any, train_labels: Any, test_weights: Any, test_labels: Any) -> float:
+    """Test accuracy of reading each image as its dominant object (the column of the non-negative ``weights (N, K)``
+    largest in its row, e.g. the object expected to explain the most of its parts) and each object as the class
+    most common among the training images it dominates; objects that dominate no training image read as the most
+    common training class.
+
+    What the objects alone say of the class, one cluster per object and no grouping to find: where it is well
+    above k-means (10 clusters, matched one-to-one), the objects are digits that the clustering does not group;
+    where it is not, objects are shared between digits."""
+    W, y = _rows(train_weights, "train_weights", train_labels, "train_labels")
+    V, t = _rows(test_weights, "test_weights", test_labels, "test_labels")
+    if W.shape[1] != V.shape[1]:
+        raise ValueError(f"train_weights has {W.shape[1]} columns but test_weights has {V.shape[1]}")
+    if (W < 0).any() or (V < 0).any():
+        raise ValueError("weights must be non-negative")
+    classes, idx = np.unique(y, return_inverse=True)
+    table = np.zeros((W.shape[1], classes.size))              # training images dominated, object by class
+    np.add.at(table, (W.argmax(1), idx.ravel()), 1)
+    read_as = np.where(table.sum(1) > 0, table.argmax(1), np.bincount(idx.ravel()).argmax())
+    return float((classes[read_as[V.argmax(1)]] == t.ravel()).mean())
 
 
 def _pair(pred: Any, true: Any, pred_name: str = "pred", true_name: str = "true"):

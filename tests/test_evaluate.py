@@ -16,7 +16,8 @@ from probcaps.inference.evaluate import (
     posterior_part_counts, posterior_presences,
 )
 from probcaps.inference.guides import Latents
-from probcaps.metrics import class_purity, classification_summary, mean_by_class, object_class_shares
+from probcaps.metrics import (class_purity, classification_summary, dominant_object_accuracy, mean_by_class,
+                              object_class_shares)
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 from probcaps.plotting import plot_confusion_matrix, plot_objects_by_class
 
@@ -116,6 +117,30 @@ def test_posterior_part_counts_follow_the_parts_poses():
     assert at_first[0, 0] > 2.5 and at_second[0, 1] > 2.5
 
 
+def test_dominant_object_accuracy_hand_cases():
+    train_labels = np.array([0, 0, 0, 1, 1, 2, 2, 2])
+    # training images dominated: object 0 by three 0s and a 1 -> reads 0; object 1 by a 1 and three 2s -> reads 2;
+    # object 2 by none -> reads the most common training class (0 and 2 tie at three: the first, 0)
+    dominant = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    train = np.eye(3)[dominant] * 2.0 + 0.1
+    test_labels = np.array([0, 1, 2, 2, 0])
+    test = np.array([[3.0, 1, 0], [2, 0.5, 1],    # object 0 -> 0: right, then wrong (a 1)
+                     [0, 4, 1], [0.2, 0.3, 0.1],  # object 1 -> 2: right twice
+                     [0, 0, 5]])                  # object 2 -> 0: right
+    assert dominant_object_accuracy(train, train_labels, test, test_labels) == pytest.approx(4 / 5)
+    # objects that are digits, two per digit: the reading is exact, whatever k-means with 10 clusters does
+    labels = np.repeat(np.arange(10), 6)
+    split = np.eye(20)[2 * labels + np.tile([0, 1], 30)]
+    assert dominant_object_accuracy(split, labels, split, labels) == 1.0
+    # one object for a 4 and a 9: at most one of the two is read right
+    shared = np.eye(10)[np.where(labels == 9, 4, labels)]
+    assert dominant_object_accuracy(shared, labels, shared, labels) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="columns"):
+        dominant_object_accuracy(train, train_labels, test[:, :2], test_labels)
+    with pytest.raises(ValueError, match="non-negative"):
+        dominant_object_accuracy(-train, train_labels, test, test_labels)
+
+
 def test_class_purity_hand_cases():
     labels = np.repeat(np.arange(10), 5)                       # 10 balanced classes
     specialised = np.eye(10)[labels] * 3.0                     # object k explains class k's images only
@@ -213,6 +238,12 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     information = entropy(counts.sum(0)) - entropy(counts).mean()
     assert information > 1e-7  # after 2 steps the objects barely differ, but the sign and the split still show
     assert metrics["object_information"] == pytest.approx(information, abs=1e-8)
+    test_images, test_labels = load_images(cfg["data"], "test", None)
+    test_counts = posterior_part_counts(system.model, encode_dataset(system.encoder, test_images))
+    train_labels = load_images(cfg["data"], "train", None, limit=cfg["eval"].probe_train_limit or None)[1]
+    assert metrics["dominant_object_test_acc"] == \
+        dominant_object_accuracy(counts, train_labels, test_counts, test_labels)
+    assert "dominant object" in (results / "tiny.md").read_text()
     assert metrics["published_scae"] == {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
     assert (results / "tiny_objects_by_class.png").is_file()
     record = json.loads((results / "tiny.json").read_text())
