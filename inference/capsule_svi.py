@@ -37,7 +37,8 @@ REMOVED_OPTIONS = {  # option: (its off value, the last commit that had it)
               "within_image_entropy_weight": (0.0, "a9c4f67"), "between_image_entropy_weight": (0.0, "a9c4f67"),
               "object_information_warmup_steps": (0, "4a3ce0d"), "object_within_weight": (0.0, "b14005e"),
               "presence_patterns": (0, "77ec531"), "object_split_steps": ([], "fdb571e")},
-    "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "a9c4f67")},
+    "encoder": {"parent_pose_scale": (1.0, "e00fb33"), "object_pose_scales": (False, "a9c4f67"),
+                "parts_on": (0.0, "d12edc5")},
 }
 
 # state the model no longer keeps: the annealed prior's step counter (the training loop owns the schedule) and the

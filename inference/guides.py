@@ -42,9 +42,6 @@ class EncoderConfig(Section):
     max_scale: float = 2.0
     max_translation: float = 0.5   # of the offset from where each part's attention looks
     bf16: bool = False             # part encoder convolutions in bfloat16 (~1.8x faster on AMX CPUs and GPUs)
-    # expected parts on per image (0: free): each image's part logits shifted so that their presence probabilities
-    # sum to it, so which parts are on, not how many, is what an image's parts say
-    parts_on: float = 0.0
 
     def validate(self) -> None:
         """What no single key's range says (``probcaps.config`` runs this on every encoder section it builds)."""
@@ -80,8 +77,6 @@ class CapsuleEncoder(nn.Module):
         super().__init__()
         cfg = self.config = config or EncoderConfig()
         self.num_parts, self.num_parents = num_parts, num_parents  # plain ints: not in the state_dict
-        if not 0 <= cfg.parts_on < num_parts:
-            raise ValueError(f"encoder.parts_on must be in [0, {num_parts}) (the parts), got {cfg.parts_on}")
         # the model's object-pose group: object poses are emitted inside it, so a coordinate the model ignores never
         # reaches a readout of the latents (a projection of the head's output; the state_dict is unchanged)
         self.object_pose = object_pose
@@ -99,17 +94,7 @@ class CapsuleEncoder(nn.Module):
     def encode_parts(self, x: torch.Tensor):
         """``x (B, 1, H, W)`` -> ``(presence logits (B, M), poses (B, M, 6))``."""
         out = self.parts(x)
-        logits = out.presence_logit
-        if self.config.parts_on:
-            with torch.no_grad():  # the shift b with sum_m sigmoid(logit_m + b) = parts_on, by bisection
-                lo = torch.full_like(logits[:, :1], -30.0)
-                hi = torch.full_like(logits[:, :1], 30.0)
-                for _ in range(40):
-                    mid = (lo + hi) / 2
-                    above = torch.sigmoid(logits.float() + mid).sum(1, keepdim=True) > self.config.parts_on
-                    hi, lo = torch.where(above, mid, hi), torch.where(above, lo, mid)
-            logits = logits + (lo + hi) / 2
-        return logits, out.pose
+        return out.presence_logit, out.pose
 
     def encode_parents(self, part_poses: torch.Tensor, part_presences: torch.Tensor):
         """Part poses ``(B, M, 6)`` and presences ``(B, M)`` -> ``(logits (B, K), poses (B, K, 6))``.

@@ -266,22 +266,3 @@ def test_fixed_noise_concrete_samples_follow_the_relaxed_bernoulli():
     ref = dist.RelaxedBernoulli(torch.tensor(0.5), logits=logits).sample()
     assert torch.allclose(ours.mean(0), ref.mean(0), atol=0.02)
     assert torch.allclose((ours < 0.2).float().mean(0), (ref < 0.2).float().mean(0), atol=0.02)
-
-
-def test_parts_on_shifts_each_images_part_logits_to_the_budget():
-    torch.manual_seed(0)
-    cfg = dict(channels=[8, 8], strides=[2, 2], set_hidden=16)
-    free = CapsuleEncoder(12, 4, EncoderConfig(**cfg))
-    budget = CapsuleEncoder(12, 4, EncoderConfig(**cfg, parts_on=3.0))
-    budget.load_state_dict(free.state_dict())
-    x = torch.rand(5, 1, 40, 40)
-    raw, poses = free.encode_parts(x)
-    shifted, shifted_poses = budget.encode_parts(x)
-    assert torch.sigmoid(shifted).sum(1).tolist() == pytest.approx([3.0] * 5, abs=1e-4)
-    shift = (shifted - raw).detach()                      # one shift per image: the parts keep their order and gaps
-    assert torch.allclose(shift, shift[:, :1].expand_as(shift), atol=1e-5)
-    assert torch.equal(shifted_poses, poses)
-    shifted.sum().backward()                     # gradients reach the part encoder through the logits
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in budget.parts.parameters())
-    with pytest.raises(ValueError, match="encoder.parts_on"):
-        CapsuleEncoder(12, 4, EncoderConfig(**cfg, parts_on=12.0))
