@@ -22,8 +22,8 @@ from probcaps.inference.capsule_svi import encode_dataset, load_images, load_tra
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
 from probcaps.inference.train import load_checkpoint, make_elbo
-from probcaps.metrics import (LinearProbe, class_purity, classification_summary, dominant_object_accuracy, kmeans_labels,
-                              mean_by_class)
+from probcaps.metrics import (LinearProbe, class_purity, classification_summary, dominant_object_accuracy,
+                              kmeans_labels, mean_by_class)
 from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table

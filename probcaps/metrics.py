@@ -12,7 +12,8 @@ import numpy as np
 
 __all__ = ["LinearProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels",
            "kmeans_accuracy", "classification_summary",
-           "mean_by_class", "object_class_shares", "class_purity", "dominant_object_accuracy", "r2_scores", "r2_score", "reconstruction_mse"]
+           "mean_by_class", "object_class_shares", "class_purity", "dominant_object_accuracy", "r2_scores", "r2_score",
+           "reconstruction_mse"]
 
 
 def _to_numpy(x: Any, name: str) -> np.ndarray:
@@ -236,10 +237,9 @@ def dominant_object_accuracy(train_weights: Any, train_labels: Any, test_weights
         raise ValueError(f"train_weights has {W.shape[1]} columns but test_weights has {V.shape[1]}")
     if (W < 0).any() or (V < 0).any():
         raise ValueError("weights must be non-negative")
-    classes, idx = np.unique(y, return_inverse=True)
-    table = np.zeros((W.shape[1], classes.size))              # training images dominated, object by class
-    np.add.at(table, (W.argmax(1), idx.ravel()), 1)
-    read_as = np.where(table.sum(1) > 0, table.argmax(1), np.bincount(idx.ravel()).argmax())
+    dominated = np.eye(W.shape[1])[W.argmax(1)]                # each training image on its dominant object alone
+    _, table, class_counts, classes = _class_sums(dominated, y)  # images dominated, object by class
+    read_as = np.where(table.sum(1) > 0, table.argmax(1), class_counts.argmax())
     return float((classes[read_as[V.argmax(1)]] == t.ravel()).mean())
 
 
