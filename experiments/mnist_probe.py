@@ -192,6 +192,7 @@ LEVER_RUNS = [
     ("mnist_information_one_object", "… with 1 object per image in the prior and the ceiling at 0.25"),
     ("mnist_information_one_object_steps5000", "… the same, with 5,000 steps"),
     ("mnist_information_one_object_steps10000", "… the same, with 10,000 steps"),
+    ("mnist_information_one_object_steps20000", "… the same, with 20,000 steps"),
     ("mnist_information_one_object_k10", "… the same at 2,500 steps, with 10 objects"),
     ("mnist_information_one_object_splits", "… the same at 5,000 steps, with four object splits (removed)"),
     ("mnist_information_one_object_k24", "… the same at 2,500 steps, with 24 objects"),
