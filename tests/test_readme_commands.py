@@ -293,7 +293,7 @@ TABLE_SOURCES = [
       "mnist_information_one_object_splits",
       "mnist_information_one_object_k24", "mnist_steps5000",
       "mnist_information_one_object_anneal2000", "mnist_information_one_object_parts6",
-      "mnist_information_one_object_affine")],
+      "mnist_information_one_object_affine", "mnist_information_two_objects_affine")],
     *[("experiments.affnist", ["--name", n], [n]) for n in ("affnist", "affnist_ceiling", "affnist_fast")],
     *[("experiments.rotated_digits", ["--name", n], [n]) for n in ("rotated_digits", "rotated_digits_fast")],
     *[("experiments.ttvi_classification", ["--name", p.stem], [p.stem])  # every checkpoint and protocol run
