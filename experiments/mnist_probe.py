@@ -201,6 +201,7 @@ LEVER_RUNS = [
     ("mnist_information_one_object_parts6", "… 1 object per image at 2,500 steps, six parts on per image (removed)"),
     ("mnist_information_one_object_affine", "… 1 object per image at 2,500 steps, affine object poses"),
     ("mnist_information_two_objects_affine", "… 2 objects per image at 2,500 steps, affine object poses"),
+    ("mnist_information_one_object_affine_steps20000", "… 1 object per image at 20,000 steps, affine object poses"),
 ]
 
 
