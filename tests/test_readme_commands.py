@@ -286,10 +286,11 @@ def _mnist_probe_runs() -> list[str]:
     command that wrote it and its seeds' metrics (``per_seed``); the per-seed files are readout tables, below."""
     names = []
     for path in sorted((ROOT / "results").glob("*.json")):
-        record = json.loads(path.read_text())  # benchmarks write other shapes
-        prov, metrics = (record.get("provenance"), record.get("metrics")) if isinstance(record, dict) else (0, 0)
-        if (isinstance(prov, dict) and str(prov.get("command")).startswith("experiments/mnist_probe.py")
-                and isinstance(metrics, dict) and "per_seed" in metrics):
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):  # benchmarks write other shapes
+            continue
+        prov, metrics = record.get("provenance") or {}, record.get("metrics") or {}
+        if str(prov.get("command")).startswith("experiments/mnist_probe.py") and "per_seed" in metrics:
             names.append(path.stem)
     return names
 
