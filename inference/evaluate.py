@@ -18,6 +18,7 @@ from probcaps import plotting
 from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.errors import CheckpointError
+from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
@@ -30,13 +31,20 @@ from probcaps.report import fmt_mean_std, load_result, provenance_line, write_ta
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
-           "READOUTS", "REPORTED_KMEANS", "SCAE_PUBLISHED"]
+           "parts_in_parent_frame", "layer_features", "READOUTS", "LAYER_READOUTS", "REPORTED_KMEANS",
+           "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
             "posterior_counts": "posterior presences: expected part counts",
             "weighted_counts": "presence × expected part counts", "presence_counts": "prior ⊕ posterior presences",
             "presence_pose": "presences + poses", "presence_counts_pose": "prior ⊕ posterior presences + poses"}
+#: Probes on the part layer beside the objects' (``eval.layer_readouts``): the class information the parts carry,
+#: and how much of it lies in where the parts sit relative to their objects, which the objects' poses leave out.
+LAYER_READOUTS = {"parts": "part presences + poses",
+                  "parts_in_parent_frame": "part presences + poses in their parent's frame",
+                  "presence_pose_parts_in_parent_frame": "object presences + poses ⊕ parts in their parent's frame",
+                  "part_residuals": "parts' offsets from their parent's prediction"}
 #: The feature sets whose probes get a per-class report and a confusion-matrix figure.
 REPORTED_PROBES = ("presence", "presence_pose")
 #: The feature sets whose test k-means clusters (each named by its matched class) get the same: which digits share
@@ -124,6 +132,57 @@ def posterior_part_counts(model, latents: Latents, batch_size: int = 1000) -> to
     return posterior_presences(model, latents, batch_size)[0]
 
 
+@torch.no_grad()
+def parts_in_parent_frame(model, latents: Latents, batch_size: int = 1000) -> tuple[torch.Tensor, ...]:
+    """Each part seen from its most probable parent under the exact posterior over ``s``
+    (:func:`parent_log_posterior`), ``batch_size`` images at a time; all on the CPU:
+
+    - ``frame`` ``(N, M, 6)``: the part's pose in the parent's frame, ``pose6(P(y1_k)^-1 P(y0_m))`` with the object
+      pose in the model's group (``model.config.object_pose``); the dummy's frame is the canvas, ``y0_m`` itself;
+    - ``residual`` ``(N, M, 6)``: the part's offset from the parent's prediction, ``y0_m − pose6(P(y1_k) P(Δ_km))``
+      (the dummy predicts the origin), the deviation the model's part-pose density scores;
+    - ``parent`` ``(N, M)``: that parent, ``0`` for the dummy, ``k`` for object ``k − 1``.
+    """
+    frames, residuals, parents = [], [], []
+    for i in range(0, len(latents.part_logits), batch_size):
+        chunk = Latents(*(t[i:i + batch_size].to(model.offsets) for t in latents))
+        parent = parent_log_posterior(model, chunk).argmax(-1)                                # (B, M)
+        y1 = restrict_pose6(chunk.parent_poses, model.config.object_pose)
+        y1 = torch.cat([torch.zeros_like(y1[:, :1]), y1], 1)                                  # (B, K+1, 6)
+        offsets = torch.cat([torch.zeros_like(model.offsets[:1]), model.offsets], 0)          # (K+1, M, 6)
+        y1_own = y1.gather(1, parent.unsqueeze(-1).expand(-1, -1, 6))                         # (B, M, 6)
+        offset_own = offsets[parent, torch.arange(parent.shape[1], device=parent.device)]     # (B, M, 6)
+        predicted = torch.where((parent > 0).unsqueeze(-1), compose_pose6(y1_own, offset_own), 0.0)
+        frames.append(matrix_to_pose6(invert(pose6_to_matrix(y1_own)) @ pose6_to_matrix(chunk.part_poses)).cpu())
+        residuals.append((chunk.part_poses - predicted).cpu())
+        parents.append(parent.cpu())
+    if not frames:
+        M = model.config.num_parts
+        return torch.zeros(0, M, 6), torch.zeros(0, M, 6), torch.zeros(0, M, dtype=torch.long)
+    return torch.cat(frames), torch.cat(residuals), torch.cat(parents)
+
+
+def part_pose_explained(latents: Latents, residual: torch.Tensor, parent: torch.Tensor) -> float:
+    """The share of the spread of the parts' poses that their objects predict: ``1 − Σ residual² / Σ (y0 − ȳ0_m)²``
+    over the parts that are on (presence > 0.5) with an object for their most probable parent, ``ȳ0_m`` each part's
+    mean pose over those images (1: the objects place their parts exactly; 0: no better than each part's mean)."""
+    poses = latents.part_poses.to(residual)
+    used = ((torch.sigmoid(latents.part_logits.to(residual)) > 0.5) & (parent > 0)).unsqueeze(-1).to(residual)
+    mean = (poses * used).sum(0) / used.sum(0).clamp_min(1)                                 # (M, 6)
+    spread = (((poses - mean) ** 2) * used).sum()
+    return float(1 - ((residual ** 2) * used).sum() / spread) if spread > 0 else float("nan")
+
+
+def layer_features(latents: Latents, frame: torch.Tensor, residual: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per :data:`LAYER_READOUTS` key, the probe's features ``(N, D)``, from :func:`parts_in_parent_frame`."""
+    objects = probe_features(latents)["presence_pose"]
+    in_frame = torch.cat([latents.part_logits, frame.flatten(1)], 1)
+    return {"parts": torch.cat([latents.part_logits, latents.part_poses.flatten(1)], 1),
+            "parts_in_parent_frame": in_frame,
+            "presence_pose_parts_in_parent_frame": torch.cat([objects, in_frame], 1),
+            "part_residuals": residual.flatten(1)}
+
+
 def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per :data:`READOUTS` key, ``(probe features, k-means features)``, each ``(N, D)``, from ``counts``, the
     :func:`posterior_part_counts` of ``latents``.  Presences alone: logits for the probe (it standardises them),
@@ -183,6 +242,16 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
             reports["probe", key] = classification_summary(test_labels, probe.predict(test_feats[key][0]),
                                                            classes=torch.unique(torch.cat([train_labels, test_labels])))
     metrics.update({f"{kind}_{key}_test_report": report for (kind, key), report in reports.items()})
+    if ecfg.layer_readouts:  # the part layer's probes (no k-means: the parts are not the capsules SCAE clusters)
+        (train_frame, train_residual, _), (test_frame, test_residual, test_parent) = (
+            parts_in_parent_frame(system.model, lat, ecfg.batch_size) for lat in (train_lat, test_lat))
+        train_layers = layer_features(train_lat, train_frame, train_residual)
+        test_layers = layer_features(test_lat, test_frame, test_residual)
+        for key in LAYER_READOUTS:
+            probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_layers[key], train_labels)
+            metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_layers[key], test_labels)
+            metrics[f"probe_{key}_train_acc"] = probe.accuracy(train_layers[key], train_labels)
+        metrics["part_pose_explained"] = part_pose_explained(test_lat, test_residual, test_parent)
     test_presence = torch.sigmoid(test_lat.parent_logits)
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
@@ -285,6 +354,8 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
     # a readout added since the file was written has no row
     lines += [f"| {label} | {pct(f'probe_{key}')} | {pct(f'kmeans_{key}')} |" for key, label in READOUTS.items()
               if f"probe_{key}_test_acc" in m]
+    lines += [f"| {label} | {pct(f'probe_{key}')} | — |" for key, label in LAYER_READOUTS.items()
+              if f"probe_{key}_test_acc" in m]
     lines.append(f"| SCAE (Kosiorek et al. 2019, Table 1) | {100 * SCAE_PUBLISHED['probe_test_acc']:.1f} (test) | "
                  f"{100 * SCAE_PUBLISHED['kmeans_test_acc']:.1f} (test) |")
     return "\n".join(lines + [
@@ -299,6 +370,8 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
            if "certain_parent_share" in m else "")
         + (f"object information on the training images {m['object_information']:.3f} nats; "
            if "object_information" in m else "")
+        + (f"share of the part-pose spread the objects predict {m['part_pose_explained']:.3f}; "
+           if "part_pose_explained" in m else "")
         + f"probes fit on "
         f"{m['n_train']} training images, scored on {m['n_test']} test images; checkpoint `{prov.get('checkpoint')}`; "
         + provenance_line(prov)])
@@ -316,6 +389,8 @@ def seeds_readout_table(m: dict, prov: dict) -> str:
              "k-means (10) + Hungarian (%) |", "| --- | --- | --- |"]
     lines += [f"| {label} | {ms(f'probe_{key}_test_acc')} | {ms(f'kmeans_{key}_test_acc')} |"
               for key, label in READOUTS.items() if all(f"probe_{key}_test_acc" in r for r in runs)]
+    lines += [f"| {label} | {ms(f'probe_{key}_test_acc')} | — |"
+              for key, label in LAYER_READOUTS.items() if all(f"probe_{key}_test_acc" in r for r in runs)]
     lines.append(f"| SCAE (Kosiorek et al. 2019, Table 1) | {100 * SCAE_PUBLISHED['probe_test_acc']:.1f} | "
                  f"{100 * SCAE_PUBLISHED['kmeans_test_acc']:.1f} |")
     minutes = ", ".join(f"{w / 60:.0f}" if w is not None else "—" for w in prov.get("wall_time_s") or [])
@@ -330,6 +405,8 @@ def seeds_readout_table(m: dict, prov: dict) -> str:
            if all("dominant_object_test_acc" in r for r in runs) else "")
         + (f"{ms('certain_parent_share', 100.0, 0)}% of the parts on have a certain parent (posterior > 0.99); "
            if "certain_parent_share" in runs[0] else "")
+        + (f"share of the part-pose spread the objects predict {ms('part_pose_explained', 1.0, 3)}; "
+           if all("part_pose_explained" in r for r in runs) else "")
         + f"probes fit on {runs[0]['n_train']} training images, "
         f"scored on {runs[0]['n_test']} test images; seeds {', '.join(str(r['seed']) for r in runs)}; "
         f"{runs[0]['steps']} steps each; training wall time per seed (min): {minutes}; checkpoints "

@@ -72,6 +72,7 @@ class EvalConfig(Section):
     probe_C: float = 1.0
     kmeans_n_init: int = 10
     figures: bool = True
+    layer_readouts: bool = False   # also probe the part layer (inference/evaluate.py, LAYER_READOUTS)
 
 
 # ------------------------------------------------------------------------------------------------------ ranges

@@ -12,8 +12,8 @@ import torch
 
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
-    READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, information_rows, parent_log_posterior,
-    posterior_part_counts, posterior_presences,
+    LAYER_READOUTS, READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, information_rows,
+    parent_log_posterior, part_pose_explained, parts_in_parent_frame, posterior_part_counts, posterior_presences,
 )
 from probcaps.inference.guides import Latents
 from probcaps.metrics import (class_purity, classification_summary, dominant_object_accuracy, mean_by_class,
@@ -117,6 +117,53 @@ def test_posterior_part_counts_follow_the_parts_poses():
     assert at_first[0, 0] > 2.5 and at_second[0, 1] > 2.5
 
 
+@pytest.mark.parametrize("object_pose", ["affine", "similarity"])
+def test_parts_in_parent_frame_hand_placed(object_pose):
+    # catches: the frame of the wrong parent, an inverse composed on the wrong side, the unrestricted object pose,
+    # or a residual measured from another parent's prediction
+    from probcaps.geometry import compose_pose6, restrict_pose6
+
+    gen = torch.Generator().manual_seed(3)
+    K, M = 2, 3
+    model = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=M, template_size=5, canvas_size=12,
+                                            part_pose_std_init=0.05, object_pose=object_pose)).double()
+    with torch.no_grad():
+        model.offsets.copy_(0.3 * torch.randn(K, M, 6, generator=gen, dtype=torch.float64))
+    parent_poses = 0.4 * torch.randn(1, K, 6, generator=gen, dtype=torch.float64)
+    y1 = restrict_pose6(parent_poses, object_pose)
+    # part 0 exactly where object 1 puts it, part 1 where object 0 puts it plus a known offset, part 2 far off
+    part_poses = torch.stack([compose_pose6(y1[0, 1], model.offsets[1, 0].detach()),
+                              compose_pose6(y1[0, 0], model.offsets[0, 1].detach()) + 0.01,
+                              torch.tensor([0.0, 0.0, 9.0, 0.0, 0.0, -9.0], dtype=torch.float64)]).unsqueeze(0)
+    latents = Latents(part_logits=torch.full((1, M), 4.0, dtype=torch.float64), part_poses=part_poses,
+                      parent_logits=torch.full((1, K), 4.0, dtype=torch.float64), parent_poses=parent_poses)
+    frame, residual, parent = parts_in_parent_frame(model, latents)
+    assert parent.tolist() == [[2, 1, 0]]                                  # object 1, object 0, the dummy
+    torch.testing.assert_close(frame[0, 0], model.offsets[1, 0].detach())  # P(y1)^-1 P(y1) P(Δ) = P(Δ)
+    torch.testing.assert_close(residual[0, 0], torch.zeros(6, dtype=torch.float64))
+    torch.testing.assert_close(residual[0, 1], torch.full((6,), 0.01, dtype=torch.float64))
+    torch.testing.assert_close(compose_pose6(y1[0, 0], frame[0, 1]), part_poses[0, 1])
+    torch.testing.assert_close(frame[0, 2], part_poses[0, 2])               # the dummy's frame is the canvas
+    torch.testing.assert_close(residual[0, 2], part_poses[0, 2])
+    if object_pose == "similarity":  # the object's slant is not in its frame
+        assert not torch.allclose(y1, parent_poses)
+
+
+def test_part_pose_explained_hand_cases():
+    # catches: parts that are off or with the dummy counted, or the spread taken about zero instead of each part's mean
+    poses = torch.tensor([[[0.0] * 6, [1.0] * 6], [[2.0] * 6, [5.0] * 6]])            # (N=2, M=2, 6)
+    latents = Latents(part_logits=torch.tensor([[4.0, 4.0], [4.0, -4.0]]), part_poses=poses,
+                      parent_logits=torch.zeros(2, 1), parent_poses=torch.zeros(2, 1, 6))
+    parent = torch.tensor([[1, 1], [1, 1]])
+    assert part_pose_explained(latents, torch.zeros_like(poses), parent) == 1.0
+    # part 0 is on in both images (mean pose 1), part 1 in the first alone (spread 0): residuals of ±1 explain none
+    residual = torch.tensor([[[-1.0] * 6, [0.0] * 6], [[1.0] * 6, [7.0] * 6]])
+    assert part_pose_explained(latents, residual, parent) == pytest.approx(0.0)
+    assert part_pose_explained(latents, residual / 2, parent) == pytest.approx(0.75)
+    # with the dummy for every parent nothing is scored
+    assert np.isnan(part_pose_explained(latents, residual, torch.zeros(2, 2, dtype=torch.long)))
+
+
 def test_dominant_object_accuracy_hand_cases():
     train_labels = np.array([0, 0, 0, 1, 1, 2, 2, 2])
     # training images dominated: object 0 by three 0s and a 1 -> reads 0; object 1 by a 1 and three 2s -> reads 2;
@@ -210,7 +257,11 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     train_capsules(cfg, tmp_path / "run", progress=False)
     results = tmp_path / "results"
     metrics = evaluate_checkpoint(tmp_path / "run" / "final.pt", name="tiny", results_dir=results, progress=False,
-                                  figures=True)
+                                  figures=True, overrides=["eval.layer_readouts=true"])
+    table = (results / "tiny.md").read_text()
+    for key, label in LAYER_READOUTS.items():  # the part layer's probes, on request
+        assert 0.0 <= metrics[f"probe_{key}_test_acc"] <= 1.0 and f"| {label} |" in table, key
+    assert metrics["part_pose_explained"] <= 1.0 or np.isnan(metrics["part_pose_explained"])  # 1: exact placement
     for key in READOUTS:
         for kind in ("probe", "kmeans"):
             for split in ("train", "test"):
