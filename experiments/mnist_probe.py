@@ -243,13 +243,58 @@ def levers_table(results_dir: Path) -> str | None:
     return "\n".join(head + rows + tail)
 
 
+#: the models read out with the part layer's probes (``eval.layer_readouts``): ``(results name, what it is)``;
+#: ``results/mnist_layers_by_recipe.md``
+LAYERS = "mnist_layers_by_recipe"
+LAYER_RUNS = [
+    ("mnist_layers", "the recommended recipe (`mnist.toml`), 2,500 steps"),
+    ("mnist_information_layers", "16 similarity objects, the information term at 50 (`mnist_information.toml`)"),
+    ("mnist_information_one_object_steps20000_seed2_layers", "… 1 object per image, 20,000 steps (seed 2)"),
+    ("mnist_information_one_object_affine_steps20000_layers", "… 1 object per image, 20,000 steps, affine poses"),
+]
+
+
+def layers_table(results_dir: Path) -> str | None:
+    """One row per model set of :data:`LAYER_RUNS` whose results are in ``results_dir``: the linear probe on the
+    objects beside the probes on their parts, mean ± std over the seeds; where the part layer knows the class better
+    than the objects, the difference is in where the parts sit relative to their objects."""
+    rows = []
+    for name, what in LAYER_RUNS:
+        if (loaded := load_result(results_dir, name)) is None:
+            continue
+        runs = loaded[0].get("per_seed", [loaded[0]])
+
+        def cell(key: str, scale: float = 100.0, digits: int = 1) -> str:
+            return fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)
+
+        rows.append(f"| {what} | `{name}` | {len(runs)} | {cell('mean_active_parents', 1.0)} | "
+                    f"{cell('probe_presence_pose_test_acc')} | {cell('probe_parts_test_acc')} | "
+                    f"{cell('probe_parts_in_parent_frame_test_acc')} | "
+                    f"{cell('probe_presence_pose_parts_in_parent_frame_test_acc')} | "
+                    f"{cell('probe_part_residuals_test_acc')} | {cell('part_pose_explained', 1.0, 3)} | "
+                    f"{cell('object_class_purity', 1.0, 3)} |")
+    if not rows:
+        return None
+    return "\n".join([
+        "| models | results | seeds | objects on per image | objects: presences + poses (%) | parts: presences + "
+        "poses (%) | parts in their parent's frame (%) | objects ⊕ parts in their parent's frame (%) | parts' offsets "
+        "from their parent's prediction (%) | share of the part-pose spread the objects predict | class purity |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+        "Linear probes fit on the 60,000 training images and scored on the 10,000 test images, mean ± std over the "
+        "seeds; each part seen from its most probable parent under the exact posterior over its parent (the dummy's "
+        "frame: the canvas); the share of the spread of the parts' poses that their objects predict, over the parts "
+        "on with an object for parent, on the test images. Each row's command and commit are in its results file."])
+
+
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
     """Write ``results_dir/<name>.md`` and, from the results JSON there, ``results_dir/mnist_ablations.md`` when
-    ``results_dir/mnist_ablations/`` holds tries and ``results_dir/mnist_levers.md`` when a recipe of
-    :data:`LEVER_RUNS` has results; returns the files written (None: not written)."""
+    ``results_dir/mnist_ablations/`` holds tries, ``results_dir/mnist_levers.md`` when a recipe of
+    :data:`LEVER_RUNS` has results and ``results_dir/mnist_layers_by_recipe.md`` when one of :data:`LAYER_RUNS` has;
+    returns the files written (None: not written)."""
     return [write_table(results_dir, name, readme_table(results_dir, name)),
             write_table(results_dir, ABLATIONS, ablations_table(results_dir)),
-            write_table(results_dir, LEVERS, levers_table(results_dir))]
+            write_table(results_dir, LEVERS, levers_table(results_dir)),
+            write_table(results_dir, LAYERS, layers_table(results_dir))]
 
 
 @one_line_errors("mnist_probe")

@@ -114,6 +114,29 @@ def test_levers_table_reads_each_recipe_over_its_seeds(tmp_path):
     assert "(60 / 20)" in table
 
 
+def test_layers_table_reads_seed_summaries_and_single_models(tmp_path):
+    # catches: a single model's results (no per_seed) dropped or misread, a column out of its place, or a row for a
+    # model set with no results
+    from probcaps.experiments import mnist_probe
+    from probcaps.provenance import write_results
+
+    keys = ["mean_active_parents", "probe_presence_pose_test_acc", "probe_parts_test_acc",
+            "probe_parts_in_parent_frame_test_acc", "probe_presence_pose_parts_in_parent_frame_test_acc",
+            "probe_part_residuals_test_acc", "part_pose_explained", "object_class_purity"]
+
+    def run(offset):
+        return {key: 0.1 * (i + 1) + offset for i, key in enumerate(keys)}
+
+    (seeds_name, seeds_what), (single_name, single_what) = mnist_probe.LAYER_RUNS[0], mnist_probe.LAYER_RUNS[2]
+    write_results(tmp_path / f"{seeds_name}.json", {"per_seed": [run(0.0), run(0.02)]}, {})
+    write_results(tmp_path / f"{single_name}.json", run(0.0), {})
+    assert mnist_probe.layers_table(tmp_path / "none") is None
+    rows = [line for line in mnist_probe.layers_table(tmp_path).splitlines() if line.startswith("| ")][2:]
+    assert rows == [f"| {seeds_what} | `{seeds_name}` | 2 | 0.1 ± 0.0 | 21.0 ± 1.4 | 31.0 ± 1.4 | 41.0 ± 1.4 | "
+                    "51.0 ± 1.4 | 61.0 ± 1.4 | 0.710 ± 0.014 | 0.810 ± 0.014 |",
+                    f"| {single_what} | `{single_name}` | 1 | 0.1 | 20.0 | 30.0 | 40.0 | 50.0 | 60.0 | 0.700 | 0.800 |"]
+
+
 def test_mnist_probe_bad_config_is_one_line(tmp_path, capsys):
     from probcaps.experiments import mnist_probe
 
