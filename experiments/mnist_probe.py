@@ -202,6 +202,8 @@ LEVER_RUNS = [
     ("mnist_information_one_object_affine", "… 1 object per image at 2,500 steps, affine object poses"),
     ("mnist_information_two_objects_affine", "… 2 objects per image at 2,500 steps, affine object poses"),
     ("mnist_information_one_object_affine_steps20000", "… 1 object per image at 20,000 steps, affine object poses"),
+    ("mnist_information_one_object_affine_sigma015",
+     "… 1 object per image at 2,500 steps, affine object poses, the part-pose ceiling at 0.15"),
 ]
 
 
@@ -251,6 +253,7 @@ LAYER_RUNS = [
     ("mnist_information_layers", "16 similarity objects, the information term at 50 (`mnist_information.toml`)"),
     ("mnist_information_one_object_steps20000_seed2_layers", "… 1 object per image, 20,000 steps (seed 2)"),
     ("mnist_information_one_object_affine_steps20000_layers", "… 1 object per image, 20,000 steps, affine poses"),
+    ("mnist_information_one_object_affine_sigma015", "… the same at 2,500 steps, the part-pose ceiling at 0.15"),
 ]
 
 
