@@ -31,8 +31,8 @@ from probcaps.report import fmt_mean_std, load_result, provenance_line, write_ta
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
-           "parts_in_parent_frame", "part_pose_explained", "layer_features", "READOUTS", "LAYER_READOUTS", "REPORTED_KMEANS",
-           "SCAE_PUBLISHED"]
+           "parts_in_parent_frame", "part_pose_explained", "layer_features", "READOUTS", "LAYER_READOUTS",
+           "REPORTED_KMEANS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
