@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules
@@ -207,6 +208,11 @@ LEVER_RUNS = [
 ]
 
 
+def seed_cell(runs: list[dict], key: str, scale: float = 100.0, digits: int = 1) -> str:
+    """``key`` of each of ``runs`` (a recipe's seeds, or one model), mean ± std, as a table cell."""
+    return fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)
+
+
 def levers_table(results_dir: Path) -> str | None:
     """One row per recipe of :data:`LEVER_RUNS` whose results are in ``results_dir``: the readouts the capsule premise
     is judged by, mean ± std over that recipe's seeds, beside the targets and SCAE's numbers."""
@@ -215,10 +221,7 @@ def levers_table(results_dir: Path) -> str | None:
         if (loaded := load_result(results_dir, name)) is None:
             continue
         runs, prov = loaded[0]["per_seed"], loaded[1]
-
-        def cell(key: str, scale: float = 100.0, digits: int = 1) -> str:
-            return fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)
-
+        cell = partial(seed_cell, runs)
         passing = sum(r["kmeans_posterior_counts_test_acc"] >= 0.85 for r in runs)
         sizes.update((r["n_train"], r["n_test"]) for r in runs)
         device = str(prov.get("device", "")).removeprefix("cpu: ").split(" (")[0]
@@ -266,10 +269,7 @@ def layers_table(results_dir: Path) -> str | None:
         if (loaded := load_result(results_dir, name)) is None:
             continue
         runs = loaded[0].get("per_seed", [loaded[0]])
-
-        def cell(key: str, scale: float = 100.0, digits: int = 1) -> str:
-            return fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)
-
+        cell = partial(seed_cell, runs)
         rows.append(f"| {what} | `{name}` | {len(runs)} | {cell('mean_active_parents', 1.0)} | "
                     f"{cell('probe_presence_pose_test_acc')} | {cell('probe_parts_test_acc')} | "
                     f"{cell('probe_parts_in_parent_frame_test_acc')} | "
