@@ -88,7 +88,7 @@ class CapsuleSystem(nn.Module):
         # compile (train.compile): the model's compositing and the part CNN through torch.compile
         self.model = CapsuleModel(model_cfg, compile=compile)
         self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg, compile=compile,
-                                      object_pose=model_cfg.object_pose)
+                                      object_pose=model_cfg.object_pose, object_code_dims=model_cfg.object_code_dims)
         self.guide = DeltaGuide(self.encoder, model_cfg.temperature)
         self.guide_spec = {"family": "delta"}
         if guide and guide.get("family", "delta") != "delta":
@@ -228,6 +228,10 @@ def encode_dataset(encoder: CapsuleEncoder, images: torch.Tensor, batch_size: in
 
 
 def probe_features(latents: Latents) -> dict[str, torch.Tensor]:
-    """The feature sets of the paper's probes: object presence logits alone, and presences with object poses."""
-    presence = latents.parent_logits
-    return {"presence": presence, "presence_pose": torch.cat([presence, latents.parent_poses.flatten(1)], 1)}
+    """The feature sets of the paper's probes: object presence logits alone, and presences with object poses; for a
+    model with object codes also ``presence_pose_code``, presences with poses and codes."""
+    presence, objects = latents.parent_logits, latents.parent_poses
+    features = {"presence": presence, "presence_pose": torch.cat([presence, objects[..., :6].flatten(1)], 1)}
+    if objects.shape[-1] > 6:
+        features["presence_pose_code"] = torch.cat([presence, objects.flatten(1)], 1)
+    return features

@@ -38,7 +38,8 @@ __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_e
 READOUTS = {"presence": "prior presences (the guide's)",
             "posterior_counts": "posterior presences: expected part counts",
             "weighted_counts": "presence × expected part counts", "presence_counts": "prior ⊕ posterior presences",
-            "presence_pose": "presences + poses", "presence_counts_pose": "prior ⊕ posterior presences + poses"}
+            "presence_pose": "presences + poses", "presence_counts_pose": "prior ⊕ posterior presences + poses",
+            "presence_pose_code": "presences + poses + codes (a model with object codes)"}
 #: Probes on the part layer beside the objects' (``eval.layer_readouts``): the class information the parts carry,
 #: and how much of it lies in where the parts sit relative to their objects, which the objects' poses leave out.
 LAYER_READOUTS = {"parts": "part presences + poses",
@@ -140,6 +141,7 @@ def parts_in_parent_frame(model, latents: Latents, batch_size: int = 1000) -> tu
     - ``frame`` ``(N, M, 6)``: the part's pose in the parent's frame, ``pose6(P(y1_k)^-1 P(y0_m))`` with the object
       pose in the model's group (``model.config.object_pose``); the dummy's frame is the canvas, ``y0_m`` itself;
     - ``residual`` ``(N, M, 6)``: the part's offset from the parent's prediction, ``y0_m − pose6(P(y1_k) P(Δ_km))``
+      (``Δ_km`` deformed by the object's code, if the model has codes)
       (the dummy predicts the origin), the deviation the model's part-pose density scores;
     - ``parent`` ``(N, M)``: that parent, ``0`` for the dummy, ``k`` for object ``k − 1``.
     """
@@ -147,11 +149,12 @@ def parts_in_parent_frame(model, latents: Latents, batch_size: int = 1000) -> tu
     for i in range(0, len(latents.part_logits), batch_size):
         chunk = Latents(*(t[i:i + batch_size].to(model.offsets) for t in latents))
         parent = parent_log_posterior(model, chunk).argmax(-1)                                # (B, M)
-        y1 = restrict_pose6(chunk.parent_poses, model.config.object_pose)
+        y1 = restrict_pose6(chunk.parent_poses[..., :6], model.config.object_pose)
         y1 = torch.cat([torch.zeros_like(y1[:, :1]), y1], 1)                                  # (B, K+1, 6)
-        offsets = torch.cat([torch.zeros_like(model.offsets[:1]), model.offsets], 0)          # (K+1, M, 6)
+        offsets = model.part_offsets(chunk.parent_poses)                                      # (B, K, M, 6)
+        offsets = torch.cat([torch.zeros_like(offsets[:, :1]), offsets], 1)                   # (B, K+1, M, 6)
         y1_own = y1.gather(1, parent.unsqueeze(-1).expand(-1, -1, 6))                         # (B, M, 6)
-        offset_own = offsets[parent, torch.arange(parent.shape[1], device=parent.device)]     # (B, M, 6)
+        offset_own = offsets.gather(1, parent[:, None, :, None].expand(-1, 1, -1, 6))[:, 0]   # (B, M, 6)
         predicted = torch.where((parent > 0).unsqueeze(-1), compose_pose6(y1_own, offset_own), 0.0)
         frames.append(matrix_to_pose6(invert(pose6_to_matrix(y1_own)) @ pose6_to_matrix(chunk.part_poses)).cpu())
         residuals.append((chunk.part_poses - predicted).cpu())
@@ -190,11 +193,15 @@ def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[
     logits = latents.parent_logits
     presence = torch.sigmoid(logits)
     both = torch.cat([logits, counts], 1)
-    with_poses = probe_features(latents)["presence_pose"]
-    both_with_poses = torch.cat([both, latents.parent_poses.flatten(1)], 1)
-    return {"presence": (logits, presence), "posterior_counts": (counts, counts),
-            "weighted_counts": (presence * counts, presence * counts), "presence_counts": (both, both),
-            "presence_pose": (with_poses, with_poses), "presence_counts_pose": (both_with_poses, both_with_poses)}
+    objects = probe_features(latents)
+    with_poses = objects["presence_pose"]
+    both_with_poses = torch.cat([both, latents.parent_poses[..., :6].flatten(1)], 1)
+    features = {"presence": (logits, presence), "posterior_counts": (counts, counts),
+                "weighted_counts": (presence * counts, presence * counts), "presence_counts": (both, both),
+                "presence_pose": (with_poses, with_poses), "presence_counts_pose": (both_with_poses, both_with_poses)}
+    if "presence_pose_code" in objects:
+        features["presence_pose_code"] = (objects["presence_pose_code"],) * 2
+    return features
 
 
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
@@ -229,7 +236,7 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     test_counts, certain_share = posterior_presences(system.model, test_lat, ecfg.batch_size)
     train_feats, test_feats = readout_features(train_lat, train_counts), readout_features(test_lat, test_counts)
     metrics, reports = {}, {}
-    for key in READOUTS:
+    for key in (key for key in READOUTS if key in train_feats):
         probe = LinearProbe(C=ecfg.probe_C, max_iter=ecfg.probe_max_iter).fit(train_feats[key][0], train_labels)
         metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_feats[key][0], test_labels)
         metrics[f"probe_{key}_train_acc"] = probe.accuracy(train_feats[key][0], train_labels)

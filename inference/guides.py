@@ -57,7 +57,8 @@ class EncoderConfig(Section):
 
 class Latents(NamedTuple):
     """Encoder outputs (all ``B`` first): part presence logits ``(B, M)``, part poses ``(B, M, 6)``,
-    object presence logits ``(B, K)``, object poses ``(B, K, 6)``."""
+    object presence logits ``(B, K)``, object poses ``(B, K, 6)`` (``(B, K, 6 + D)``: each followed by its code, for
+    a model with ``object_code_dims`` D)."""
 
     part_logits: torch.Tensor
     part_poses: torch.Tensor
@@ -73,13 +74,14 @@ class CapsuleEncoder(nn.Module):
     """Image -> part capsules -> object capsules."""
 
     def __init__(self, num_parts: int, num_parents: int, config: EncoderConfig | None = None, compile: bool = False,
-                 object_pose: str = "affine"):
+                 object_pose: str = "affine", object_code_dims: int = 0):
         super().__init__()
         cfg = self.config = config or EncoderConfig()
         self.num_parts, self.num_parents = num_parts, num_parents  # plain ints: not in the state_dict
         # the model's object-pose group: object poses are emitted inside it, so a coordinate the model ignores never
         # reaches a readout of the latents (a projection of the head's output; the state_dict is unchanged)
         self.object_pose = object_pose
+        self.object_dims = 6 + object_code_dims  # y1's coordinates per object: its pose and its code
         self.parts = PartEncoder(
             num_parts, channels=tuple(cfg.channels), strides=tuple(cfg.strides), feature_dim=cfg.part_features,
             pose_kwargs=dict(min_scale=cfg.min_scale, max_scale=cfg.max_scale, max_translation=cfg.max_translation),
@@ -89,7 +91,7 @@ class CapsuleEncoder(nn.Module):
                                               dim_hidden=cfg.set_hidden, num_heads=cfg.set_heads,
                                               num_inds=cfg.set_inducing, num_isab=cfg.set_blocks)
         self.presence_head = _head(cfg.parent_code, cfg.head_hidden, 1)
-        self.pose_head = _head(cfg.parent_code, cfg.head_hidden, 6)
+        self.pose_head = _head(cfg.parent_code, cfg.head_hidden, self.object_dims)
 
     def encode_parts(self, x: torch.Tensor):
         """``x (B, 1, H, W)`` -> ``(presence logits (B, M), poses (B, M, 6))``."""
@@ -97,7 +99,7 @@ class CapsuleEncoder(nn.Module):
         return out.presence_logit, out.pose
 
     def encode_parents(self, part_poses: torch.Tensor, part_presences: torch.Tensor):
-        """Part poses ``(B, M, 6)`` and presences ``(B, M)`` -> ``(logits (B, K), poses (B, K, 6))``.
+        """Part poses ``(B, M, 6)`` and presences ``(B, M)`` -> ``(logits (B, K), poses (B, K, 6 + D))``.
 
         Absent parts are masked out of the attention by their presence; the poses lie in the group ``object_pose``.
         """
@@ -127,7 +129,7 @@ class DeltaGuide(PyroModule):
 
     def forward(self, x: torch.Tensor, expected_parents: float | None = None):
         """``x (B, 1, H, W)``; ``expected_parents`` is the model's argument (the ELBO passes both the same ones),
-        unused here.  Returns ``(z1 (B, K), y1 (B, K, 6), z0 (B, M), y0 (B, M, 6))``."""
+        unused here.  Returns ``(z1 (B, K), y1 (B, K, 6 + D), z0 (B, M), y0 (B, M, 6))``."""
         if x.dim() == 3:
             x = x.unsqueeze(1)
         tau = x.new_tensor(self.temperature)
@@ -147,7 +149,7 @@ class NormalPoseGuide(DeltaGuide):
     """Amortised guide with Normal posteriors on the poses ("full variational poses", Smith et al. 2020, §2.3).
 
     As :class:`DeltaGuide` but ``y0 ~ Normal(loc, σ_parts)``, ``y1 ~ Normal(loc, σ_parents)`` (``.to_event(1)``),
-    the locations from the encoder.  The scales ``σ_parts (M, 6)``, ``σ_parents (K, 6)``, each ``min_scale +
+    the locations from the encoder.  The scales ``σ_parts (M, 6)``, ``σ_parents (K, 6 + D)``, each ``min_scale +
     softplus(raw)``, are shared by every image: a per-image scale head would change the encoder's ``state_dict``,
     which delta-trained checkpoints must keep loading into.  The floor keeps the entropy term bounded.
     """
@@ -161,10 +163,10 @@ class NormalPoseGuide(DeltaGuide):
         self.min_scale = float(min_scale)
         ref, raw = next(encoder.parameters()), inverse_softplus(init_scale - min_scale)
         self.pose_scale_raw_parts = nn.Parameter(ref.new_full((encoder.num_parts, 6), raw))
-        self.pose_scale_raw_parents = nn.Parameter(ref.new_full((encoder.num_parents, 6), raw))
+        self.pose_scale_raw_parents = nn.Parameter(ref.new_full((encoder.num_parents, encoder.object_dims), raw))
 
     def pose_scales(self, name: str) -> torch.Tensor:
-        """``σ`` of the poses ``name`` (``"y0"``: ``(M, 6)``; ``"y1"``: ``(K, 6)``)."""
+        """``σ`` of the poses ``name`` (``"y0"``: ``(M, 6)``; ``"y1"``: ``(K, 6 + D)``)."""
         return self.min_scale + F.softplus({"y0": self.pose_scale_raw_parts, "y1": self.pose_scale_raw_parents}[name])
 
     def pose_distribution(self, loc: torch.Tensor, name: str):

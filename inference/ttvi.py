@@ -70,7 +70,7 @@ class TTVIResult:
 class FreeFormGuide(nn.Module):
     """A guide with its own variational parameters for each of ``B`` images (free-form, not amortised): part presence
     logits ``(B, M)`` and pose locations ``(B, M, 6)``, parent presence logits ``(B, K)`` and pose locations
-    ``(B, K, 6)``, and for ``pose_family="normal"`` pose scales ``(B, M, 6)``, ``(B, K, 6)``, each
+    ``(B, K, 6 + D)`` (poses and codes), and for ``pose_family="normal"`` pose scales of the same shapes, each
     ``min_scale + softplus(raw)``.  The object poses the guide emits lie in the model's group ``object_pose`` (as
     the encoder's do): with Normal poses, noise in the coordinates the model ignores would otherwise move them.
 
@@ -195,7 +195,8 @@ def _initial_scales(guide, pose_family: str, init_scale: float | None, min_scale
         lowest = floor * (1 + 1e-3) + 1e-8  # strictly above a caller's floor, if it is higher than the guide's
         return parts.clamp_min(lowest), parents.clamp_min(lowest), floor
     scale = torch.tensor(DEFAULT_INIT_SCALE if init_scale is None else float(init_scale))
-    return scale.expand(guide.encoder.num_parts, 6), scale.expand(guide.encoder.num_parents, 6), floor
+    encoder = guide.encoder
+    return scale.expand(encoder.num_parts, 6), scale.expand(encoder.num_parents, encoder.object_dims), floor
 
 
 def fit_guide(model, guide, params, x: torch.Tensor, steps: int, lr: float, bar=None, what: str = "test-time VI",

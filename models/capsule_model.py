@@ -3,11 +3,13 @@
 Sites, per image (plates: ``data`` at dim -2; ``parents`` / ``children`` at dim -1):
 
 - ``z1`` (B, K)     parent presences, relaxed Bernoulli(τ, π)
-- ``y1`` (B, K, 6)  parent poses, Normal(0, σ_p²)
+- ``y1`` (B, K, 6+D) parent poses, Normal(0, σ_p²), and with ``object_code_dims`` D > 0 each object's code
+                    ``c_k``, Normal(0, 1), that deforms its parts' offsets: ``Δ_km + U_km c_k``
 - ``s``  (B, M)     each child's parent in {0 = dummy, 1..K}; enumerated in parallel, summed out exactly
 - ``z0`` (B, M)     child presences, relaxed Bernoulli(τ, γ[s])
 - ``y0`` (B, M, 6)  child poses, Normal(pose6(P(y1[s]) P(Δ[s])), z0 σ[s]² + (1 − z0) σ_off²), ``y1``
-                    restricted to the group of ``object_pose`` (the paper's: all affine maps)
+                    restricted to the group of ``object_pose`` (the paper's: all affine maps), ``Δ`` deformed by
+                    the parent's code
 - ``x``  (B, H, W)  the image, Normal(composite of the rendered templates, σ_x²)
 
 The quantities that define these distributions are computed once, by :meth:`CapsuleModel.child_tables` and
@@ -71,11 +73,25 @@ class CapsuleModelConfig(Section):
     # of the expected part counts under the exact posterior over the parts' parents): few objects within an image,
     # different ones in different images; 0: the plain negative ELBO
     object_information_weight: float = 0.0
+    # D: each object also carries a code c_k ~ Normal(0, I_D) (y1's last D coordinates) that moves its parts'
+    # offsets, Δ_km + U_km c_k, with each row of the learned U_km (6, D) at most code_deformation_std long: an
+    # object can hold the layout of its parts within its class (SCAE's per-capsule deformations, Kosiorek et al.
+    # 2019, §2.2) at a prior cost; 0: fixed offsets (the paper's model)
+    object_code_dims: int = 0
+    code_deformation_std: float = 0.1  # the largest prior std of a deformation coordinate, U_km's row lengths
     seed: int = 0                  # parameter initialisation
 
     def validate(self) -> None:
         if self.object_pose not in POSE_GROUPS:
             raise ValueError(f"model.object_pose must be one of {', '.join(POSE_GROUPS)}, got {self.object_pose!r}")
+        if self.object_code_dims < 0 or self.code_deformation_std <= 0:
+            raise ValueError("model.object_code_dims must be >= 0 and model.code_deformation_std > 0, got "
+                             f"{self.object_code_dims} and {self.code_deformation_std}")
+
+    @property
+    def object_dims(self) -> int:
+        """Coordinates of ``y1`` per object: the pose's 6 and the code's ``object_code_dims``."""
+        return 6 + self.object_code_dims
 
 
 def _orthogonal_logits(n: int, size: int, gen: torch.Generator) -> torch.Tensor:
@@ -137,6 +153,8 @@ class CapsuleModel(PyroModule):
             raw = inverse_softplus(max(cfg.part_pose_std_init - cfg.part_pose_std_min, 1e-4))  # σ_min + softplus(·)
         self.pose_std_raw = nn.Parameter(torch.full((K, M, 6), float(raw)))
         cfg.validate()
+        if cfg.object_code_dims:  # small, so that the codes start near the fixed offsets of the paper's model
+            self.code_basis = nn.Parameter(0.01 * torch.randn(K, M, 6, cfg.object_code_dims, generator=gen))
         if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
             raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0,"
                              f" got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
@@ -157,11 +175,24 @@ class CapsuleModel(PyroModule):
         lo, hi = self.config.part_pose_std_min, self.config.part_pose_std_max
         return lo + ((hi - lo) * torch.sigmoid(self.pose_std_raw) if hi else F.softplus(self.pose_std_raw))
 
+    def deformation_basis(self) -> torch.Tensor:
+        """``(K, M, 6, D)`` U_km, each row at most ``code_deformation_std`` long (a code coordinate of prior std 1
+        moves an offset coordinate by a prior std of at most that)."""
+        norm = self.code_basis.norm(dim=-1, keepdim=True)
+        return self.code_basis * (self.config.code_deformation_std / norm.clamp_min(self.config.code_deformation_std))
+
+    def part_offsets(self, y1: torch.Tensor) -> torch.Tensor:
+        """``(..., K, M, 6)`` each object's offsets to its parts ``Δ_km + U_km c_k`` for object latents ``y1``
+        ``(..., K, 6 + D)`` (the paper's fixed ``Δ_km``, broadcast, when D = 0)."""
+        if not self.config.object_code_dims:
+            return self.offsets.expand(*y1.shape[:-2], *self.offsets.shape)
+        return self.offsets + torch.einsum("kmpd,...kd->...kmp", self.deformation_basis(), y1[..., 6:])
+
     # ---------------------------------------------------------------- the shared computations
     def child_tables(self, z1: torch.Tensor, y1: torch.Tensor):
         """Everything that defines ``p(s, z0, y0 | z1, y1)``, for every candidate parent (the dummy first).
 
-        Args: ``z1`` ``(..., K)``, ``y1`` ``(..., K, 6)``.
+        Args: ``z1`` ``(..., K)``, ``y1`` ``(..., K, 6 + D)``.
         Returns: ``selection_logits (..., M, K+1)`` (unnormalised log P(s_m = k)), ``presence_probs (M, K+1)``
         (γ), ``pose_mean (..., M, K+1, 6)``, ``pose_var_on (M, K+1, 6)`` (σ² of a present child).
         """
@@ -174,7 +205,8 @@ class CapsuleModel(PyroModule):
         dummy_gamma = self.presence_logits.new_full((1, M), cfg.dummy_presence)
         presence_probs = torch.cat([dummy_gamma, torch.sigmoid(self.presence_logits)], 0).T  # (M, K+1)
         # pose6(P(y1_k) P(Δ_km)) for every (k, m), y1 in the object-pose group; the dummy predicts the origin
-        parent_mean = compose_pose6(restrict_pose6(y1, cfg.object_pose).unsqueeze(-2), self.offsets)  # (..., K, M, 6)
+        pose = restrict_pose6(y1[..., :6], cfg.object_pose).unsqueeze(-2)
+        parent_mean = compose_pose6(pose, self.part_offsets(y1))                  # (..., K, M, 6)
         pose_mean = torch.cat([torch.zeros_like(parent_mean[..., :1, :, :]), parent_mean], -3).transpose(-3, -2)
         dummy_var = self.offsets.new_full((1, M, 6), cfg.clutter_pose_std**2)
         pose_var_on = torch.cat([dummy_var, self.part_pose_std() ** 2], 0).transpose(0, 1)  # (M, K+1, 6)
@@ -205,6 +237,12 @@ class CapsuleModel(PyroModule):
         expected = cfg.expected_parents if expected_parents is None else float(expected_parents)
         return self.offsets.new_full((cfg.num_parents,), min(expected / cfg.num_parents, 0.99))
 
+    def object_prior_std(self) -> torch.Tensor:
+        """``(6 + D,)`` the prior std of ``y1``'s coordinates: ``σ_p`` for the pose, 1 for the code."""
+        cfg = self.config
+        return torch.cat([self.offsets.new_full((6,), cfg.parent_pose_std),
+                          self.offsets.new_ones(cfg.object_code_dims)])
+
     # ---------------------------------------------------------------- the Pyro model
     def forward(self, x: torch.Tensor, expected_parents: float | None = None):
         """``x (B, 1, H, W)``; ``expected_parents``: the prior's objects per image at this training step (the loop's
@@ -218,7 +256,8 @@ class CapsuleModel(PyroModule):
         prior_probs = self.parent_prior_probs(expected_parents).expand(B, K)
         with data, pyro.plate("parents", K, dim=-1):
             z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, probs=prior_probs))
-            y1 = pyro.sample("y1", dist.Normal(x.new_zeros(()), cfg.parent_pose_std).expand([B, K, 6]).to_event(1))
+            y1 = pyro.sample("y1", dist.Normal(x.new_zeros(()), self.object_prior_std()).expand([B, K, cfg.object_dims])
+                             .to_event(1))
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         with data, pyro.plate("children", M, dim=-1):
             s = pyro.sample("s", dist.Categorical(logits=selection_logits), infer={"enumerate": "parallel"})
@@ -233,7 +272,7 @@ class CapsuleModel(PyroModule):
 
     def child_log_joint(self, z1, y1, z0, y0) -> torch.Tensor:
         """``(..., M, K+1)`` log P(s_m = k | z1) + log p(z0_m, y0_m | s_m = k, y1) for every candidate parent ``k``
-        (the dummy ``k = 0`` first): what the enumeration of ``s`` sums over.  ``z1 (..., K)``, ``y1 (..., K, 6)``,
+        (the dummy ``k = 0`` first): what the enumeration of ``s`` sums over.  ``z1 (..., K)``, ``y1 (..., K, 6 + D)``,
         ``z0 (..., M)``, ``y0 (..., M, 6)``; differentiable in all of them."""
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         tau = z0.new_tensor(self.config.temperature)
@@ -255,7 +294,7 @@ class CapsuleModel(PyroModule):
         x = self._check_images(x)
         tau = x.new_tensor(cfg.temperature)
         lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs(expected_parents)).log_prob(z1).sum(-1)
-        lp = lp + dist.Normal(y1.new_zeros(()), cfg.parent_pose_std).log_prob(y1).sum((-1, -2))
+        lp = lp + dist.Normal(y1.new_zeros(()), self.object_prior_std()).log_prob(y1).sum((-1, -2))
         lp = lp + torch.logsumexp(self.child_log_joint(z1, y1, z0, y0), -1).sum(-1)      # s summed out
         image, _ = self.render(z0, y0, contributions=False)
         return lp + dist.Normal(image, cfg.pixel_std).log_prob(x).flatten(1).sum(-1)

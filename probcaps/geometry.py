@@ -54,7 +54,8 @@ POSE_GROUPS = ("affine", "similarity")
 
 
 def restrict_pose6(y: torch.Tensor, group: str) -> torch.Tensor:
-    """The part of pose 6-vectors ``(..., 6)`` that lies in a subgroup of the affine maps, ``(..., 6)``.
+    """The part of pose 6-vectors ``(..., 6)`` that lies in a subgroup of the affine maps, ``(..., 6)``; coordinates
+    past the sixth (an object's code, ``(..., 6 + D)``) pass through unchanged.
 
     ``"affine"``: ``y`` itself; ``"similarity"``: the nearest rotation-and-scale linear part (the orthogonal
     projection of ``[[1 + y1, y2], [y4, 1 + y5]]`` onto matrices ``[[a, -b], [b, a]]``) and the translation.
@@ -63,9 +64,9 @@ def restrict_pose6(y: torch.Tensor, group: str) -> torch.Tensor:
     if group == "affine":
         return y
     if group == "similarity":
-        a11, a12, tx, a21, a22, ty = y.unbind(-1)
+        a11, a12, tx, a21, a22, ty = y[..., :6].unbind(-1)
         scale, turn = (a11 + a22) / 2, (a21 - a12) / 2  # a − 1 and b (pose 6-vectors hold P minus the identity)
-        return torch.stack([scale, -turn, tx, turn, scale, ty], -1)
+        return torch.cat([torch.stack([scale, -turn, tx, turn, scale, ty], -1), y[..., 6:]], -1)
     raise ValueError(f"restrict_pose6: group must be one of {', '.join(POSE_GROUPS)}, got {group!r}")
 
 

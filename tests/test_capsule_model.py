@@ -32,9 +32,9 @@ HYPER = dict(temperature=0.6, pixel_std=0.3, parent_pose_std=0.9, part_pose_std_
              init_offset_std=0.4)
 
 
-def _model(dtype=DT, seed=0) -> CapsuleModel:
+def _model(dtype=DT, seed=0, **config) -> CapsuleModel:
     model = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, seed=seed,
-                                            **HYPER)).to(dtype)
+                                            **{**HYPER, **config})).to(dtype)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # move every table away from its (symmetric) initial value
         model.log_affinity.copy_(torch.randn(K, M, generator=g))
@@ -44,10 +44,12 @@ def _model(dtype=DT, seed=0) -> CapsuleModel:
     return model
 
 
-def _latents(B=2, dtype=DT, seed=3):
+def _latents(B=2, dtype=DT, seed=3, codes=0):
     g = torch.Generator().manual_seed(seed)
     z1 = 0.05 + 0.9 * torch.rand(B, K, generator=g)
     y1 = 0.3 * torch.randn(B, K, 6, generator=g)
+    if codes:  # each object's code after its pose, of the prior's scale
+        y1 = torch.cat([y1, torch.randn(B, K, codes, generator=g)], -1)
     z0 = 0.05 + 0.9 * torch.rand(B, M, generator=g)
     y0 = 0.3 * torch.randn(B, M, 6, generator=g)
     return tuple(v.to(dtype) for v in (z1, y1, z0, y0))
@@ -119,7 +121,8 @@ def _brute_force_neg_log_marginal(model, x, z1, y1, z0, y0):
     for b in range(x.shape[0]):
         lp_parents = sum(_relaxed_bernoulli_log_density(z1[b, k], pi, tau) for k in range(K))
         var_parent = torch.tensor(cfg.parent_pose_std ** 2, dtype=DT)
-        lp_parents = lp_parents + _normal_log_density(y1[b], 0.0, var_parent).sum()
+        lp_parents = lp_parents + _normal_log_density(y1[b, :, :6], 0.0, var_parent).sum()
+        lp_parents = lp_parents + _normal_log_density(y1[b, :, 6:], 0.0, torch.tensor(1.0, dtype=DT)).sum()
         image, _ = model.render(z0[b:b + 1], y0[b:b + 1])
         lp_pixels = _normal_log_density(x[b], image[0], torch.tensor(cfg.pixel_std ** 2, dtype=DT)).sum()
         z1_full = torch.cat([torch.ones(1, dtype=DT), z1[b]])
@@ -134,7 +137,12 @@ def _brute_force_neg_log_marginal(model, x, z1, y1, z0, y0):
                     mean = torch.zeros(6, dtype=DT)
                     var_on = torch.full((6,), cfg.clutter_pose_std ** 2, dtype=DT)
                 else:
-                    P = _pose_matrix(y1[b, k - 1]) @ _pose_matrix(model.offsets[k - 1, m])
+                    offset = model.offsets[k - 1, m]
+                    for p in range(6 if cfg.object_code_dims else 0):  # Δ_km + U_km c_k, U's rows shortened
+                        u = model.code_basis[k - 1, m, p]
+                        u = u * min(1.0, cfg.code_deformation_std / u.norm())
+                        offset = offset + torch.eye(6, dtype=DT)[p] * (u @ y1[b, k - 1, 6:])
+                    P = _pose_matrix(y1[b, k - 1, :6]) @ _pose_matrix(offset)
                     mean = torch.stack([P[0, 0] - 1, P[0, 1], P[0, 2], P[1, 0], P[1, 1] - 1, P[1, 2]])
                     var_on = sigma[k - 1, m] ** 2
                 var = z0[b, m] * var_on + (1 - z0[b, m]) * cfg.off_pose_std ** 2
@@ -192,6 +200,29 @@ def test_enumerated_loss_equals_brute_force_sum_over_assignments():
     with torch.no_grad():
         model.offsets.add_(0.1)
     assert abs(_enum_loss(model, FixedGuide(z1, y1, z0, y0), x).item() - loss.item()) > 1e-3
+
+
+def test_enumerated_loss_with_object_codes_equals_brute_force():
+    # catches: a code that deforms another object's offsets or the wrong parts', U_km's rows left unbounded or
+    # shortened when already within the bound, the code's prior missing or at the pose prior's scale
+    model = _model(object_code_dims=2, code_deformation_std=0.3)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # rows on both sides of the bound
+        model.code_basis.copy_(0.4 * torch.randn(K, M, 6, 2, generator=g, dtype=DT))
+    lengths = model.code_basis.norm(dim=-1)
+    assert (lengths > 0.3).any() and (lengths < 0.3).any()
+    z1, y1, z0, y0 = _latents(codes=2)
+    x = _images(model, z0, y0)
+    loss = _enum_loss(model, FixedGuide(z1, y1, z0, y0), x)
+    brute = _brute_force_neg_log_marginal(model, x, z1, y1, z0, y0)
+    assert math.isclose(loss.item(), brute.item(), rel_tol=1e-9), (loss.item(), brute.item())
+    grad, = torch.autograd.grad(loss, model.code_basis)
+    brute_grad, = torch.autograd.grad(brute, model.code_basis)
+    assert torch.allclose(grad, brute_grad, rtol=1e-7, atol=1e-9)
+    # the codes matter: other codes, another loss; a model without codes has no basis to load
+    y1_other = torch.cat([y1[..., :6], y1[..., 6:] + 1], -1)
+    assert abs(_enum_loss(model, FixedGuide(z1, y1_other, z0, y0), x).item() - loss.item()) > 1e-3
+    assert "code_basis" not in _model().state_dict()
 
 
 def test_enumerated_loss_float32_close_to_brute_force():

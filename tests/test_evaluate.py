@@ -14,6 +14,7 @@ from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
     LAYER_READOUTS, READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, information_rows,
     parent_log_posterior, part_pose_explained, parts_in_parent_frame, posterior_part_counts, posterior_presences,
+    readout_features,
 )
 from probcaps.inference.guides import Latents
 from probcaps.metrics import (class_purity, classification_summary, dominant_object_accuracy, mean_by_class,
@@ -117,29 +118,36 @@ def test_posterior_part_counts_follow_the_parts_poses():
     assert at_first[0, 0] > 2.5 and at_second[0, 1] > 2.5
 
 
-@pytest.mark.parametrize("object_pose", ["affine", "similarity"])
-def test_parts_in_parent_frame_hand_placed(object_pose):
+@pytest.mark.parametrize("object_pose,codes", [("affine", 0), ("similarity", 0), ("affine", 2)])
+def test_parts_in_parent_frame_hand_placed(object_pose, codes):
     # catches: the frame of the wrong parent, an inverse composed on the wrong side, the unrestricted object pose,
-    # or a residual measured from another parent's prediction
+    # a residual measured from another parent's prediction, or from the offsets without the object's code
     from probcaps.geometry import compose_pose6, restrict_pose6
 
     gen = torch.Generator().manual_seed(3)
     K, M = 2, 3
     model = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=M, template_size=5, canvas_size=12,
-                                            part_pose_std_init=0.05, object_pose=object_pose)).double()
+                                            part_pose_std_init=0.05, object_pose=object_pose,
+                                            object_code_dims=codes)).double()
     with torch.no_grad():
         model.offsets.copy_(0.3 * torch.randn(K, M, 6, generator=gen, dtype=torch.float64))
-    parent_poses = 0.4 * torch.randn(1, K, 6, generator=gen, dtype=torch.float64)
-    y1 = restrict_pose6(parent_poses, object_pose)
+    parent_poses = 0.4 * torch.randn(1, K, 6 + codes, generator=gen, dtype=torch.float64)
+    y1 = restrict_pose6(parent_poses[..., :6], object_pose)
+    offsets = model.offsets.detach().clone()
+    if codes:  # Δ_km + U_km c_k by hand, the basis set within its bound
+        with torch.no_grad():
+            model.code_basis.copy_(0.02 * torch.randn(K, M, 6, codes, generator=gen, dtype=torch.float64))
+        assert (model.code_basis.norm(dim=-1) < model.config.code_deformation_std).all()
+        offsets += (model.code_basis.detach() @ parent_poses[0, :, None, 6:, None]).squeeze(-1)
     # part 0 exactly where object 1 puts it, part 1 where object 0 puts it plus a known offset, part 2 far off
-    part_poses = torch.stack([compose_pose6(y1[0, 1], model.offsets[1, 0].detach()),
-                              compose_pose6(y1[0, 0], model.offsets[0, 1].detach()) + 0.01,
+    part_poses = torch.stack([compose_pose6(y1[0, 1], offsets[1, 0]),
+                              compose_pose6(y1[0, 0], offsets[0, 1]) + 0.01,
                               torch.tensor([0.0, 0.0, 9.0, 0.0, 0.0, -9.0], dtype=torch.float64)]).unsqueeze(0)
     latents = Latents(part_logits=torch.full((1, M), 4.0, dtype=torch.float64), part_poses=part_poses,
                       parent_logits=torch.full((1, K), 4.0, dtype=torch.float64), parent_poses=parent_poses)
     frame, residual, parent = parts_in_parent_frame(model, latents)
     assert parent.tolist() == [[2, 1, 0]]                                  # object 1, object 0, the dummy
-    torch.testing.assert_close(frame[0, 0], model.offsets[1, 0].detach())  # P(y1)^-1 P(y1) P(Δ) = P(Δ)
+    torch.testing.assert_close(frame[0, 0], offsets[1, 0])                 # P(y1)^-1 P(y1) P(Δ) = P(Δ)
     torch.testing.assert_close(residual[0, 0], torch.zeros(6, dtype=torch.float64))
     torch.testing.assert_close(residual[0, 1], torch.full((6,), 0.01, dtype=torch.float64))
     torch.testing.assert_close(compose_pose6(y1[0, 0], frame[0, 1]), part_poses[0, 1])
@@ -248,12 +256,14 @@ def test_information_rows_rank_the_seeds_and_correlate_by_hand():
     assert "Rank correlation" not in information_rows(runs[:2])[-1]   # two seeds: no correlation to speak of
 
 
-def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_clean, seed):
-    # catches: a readout, split or per-class report missing from the results, or figures not written
+@pytest.mark.parametrize("codes", [0, 2])
+def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_clean, seed, codes):
+    # catches: a readout, split or per-class report missing from the results, or figures not written; with object
+    # codes, a "presences + poses" readout that reads the codes too
     from probcaps.inference.capsule_svi import (encode_dataset, load_experiment_config, load_images, load_trained,
                                                 train_capsules)
 
-    cfg = load_experiment_config(tiny_toml, ["train.steps=2"])
+    cfg = load_experiment_config(tiny_toml, ["train.steps=2", f"model.object_code_dims={codes}"])
     train_capsules(cfg, tmp_path / "run", progress=False)
     results = tmp_path / "results"
     metrics = evaluate_checkpoint(tmp_path / "run" / "final.pt", name="tiny", results_dir=results, progress=False,
@@ -261,7 +271,8 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     table = (results / "tiny.md").read_text()
     for key, label in LAYER_READOUTS.items():  # the part layer's probes, on request
         assert 0.0 <= metrics[f"probe_{key}_test_acc"] <= 1.0 and f"| {label} |" in table, key
-    for key in READOUTS:
+    assert ("| presences + poses + codes" in table) == bool(codes)
+    for key in (key for key in READOUTS if codes or key != "presence_pose_code"):
         for kind in ("probe", "kmeans"):
             for split in ("train", "test"):
                 assert 0.0 <= metrics[f"{kind}_{key}_{split}_acc"] <= 1.0, (kind, key, split)
@@ -301,6 +312,11 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     assert "dominant object" in (results / "tiny.md").read_text()
     assert metrics["published_scae"] == {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
     assert (results / "tiny_objects_by_class.png").is_file()
+    if codes:  # the probe on presences + poses reads the six pose coordinates alone
+        features, K = readout_features(test_latents, test_counts), cfg["model"].num_parents
+        assert test_latents.parent_poses.shape[-1] == 6 + codes
+        assert features["presence_pose"][0].shape[1] == K * (1 + 6)
+        assert features["presence_pose_code"][0].shape[1] == K * (1 + 6 + codes)
     record = json.loads((results / "tiny.json").read_text())
     assert record["metrics"]["probe_presence_test_report"]["per_class_accuracy"] == \
         metrics["probe_presence_test_report"]["per_class_accuracy"]

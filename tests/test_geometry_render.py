@@ -78,6 +78,9 @@ def test_restrict_pose6_keeps_its_group_and_projects_the_rest():
     y = torch.tensor([0.5, 0.4, 0.3, 0.0, -0.5, -0.7])
     assert torch.allclose(restrict_pose6(y, "similarity"), torch.tensor([0.0, 0.2, 0.3, -0.2, 0.0, -0.7]))
     assert restrict_pose6(y, "affine") is y
+    # an object's code after its pose passes through
+    coded = torch.cat([y, torch.tensor([2.0, -3.0])])
+    assert torch.equal(restrict_pose6(coded, "similarity"), torch.cat([restrict_pose6(y, "similarity"), coded[6:]]))
     ys = torch.randn(7, 3, 6)
     once = restrict_pose6(ys, "similarity")
     assert torch.allclose(restrict_pose6(once, "similarity"), once, atol=1e-6)

@@ -210,6 +210,30 @@ def test_ttvi_normal_poses_keep_the_object_poses_inside_the_models_group():
     assert torch.allclose(restrict_pose6(poses, "similarity"), poses, atol=1e-6)
 
 
+def test_object_codes_ride_with_the_object_poses_through_the_guides_and_ttvi():
+    # catches: codes cut off or projected by the object-pose group, scales of the Normal guides that leave the codes
+    # out (a shape error) or the codes kept frozen by test-time VI
+    torch.manual_seed(0)
+    cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, object_pose="similarity",
+                             object_code_dims=3)
+    model = CapsuleModel(cfg)
+    delta = DeltaGuide(CapsuleEncoder(M, K, EncoderConfig(**ENC), object_pose="similarity", object_code_dims=3),
+                       cfg.temperature)
+    _, x = _images(3)
+    encoded = delta.encoder.encode(x).parent_poses
+    assert encoded.shape == (3, K, 9) and encoded[..., 6:].abs().sum() > 0
+    normal = from_delta(delta, init_scale=0.05)
+    assert normal.pose_scales("y1").shape == (K, 9)
+    tr = poutine.trace(normal).get_trace(x)
+    assert tr.nodes["y1"]["value"].shape == (3, K, 9)
+    assert torch.isfinite(TraceEnum_ELBO(max_plate_nesting=2).differentiable_loss(model, normal, x))
+    r = run_ttvi(model, normal, x, steps=10, lr=0.1, progress=False, pose_family="normal", seed=0)
+    assert r.parent_pose_scales.shape == (3, K, 9) and r.elbo_end.mean() > r.elbo_start.mean()
+    poses = r.latents.parent_poses
+    assert not torch.allclose(poses[..., 6:], encoded[..., 6:])            # the codes moved
+    assert torch.allclose(restrict_pose6(poses, "similarity"), poses, atol=1e-6)
+
+
 @pytest.mark.parametrize("pose_family", ["delta", "normal"])
 def test_ttvi_result_shapes(pose_family):
     # catches: per-image parameters that are shared across the batch, or results of the wrong shape / device
