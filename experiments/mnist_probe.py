@@ -205,6 +205,8 @@ LEVER_RUNS = [
     ("mnist_information_one_object_affine_steps20000", "… 1 object per image at 20,000 steps, affine object poses"),
     ("mnist_information_one_object_affine_sigma015",
      "… 1 object per image at 2,500 steps, affine object poses, the part-pose ceiling at 0.15"),
+    ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
+    ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
 ]
 
 
@@ -257,6 +259,8 @@ LAYER_RUNS = [
     ("mnist_information_one_object_steps20000_seed2_layers", "… 1 object per image, 20,000 steps (seed 2)"),
     ("mnist_information_one_object_affine_steps20000_layers", "… 1 object per image, 20,000 steps, affine poses"),
     ("mnist_information_one_object_affine_sigma015", "… the same at 2,500 steps, the part-pose ceiling at 0.15"),
+    ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
+    ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
 ]
 
 
