@@ -141,8 +141,8 @@ def parts_in_parent_frame(model, latents: Latents, batch_size: int = 1000) -> tu
     - ``frame`` ``(N, M, 6)``: the part's pose in the parent's frame, ``pose6(P(y1_k)^-1 P(y0_m))`` with the object
       pose in the model's group (``model.config.object_pose``); the dummy's frame is the canvas, ``y0_m`` itself;
     - ``residual`` ``(N, M, 6)``: the part's offset from the parent's prediction, ``y0_m − pose6(P(y1_k) P(Δ_km))``
-      (``Δ_km`` deformed by the object's code, if the model has codes)
-      (the dummy predicts the origin), the deviation the model's part-pose density scores;
+      (``Δ_km`` deformed by the object's code in a model with codes; the dummy predicts the origin), the deviation
+      the model's part-pose density scores;
     - ``parent`` ``(N, M)``: that parent, ``0`` for the dummy, ``k`` for object ``k − 1``.
     """
     frames, residuals, parents = [], [], []
