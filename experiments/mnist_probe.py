@@ -207,6 +207,7 @@ LEVER_RUNS = [
      "… 1 object per image at 2,500 steps, affine object poses, the part-pose ceiling at 0.15"),
     ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
     ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
+    ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
 ]
 
 
@@ -261,6 +262,7 @@ LAYER_RUNS = [
     ("mnist_information_one_object_affine_sigma015", "… the same at 2,500 steps, the part-pose ceiling at 0.15"),
     ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
     ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
+    ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
 ]
 
 
