@@ -66,7 +66,8 @@ def restrict_pose6(y: torch.Tensor, group: str) -> torch.Tensor:
     if group == "similarity":
         a11, a12, tx, a21, a22, ty = y[..., :6].unbind(-1)
         scale, turn = (a11 + a22) / 2, (a21 - a12) / 2  # a − 1 and b (pose 6-vectors hold P minus the identity)
-        return torch.cat([torch.stack([scale, -turn, tx, turn, scale, ty], -1), y[..., 6:]], -1)
+        pose = torch.stack([scale, -turn, tx, turn, scale, ty], -1)
+        return torch.cat([pose, y[..., 6:]], -1) if y.shape[-1] > 6 else pose  # no copy on the training path
     raise ValueError(f"restrict_pose6: group must be one of {', '.join(POSE_GROUPS)}, got {group!r}")
 
 
