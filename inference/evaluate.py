@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from probcaps import plotting
 from probcaps.data import iterate_batches, to_float
@@ -31,8 +32,8 @@ from probcaps.report import fmt_mean_std, load_result, provenance_line, write_ta
 
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
-           "parts_in_parent_frame", "part_pose_explained", "layer_features", "READOUTS", "LAYER_READOUTS",
-           "REPORTED_KMEANS", "SCAE_PUBLISHED"]
+           "parts_in_parent_frame", "part_pose_explained", "object_drawings", "plot_object_drawings",
+           "layer_features", "READOUTS", "LAYER_READOUTS", "REPORTED_KMEANS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
@@ -93,6 +94,56 @@ def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, dev
     paths.append(plotting.plot_reconstructions(x[:, 0].cpu(), recon[:, 0].cpu(), f"{out_prefix}_reconstructions.png",
                                                part_colours=colours))
     return [str(p) for p in paths]
+
+
+@torch.no_grad()
+def object_drawings(model, latents: Latents, images: torch.Tensor, components: int = 2, span: float = 2.0,
+                    min_share: float = 0.01) -> tuple[torch.Tensor, list[str], list[str]] | None:
+    """What each object in use draws (:meth:`CapsuleModel.draw_objects`): ``(grid (R, C, H, W), row labels, column
+    labels)``, ``None`` if no object is in use.
+
+    One row per object on (presence > 0.5) in at least ``min_share`` of ``images`` (and one) ``(N, H, W)`` uint8 (those of
+    ``latents``): the image where the object is most present, then the object drawn alone at its mean latents over
+    the images where it is on and, for a model with object codes, with its code moved ``±span`` standard
+    deviations along each of the first ``components`` principal directions of its codes over those images: the ways
+    an object's parts move together from one image to the next."""
+    presence = torch.sigmoid(latents.parent_logits.float())
+    on = presence > 0.5                                                                # (N, K)
+    share = on.float().mean(0)
+    used = ((share >= min_share) & (share > 0)).nonzero().flatten().tolist()
+    if not used:
+        return None
+    D = model.config.object_code_dims
+    components = min(components, D)
+    ref = model.offsets
+    rows = []
+    for k in used:  # one object a row: a handful of renders each, not a loop over images or pixels
+        y1 = latents.parent_poses[on[:, k], k].to(ref)                                # (n_k, 6 + D)
+        mean = y1.mean(0)
+        variants = [mean]
+        if components:
+            centred = y1[:, 6:] - mean[6:]
+            _, sv, vh = torch.linalg.svd(centred, full_matrices=False)
+            std = sv / max(len(y1) - 1, 1) ** 0.5
+            for j in range(components):
+                step = span * std[j] * vh[j]
+                variants += [mean - F.pad(step, (6, 0)), mean + F.pad(step, (6, 0))]
+        y1_all = latents.parent_poses.new_zeros(len(variants), model.config.num_parents, 6 + D).to(ref)
+        y1_all[:, k] = torch.stack(variants)
+        drawn = model.draw_objects(y1_all)[:, k, 0].float().cpu()                    # (V, H, W)
+        example = to_float(images[presence[:, k].argmax()]).reshape(drawn.shape[1:]).to(drawn)
+        rows.append(torch.cat([example[None], drawn]))
+    cols = ["most present", "mean"] + [f"{sign}{span:g}σ code {j + 1}" for j in range(components) for sign in "−+"]
+    return torch.stack(rows), [f"object {k}" for k in used], cols
+
+
+def plot_object_drawings(drawings: tuple[torch.Tensor, list[str], list[str]], path: str | Path, title: str) -> Path:
+    """The figure of :func:`object_drawings`: an object a row, or, without code directions, an object a column
+    (the example image above the drawing)."""
+    grid, objects, columns = drawings
+    if grid.shape[1] <= 2:
+        return plotting.plot_image_grid(grid.transpose(0, 1), path, row_labels=columns, col_labels=objects, title=title)
+    return plotting.plot_image_grid(grid, path, row_labels=objects, col_labels=columns, title=title)
 
 
 @torch.no_grad()
@@ -305,6 +356,10 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
                 title=f"{'linear probe' if kind == 'probe' else 'k-means (10)'} on {READOUTS[key]}: test accuracy "
                       f"{100 * report['accuracy']:.1f}%")
               for (kind, key), report in reports.items())]]
+        drawings = object_drawings(system.model, test_lat, test_images)
+        if drawings is not None:
+            figure_paths.append(str(plot_object_drawings(drawings, results_dir / f"{name}_objects_drawn.png",
+                                                         "objects drawn alone at their mean latents (test set)")))
     prov = provenance(seed=seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}, figures=figure_paths)

@@ -230,6 +230,20 @@ class CapsuleModel(PyroModule):
         return render_over(templates * channel_scale, pose6_to_matrix(y0), self.config.canvas_size,
                            footprint=self.footprint, compiled=self.compile, contributions=contributions)
 
+    def draw_objects(self, y1: torch.Tensor) -> torch.Tensor:
+        """``(..., K, 1, H, W)``: each object drawn alone from its latents ``y1`` ``(..., K, 6 + D)``: every part at
+        the pose the object predicts for it, ``pose6(P(y1_k) P(Δ_km + U_km c_k))``, at the probability that the part
+        is on and the object's child when the object is the only one present, ``γ_km ρ_km / (ρ_km + ρ_0m)``: what
+        the model expects the object to put on the canvas (the dummy's clutter left out)."""
+        cfg = self.config
+        M, H = cfg.num_parts, cfg.canvas_size
+        pose = restrict_pose6(y1[..., :6], cfg.object_pose).unsqueeze(-2)
+        part_poses = compose_pose6(pose, self.part_offsets(y1))                    # (..., K, M, 6)
+        own = torch.sigmoid(self.log_rho() - math.log(cfg.dummy_affinity))         # ρ / (ρ + ρ_0), (K, M)
+        presence = (torch.sigmoid(self.presence_logits) * own).expand(part_poses.shape[:-1])
+        image, _ = self.render(presence.reshape(-1, M), part_poses.reshape(-1, M, 6), contributions=False)
+        return image.reshape(*part_poses.shape[:-2], 1, H, H)
+
     def parent_prior_probs(self, expected_parents: float | None = None) -> torch.Tensor:
         """``(K,)`` prior presence probabilities π_k = ``expected_parents / K`` (at most 0.99); ``None``: the
         config's ``expected_parents`` (the end of the training loop's anneal)."""

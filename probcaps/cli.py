@@ -4,6 +4,7 @@
     probcaps evaluate --checkpoint runs/mnist/final.pt [--name mnist] [--results-dir results]
     probcaps evaluate --checkpoint runs/a/final.pt runs/b/final.pt --name mnist_readout   # one per seed: mean ± std
     probcaps ttvi --checkpoint runs/mnist/final.pt [--limit 1000] [--out results/ttvi_mnist.json]
+    probcaps draw-objects --checkpoint checkpoints/mnist.pt [--out results/mnist_objects_drawn.png]
     probcaps run <experiment> [its arguments]   # any experiment script, e.g. probcaps run mnist_probe --seeds 0
     probcaps demo                      # a few minutes of training on real MNIST, then the probe report
     probcaps download [--data-dir D]   # fetch MNIST (needs a network)
@@ -330,6 +331,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results JSON file (default: results/ttvi_<run name>.json)")
     add_common_args(p)
 
+    p = sub.add_parser("draw-objects", help="draw each object of a checkpoint alone, and the main ways its parts "
+                                            "move together (a model with object codes)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--limit", type=positive_int, default=10000,
+                   help="test images (the first N) that give each object its mean latents and code directions")
+    p.add_argument("--components", type=non_negative_int, default=2, help="principal directions of the codes drawn")
+    p.add_argument("--span", type=finite_positive_float, default=2.0, help="how far along each: standard deviations")
+    p.add_argument("--min-share", type=finite_non_negative_float, default=0.01,
+                   help="draw the objects on (presence > 0.5) in at least this share of the images")
+    p.add_argument("--out", type=output_file_arg, default=None,
+                   help="PNG file (default: results/<the run's name>_objects_drawn.png)")
+    add_common_args(p)
+
     p = sub.add_parser("demo", help="train a small model on real MNIST for a few minutes and report the probes")
     p.add_argument("--out", type=folder_arg, default="runs/demo")
     p.add_argument("--steps", type=positive_int, default=None)
@@ -444,13 +458,32 @@ def _ttvi(args) -> None:
     print(f"written to {out}")
 
 
+def _draw_objects(args) -> None:
+    from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
+    from probcaps.inference.evaluate import object_drawings, plot_object_drawings
+
+    cfg, system = load_trained(args.checkpoint, device=args.device)
+    out = Path(args.out or Path("results") / f"{cfg['name']}_objects_drawn.png")
+    images, _ = load_images(cfg["data"], "test", args.data_dir, limit=args.limit)
+    latents = encode_dataset(system.encoder, images, cfg["eval"].batch_size, args.device, progress=not args.quiet)
+    drawings = object_drawings(system.model, latents, images, components=args.components, span=args.span,
+                               min_share=args.min_share)
+    if drawings is None:
+        raise ProbcapsError(f"--min-share {args.min_share:g}: no object of {args.checkpoint} is on in that share of "
+                            f"the {len(images)} images")
+    if args.rank > 0:
+        return
+    plot_object_drawings(drawings, out, f"{cfg['name']}: objects drawn alone at their mean latents")
+    print(f"{len(drawings[1])} objects drawn to {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "evaluate" and len(args.checkpoint) > 1 and not args.name:
         parser.error("argument --name: needed with several --checkpoint (their summary is results/<name>.json)")
-    if args.command in ("train", "demo", "evaluate", "ttvi", "run"):
+    if args.command in ("train", "demo", "evaluate", "ttvi", "draw-objects", "run"):
         reexec_with_allocator_settings(["-m", "probcaps", *argv])
     if args.command == "run":  # the experiment prints its own one-line errors
         return run_experiment(args.experiment, args.args)
@@ -473,7 +506,8 @@ def _command(args) -> None:
         # process computes, rank 0 alone writes and prints
         args.rank = init_from_env().rank
         with contextlib.redirect_stdout(sys.stdout if args.rank == 0 else io.StringIO()):
-            {"train": _train, "evaluate": _evaluate, "demo": _train, "ttvi": _ttvi}[args.command](args)
+            {"train": _train, "evaluate": _evaluate, "demo": _train, "ttvi": _ttvi,
+             "draw-objects": _draw_objects}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -549,6 +549,38 @@ def test_bounded_affinity_stops_an_absent_object_winning_parts_from_the_dummy():
     assert torch.allclose(model.log_rho()[0, :3], by_hand) and model.log_rho().max().item() <= 0.0
 
 
+@pytest.mark.parametrize("object_pose", ["affine", "similarity"])
+def test_draw_objects_puts_each_part_where_its_object_predicts_it_at_its_expected_presence(object_pose):
+    # catches: parts drawn at the offsets without the object's pose or code, the presence without the share of the
+    # affinity the dummy leaves (or with the dummy's), objects' drawings swapped, or another part's offsets
+    W, px = 9, 2.0 / 9  # a 3x3 template at the identity covers pixels 3..5; one pixel is 2/9 in normalised units
+    model = CapsuleModel(CapsuleModelConfig(num_parents=2, num_parts=2, template_size=3, canvas_size=W,
+                                            dummy_affinity=0.5, object_pose=object_pose, object_code_dims=1,
+                                            code_deformation_std=0.5)).to(DT)
+    dot = torch.full((2, 1, 3, 3), -40.0, dtype=DT)
+    dot[:, :, 1, 1] = 40.0                               # every part an opaque white dot at its template's centre
+    with torch.no_grad():
+        model.template_logits.copy_(dot)
+        model.alpha_logits.copy_(dot)
+        model.offsets.zero_()
+        model.offsets[0, 0, 5] = px                      # object 0 puts part 0 a pixel below its origin
+        model.offsets[1, 1, 2] = -2 * px                 # object 1 puts part 1 two pixels left of its origin
+        model.offsets[0, 1, 2] = model.offsets[1, 0, 2] = 9.0  # and the other parts far off the canvas
+        model.code_basis.zero_()
+        model.code_basis[0, 0, 2, 0] = px                # object 0's code moves part 0 right, a pixel per unit
+        model.log_affinity.copy_(torch.tensor([[math.log(1.5), 0.0], [0.0, math.log(0.5)]], dtype=DT))
+        model.presence_logits.copy_(torch.tensor([[math.log(4.0), 0.0], [0.0, 0.0]], dtype=DT))  # γ = 0.8, 0.5
+    y1 = torch.zeros(2, 7, dtype=DT)
+    y1[0, 2], y1[0, 6] = px, 2.0                         # object 0 a pixel right, its code at 2
+    y1[1, 5] = -px                                       # object 1 a pixel up
+    drawn = model.draw_objects(y1.unsqueeze(0))
+    assert drawn.shape == (1, 2, 1, W, W)
+    expected = torch.zeros(2, W, W, dtype=DT)
+    expected[0, 4 + 1, 4 + 1 + 2] = 0.8 * 1.5 / (1.5 + 0.5)  # γ ρ / (ρ + ρ_0) at pose + offset + code
+    expected[1, 4 - 1, 4 - 2] = 0.5 * 0.5 / (0.5 + 0.5)
+    torch.testing.assert_close(drawn[0, :, 0], expected, atol=1e-9, rtol=0)
+
+
 def test_object_information_by_hand():
     # catches: normalising over the batch instead of the objects, or the between term taken per image
     counts = torch.tensor([[2.0, 0.0], [1.0, 1.0]], dtype=DT)

@@ -79,7 +79,7 @@ def test_train_resume_evaluate(tiny_toml, tmp_path, capsys):
     assert pngs == [f"tiny_seed0_{name}.png" for name in ("confusion_kmeans_posterior_counts",
                                                           "confusion_kmeans_presence", "confusion_presence",
                                                           "confusion_presence_pose", "objects_by_class",
-                                                          "presence_by_class", "reconstructions", "templates")]
+                                                          "objects_drawn", "presence_by_class", "reconstructions", "templates")]
     assert all((results / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "probe_presence_test_acc" in capsys.readouterr().out
 
@@ -204,7 +204,7 @@ def test_python_m_probcaps_help():
     proc = subprocess.run([sys.executable, "-m", "probcaps", "--help"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for command in ("train", "evaluate", "ttvi", "run", "demo", "download", "report"):
+    for command in ("train", "evaluate", "ttvi", "draw-objects", "run", "demo", "download", "report"):
         assert command in proc.stdout
 
 
@@ -220,6 +220,22 @@ def test_ttvi_command_runs_and_writes_results(tiny_toml, tmp_path, no_reexec, py
     metrics = json.loads(out.read_text())["metrics"]
     assert metrics["n_images"] == 6 and len(metrics["elbo_trace"]) == 5
     assert metrics["elbo_ttvi_mean"] > metrics["elbo_encoder_mean"]
+
+
+def test_draw_objects_command_draws_the_objects_in_use(tiny_toml, tmp_path, no_reexec, pyro_clean, capsys):
+    # catches: the command not loading a model with codes, not writing its figure, or a share no object reaches
+    # ending in a traceback (or an empty figure) instead of one line
+    from probcaps.cli import main
+
+    assert main(["train", "--config", str(tiny_toml), "--out", str(tmp_path / "run"), "--steps", "2", "--quiet",
+                 "--set", "model.object_code_dims=2"]) == 0
+    out = tmp_path / "drawn.png"
+    base = ["draw-objects", "--checkpoint", str(tmp_path / "run" / "final.pt"), "--limit", "20", "--quiet"]
+    assert main([*base, "--min-share", "0", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "objects drawn to" in capsys.readouterr().out
+    assert main([*base, "--min-share", "1.5", "--out", str(tmp_path / "none.png")]) == 2
+    _one_error_line(capsys, "--min-share 1.5", "probcaps draw-objects: error:")
+    assert not (tmp_path / "none.png").exists()
 
 
 @pytest.mark.parametrize("signal_name, code", [("ctrl_c", 130), ("sigterm", 143)])

@@ -157,6 +157,57 @@ def test_parts_in_parent_frame_hand_placed(object_pose, codes):
         assert not torch.allclose(y1, parent_poses)
 
 
+def test_object_drawings_rows_columns_and_code_directions():
+    # catches: objects out of use drawn (or objects in use left out), a mean over the images where the object is off,
+    # code directions that are not the codes' principal ones or steps of the wrong size, the example image of
+    # another image or object
+    from probcaps.inference.evaluate import object_drawings
+
+    gen = torch.Generator().manual_seed(5)
+    K, M, D, N = 3, 2, 2, 6
+    model = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=M, template_size=5, canvas_size=12,
+                                            object_code_dims=D, code_deformation_std=0.5)).double()
+    with torch.no_grad():
+        model.code_basis.copy_(0.3 * torch.randn(K, M, 6, D, generator=gen, dtype=torch.float64))
+    logits = torch.full((N, K), -5.0, dtype=torch.float64)
+    logits[:, 0] = torch.linspace(1.0, 2.0, N).flip(0)           # object 0 on everywhere, most present in image 0
+    logits[[1, 3], 2] = torch.tensor([1.0, 3.0], dtype=torch.float64)  # object 2 on in images 1 and 3; object 1 off
+    poses = 0.1 * torch.randn(N, K, 6 + D, generator=gen, dtype=torch.float64)
+    t = torch.tensor([-1.0, 0.0, 1.0, -1.0, 0.0, 1.0], dtype=torch.float64)
+    poses[:, 0, 6:] = torch.stack([0.5 + 0.3 * t, 0.5 + 0.6 * t], -1)  # object 0's codes vary along (1, 2) alone
+    poses[[0, 2, 4, 5], 2] = 50.0                                 # where object 2 is off, nothing of its latents counts
+    images = torch.randint(0, 256, (N, 12, 12), generator=gen, dtype=torch.uint8)
+    latents = Latents(part_logits=torch.zeros(N, M, dtype=torch.float64), part_poses=torch.zeros(N, M, 6,
+                      dtype=torch.float64), parent_logits=logits, parent_poses=poses)
+    grid, rows, cols = object_drawings(model, latents, images, components=1, span=2.0)
+    assert rows == ["object 0", "object 2"] and cols == ["most present", "mean", "−2σ code 1", "+2σ code 1"]
+    assert grid.shape == (2, 4, 12, 12)
+
+    @torch.no_grad()
+    def drawn(k, y):
+        y1 = torch.zeros(1, K, 6 + D, dtype=torch.float64)
+        y1[0, k] = y
+        return model.draw_objects(y1)[0, k, 0].float()
+
+    torch.testing.assert_close(grid[0, 0], images[0].float() / 255)
+    torch.testing.assert_close(grid[1, 0], images[3].float() / 255)
+    mean0, mean2 = poses[:, 0].mean(0), poses[[1, 3], 2].mean(0)
+    torch.testing.assert_close(grid[0, 1], drawn(0, mean0))
+    torch.testing.assert_close(grid[1, 1], drawn(2, mean2))
+    step = torch.zeros(6 + D, dtype=torch.float64)
+    step[6:] = 2.0 * t.std() * torch.tensor([0.3, 0.6], dtype=torch.float64)  # 2 std along the one direction
+    pair = sorted([drawn(0, mean0 - step), drawn(0, mean0 + step)], key=lambda x: float(x.sum()))
+    got = sorted([grid[0, 2], grid[0, 3]], key=lambda x: float(x.sum()))  # the direction's sign is arbitrary
+    assert not torch.allclose(pair[0], pair[1], atol=1e-3)
+    torch.testing.assert_close(got[0], pair[0])
+    torch.testing.assert_close(got[1], pair[1])
+    nothing_on = latents._replace(parent_logits=torch.full((N, K), -5.0, dtype=torch.float64))
+    assert object_drawings(model, nothing_on, images) is None
+    plain = CapsuleModel(CapsuleModelConfig(num_parents=K, num_parts=M, template_size=5, canvas_size=12)).double()
+    _, _, cols = object_drawings(plain, latents._replace(parent_poses=poses[..., :6]), images)
+    assert cols == ["most present", "mean"]                       # no code, no code directions
+
+
 def test_part_pose_explained_hand_cases():
     # catches: parts that are off or with the dummy counted, or the spread taken about zero instead of each part's mean
     poses = torch.tensor([[[0.0] * 6, [1.0] * 6], [[2.0] * 6, [5.0] * 6]])            # (N=2, M=2, 6)
@@ -312,6 +363,8 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     assert "dominant object" in (results / "tiny.md").read_text()
     assert metrics["published_scae"] == {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
     assert (results / "tiny_objects_by_class.png").is_file()
+    drawn_on = (torch.sigmoid(test_latents.parent_logits) > 0.5).float().mean(0) >= 0.01
+    assert (results / "tiny_objects_drawn.png").is_file() == bool(drawn_on.any())
     if codes:  # the probe on presences + poses reads the six pose coordinates alone
         features, K = readout_features(test_latents, test_counts), cfg["model"].num_parents
         assert test_latents.parent_poses.shape[-1] == 6 + codes
