@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -441,7 +442,10 @@ def _image_rows(rows: Sequence[Sequence[np.ndarray]], path: str | os.PathLike, r
                 col_labels: Sequence[str] | None, title: str | None) -> Path:
     """A grid with one row per entry of ``rows`` (each ``C`` images ``(H, W)`` or ``(H, W, 3)``), labelled."""
     R, C = len(rows), len(rows[0])
-    fig = _new_figure(C * _CELL_IN + (0.6 if row_labels else 0.0), R * _CELL_IN + (0.4 if title else 0.0))
+    width = C * _CELL_IN + (0.6 if row_labels else 0.0)
+    # a title wider than the grid is wrapped (about 9 characters an inch), each line given its own 0.25 inch
+    lines = textwrap.wrap(title, max(20, int(width * 9))) if title else []
+    fig = _new_figure(width, R * _CELL_IN + 0.1 + 0.22 * len(lines))
     axes = fig.subplots(R, C, squeeze=False)
     for r, row in enumerate(rows):
         for c, img in enumerate(row):
@@ -450,4 +454,5 @@ def _image_rows(rows: Sequence[Sequence[np.ndarray]], path: str | os.PathLike, r
                 axes[r][c].set_title(str(col_labels[c]), fontsize=8)
             if c == 0 and row_labels:
                 axes[r][c].set_ylabel(str(row_labels[r]), fontsize=8)
-    return _save(fig, path, title)
+    top = 1 - (0.1 + 0.22 * len(lines)) / fig.get_figheight() if lines else 1  # the title above the column labels
+    return _save(fig, path, "\n".join(lines) or None, rect=(0, 0, 1, top))
