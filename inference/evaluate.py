@@ -102,11 +102,11 @@ def object_drawings(model, latents: Latents, images: torch.Tensor, components: i
     """What each object in use draws (:meth:`CapsuleModel.draw_objects`): ``(grid (R, C, H, W), row labels, column
     labels)``, ``None`` if no object is in use.
 
-    One row per object on (presence > 0.5) in at least ``min_share`` of ``images`` (and one) ``(N, H, W)`` uint8 (those of
-    ``latents``): the image where the object is most present, then the object drawn alone at its mean latents over
-    the images where it is on and, for a model with object codes, with its code moved ``±span`` standard
-    deviations along each of the first ``components`` principal directions of its codes over those images: the ways
-    an object's parts move together from one image to the next."""
+    ``images`` ``(N, H, W)`` uint8 are those ``latents`` encode.  One row per object on (presence > 0.5) in at least
+    ``min_share`` of them (and in one at least): the image where the object is most present, then the object drawn
+    alone at its mean latents over the images where it is on and, for a model with object codes, with its code moved
+    ``±span`` standard deviations along each of the first ``components`` principal directions of its codes over
+    those images: the ways an object's parts move together from one image to the next."""
     presence = torch.sigmoid(latents.parent_logits.float())
     on = presence > 0.5                                                                # (N, K)
     share = on.float().mean(0)
