@@ -208,6 +208,8 @@ LEVER_RUNS = [
     ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
     ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
     ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
+    ("mnist_information_one_object_affine_codes_steps10000",
+     "… 8-D object codes (deformations ≤ 0.1), 10,000 steps"),
 ]
 
 
@@ -263,6 +265,8 @@ LAYER_RUNS = [
     ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
     ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
     ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
+    ("mnist_information_one_object_affine_codes_steps10000",
+     "… 8-D object codes (deformations ≤ 0.1), 10,000 steps"),
 ]
 
 
