@@ -110,31 +110,28 @@ def object_drawings(model, latents: Latents, images: torch.Tensor, components: i
     presence = torch.sigmoid(latents.parent_logits.float())
     on = presence > 0.5                                                                # (N, K)
     share = on.float().mean(0)
-    used = ((share >= min_share) & (share > 0)).nonzero().flatten().tolist()
-    if not used:
+    used = ((share >= min_share) & (share > 0)).nonzero().flatten()
+    if not len(used):
         return None
     D = model.config.object_code_dims
     components = min(components, D)
     ref = model.offsets
-    rows = []
-    for k in used:  # one object a row: a handful of renders each, not a loop over images or pixels
-        y1 = latents.parent_poses[on[:, k], k].to(ref)                                # (n_k, 6 + D)
-        mean = y1.mean(0)
-        variants = [mean]
-        if components:
-            centred = y1[:, 6:] - mean[6:]
-            _, sv, vh = torch.linalg.svd(centred, full_matrices=False)
-            std = sv / max(len(y1) - 1, 1) ** 0.5
-            for j in range(components):
-                step = span * std[j] * vh[j]
-                variants += [mean - F.pad(step, (6, 0)), mean + F.pad(step, (6, 0))]
-        y1_all = latents.parent_poses.new_zeros(len(variants), model.config.num_parents, 6 + D).to(ref)
-        y1_all[:, k] = torch.stack(variants)
-        drawn = model.draw_objects(y1_all)[:, k, 0].float().cpu()                    # (V, H, W)
-        example = to_float(images[presence[:, k].argmax()]).reshape(drawn.shape[1:]).to(drawn)
-        rows.append(torch.cat([example[None], drawn]))
+    weight = on.T.to(ref).unsqueeze(-1)                                               # (K, N, 1)
+    y1 = latents.parent_poses.to(ref).transpose(0, 1)                                 # (K, N, 6 + D)
+    count = weight.sum(1).clamp_min(1)                                                # (K, 1)
+    mean = (y1 * weight).sum(1) / count                                               # (K, 6 + D)
+    variants = [mean]
+    if components:  # the codes' principal directions per object; the images where it is off are zero rows
+        _, sv, vh = torch.linalg.svd((y1[..., 6:] - mean[:, None, 6:]) * weight, full_matrices=False)
+        std = sv / (count - 1).clamp_min(1).sqrt()                                    # (K, D)
+        for j in range(components):
+            step = F.pad(span * std[:, j, None] * vh[:, j], (6, 0))                   # (K, 6 + D)
+            variants += [mean - step, mean + step]
+    drawn = model.draw_objects(torch.stack(variants))[:, used, 0].float().cpu()      # (V, R, H, W), all at once
+    example = to_float(images[presence[:, used].argmax(0)]).reshape(len(used), *drawn.shape[2:]).to(drawn)
+    grid = torch.cat([example[:, None], drawn.transpose(0, 1)], 1)                   # (R, 1 + V, H, W)
     cols = ["most present", "mean"] + [f"{sign}{span:g}σ code {j + 1}" for j in range(components) for sign in "−+"]
-    return torch.stack(rows), [f"object {k}" for k in used], cols
+    return grid, [f"object {k}" for k in used.tolist()], cols
 
 
 def plot_object_drawings(drawings: tuple[torch.Tensor, list[str], list[str]], path: str | Path, title: str) -> Path:

@@ -189,6 +189,12 @@ class CapsuleModel(PyroModule):
         return self.offsets + torch.einsum("kmpd,...kd->...kmp", self.deformation_basis(), y1[..., 6:])
 
     # ---------------------------------------------------------------- the shared computations
+    def predicted_part_poses(self, y1: torch.Tensor) -> torch.Tensor:
+        """``(..., K, M, 6)`` the pose each object predicts for each part, ``pose6(P(y1_k) P(Δ_km + U_km c_k))``, with
+        ``y1`` ``(..., K, 6 + D)`` restricted to the object-pose group."""
+        pose = restrict_pose6(y1[..., :6], self.config.object_pose).unsqueeze(-2)
+        return compose_pose6(pose, self.part_offsets(y1))
+
     def child_tables(self, z1: torch.Tensor, y1: torch.Tensor):
         """Everything that defines ``p(s, z0, y0 | z1, y1)``, for every candidate parent (the dummy first).
 
@@ -204,9 +210,7 @@ class CapsuleModel(PyroModule):
         selection_logits = log_rho + torch.log(z1_full).unsqueeze(-2)             # (..., M, K+1)
         dummy_gamma = self.presence_logits.new_full((1, M), cfg.dummy_presence)
         presence_probs = torch.cat([dummy_gamma, torch.sigmoid(self.presence_logits)], 0).T  # (M, K+1)
-        # pose6(P(y1_k) P(Δ_km)) for every (k, m), y1 in the object-pose group; the dummy predicts the origin
-        pose = restrict_pose6(y1[..., :6], cfg.object_pose).unsqueeze(-2)
-        parent_mean = compose_pose6(pose, self.part_offsets(y1))                  # (..., K, M, 6)
+        parent_mean = self.predicted_part_poses(y1)                                # (..., K, M, 6)
         pose_mean = torch.cat([torch.zeros_like(parent_mean[..., :1, :, :]), parent_mean], -3).transpose(-3, -2)
         dummy_var = self.offsets.new_full((1, M, 6), cfg.clutter_pose_std**2)
         pose_var_on = torch.cat([dummy_var, self.part_pose_std() ** 2], 0).transpose(0, 1)  # (M, K+1, 6)
@@ -237,8 +241,7 @@ class CapsuleModel(PyroModule):
         the model expects the object to put on the canvas (the dummy's clutter left out)."""
         cfg = self.config
         M, H = cfg.num_parts, cfg.canvas_size
-        pose = restrict_pose6(y1[..., :6], cfg.object_pose).unsqueeze(-2)
-        part_poses = compose_pose6(pose, self.part_offsets(y1))                    # (..., K, M, 6)
+        part_poses = self.predicted_part_poses(y1)                                 # (..., K, M, 6)
         own = torch.sigmoid(self.log_rho() - math.log(cfg.dummy_affinity))         # ρ / (ρ + ρ_0), (K, M)
         presence = (torch.sigmoid(self.presence_logits) * own).expand(part_poses.shape[:-1])
         image, _ = self.render(presence.reshape(-1, M), part_poses.reshape(-1, M, 6), contributions=False)

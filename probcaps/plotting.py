@@ -443,7 +443,7 @@ def _image_rows(rows: Sequence[Sequence[np.ndarray]], path: str | os.PathLike, r
     """A grid with one row per entry of ``rows`` (each ``C`` images ``(H, W)`` or ``(H, W, 3)``), labelled."""
     R, C = len(rows), len(rows[0])
     width = C * _CELL_IN + (0.6 if row_labels else 0.0)
-    # a title wider than the grid is wrapped (about 9 characters an inch), each line given its own 0.25 inch
+    # a title wider than the grid is wrapped (about 9 characters an inch), each line given its own 0.22 inch
     lines = textwrap.wrap(title, max(20, int(width * 9))) if title else []
     fig = _new_figure(width, R * _CELL_IN + 0.1 + 0.22 * len(lines))
     axes = fig.subplots(R, C, squeeze=False)
