@@ -19,7 +19,7 @@ from pathlib import Path
 
 from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules
 from probcaps.inference.distributed import init_from_env
-from probcaps.inference.evaluate import evaluate_checkpoint
+from probcaps.inference.evaluate import SCAE_PUBLISHED, evaluate_checkpoint
 from probcaps.inference.train import load_checkpoint, run_finished
 from probcaps import plotting
 from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
@@ -299,15 +299,60 @@ def layers_table(results_dir: Path) -> str | None:
         "on with an object for parent, on the test images. Each row's command and commit are in its results file."])
 
 
+#: the shipped MNIST recipes, side by side on the readouts the capsule premise is judged by: ``(results name,
+#: column head)``; ``results/mnist_recipes.md``
+RECIPES = "mnist_recipes"
+RECIPE_RUNS = [("mnist_readout", "`mnist.toml`"), ("mnist_objects", "`mnist_objects.toml`")]
+#: ``(metrics key, row head, target, SCAE's number)`` of :func:`recipes_table`; a head ending in (%) is a share
+RECIPE_ROWS = [
+    ("probe_presence_pose_test_acc", "linear probe, object presences + poses (%)", "≥ 98.8", ""),
+    ("probe_presence_test_acc", "linear probe, prior presences (%)", "≥ 95",
+     f"{100 * SCAE_PUBLISHED['probe_test_acc']:.1f}"),
+    ("kmeans_posterior_counts_test_acc", "k-means (10) + Hungarian, posterior presences (%)", "≥ 85",
+     f"{100 * SCAE_PUBLISHED['kmeans_test_acc']:.1f}"),
+    ("kmeans_presence_test_acc", "k-means (10) + Hungarian, prior presences (%)", "", ""),
+    ("object_class_purity", "objects' class purity (0.1: none)", "", ""),
+    ("mean_active_parents", "objects on per image (of 16)", "", ""),
+]
+
+
+def recipes_table(results_dir: Path) -> str | None:
+    """The shipped recipes of :data:`RECIPE_RUNS` whose results are in ``results_dir``, one column each, on the
+    readouts of :data:`RECIPE_ROWS` (mean ± std over the seeds, MNIST test) beside the targets and SCAE's numbers;
+    None when none has results."""
+    loaded = [(head, *found) for name, head in RECIPE_RUNS if (found := load_result(results_dir, name)) is not None]
+    if not loaded:
+        return None
+    seeds = [metrics["per_seed"] for _, metrics, _ in loaded]
+    lines = ["| readout (MNIST test, 40×40) | " + " | ".join(head for head, _, _ in loaded) + " | target | SCAE |",
+             "| --- |" + " --- |" * (len(loaded) + 2)]
+    for key, what, target, scae in RECIPE_ROWS:
+        scale, digits = (100.0, 1) if what.endswith("(%)") else (1.0, 3 if "purity" in key else 1)
+        cells = [seed_cell(runs, key, scale, digits) for runs in seeds]
+        lines.append(f"| {what} | " + " | ".join(cells) + f" | {target} | {scae} |")
+    lines.append("| steps; training minutes per seed | " + " | ".join(
+        f"{runs[0]['steps']:,}; " + ", ".join(f"{r['train_wall_time_s'] / 60:.0f}" for r in runs) for runs in seeds)
+        + " | | |")
+    lines += ["", "Seeds " + "; ".join(f"{head}: " + ", ".join(str(r["seed"]) for r in runs)
+                                      for (head, _, _), runs in zip(loaded, seeds))
+              + f"; probes fit on the {seeds[0][0]['n_train']:,} training images, probes and k-means scored on the "
+              f"{seeds[0][0]['n_test']:,} test images; the targets are for the mean over three seeds; each column's "
+              "command, commit and device are in its results file "
+              "(`results/<name>.json`: " + ", ".join(f"`{name}`" for name, _ in RECIPE_RUNS) + ")."]
+    return "\n".join(lines)
+
+
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
     """Write ``results_dir/<name>.md`` and, from the results JSON there, ``results_dir/mnist_ablations.md`` when
     ``results_dir/mnist_ablations/`` holds tries, ``results_dir/mnist_levers.md`` when a recipe of
     :data:`LEVER_RUNS` has results and ``results_dir/mnist_layers_by_recipe.md`` when one of :data:`LAYER_RUNS` has;
-    returns the files written (None: not written)."""
+    returns the files written (None: not written), and ``results_dir/mnist_recipes.md`` when a recipe of
+    :data:`RECIPE_RUNS` has results."""
     return [write_table(results_dir, name, readme_table(results_dir, name)),
             write_table(results_dir, ABLATIONS, ablations_table(results_dir)),
             write_table(results_dir, LEVERS, levers_table(results_dir)),
-            write_table(results_dir, LAYERS, layers_table(results_dir))]
+            write_table(results_dir, LAYERS, layers_table(results_dir)),
+            write_table(results_dir, RECIPES, recipes_table(results_dir))]
 
 
 @one_line_errors("mnist_probe")

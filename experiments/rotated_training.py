@@ -6,6 +6,8 @@ probe accuracy; ``finding`` in the JSON tests it (the slope of accuracy against 
 
     python experiments/rotated_training.py --thetas 0 45 90 180 --seeds 0 1          # the committed run
     python experiments/rotated_training.py --resume                                   # continue interrupted runs
+    python -m experiments.rotated_training --config experiments/configs/rotated_training_objects.toml --seeds 0
+                                                       # the same with objects that stand for digits (mnist_objects.toml)
     python experiments/rotated_training.py --thetas 0 90 --seeds 0 --set train.steps=5 --set data.dataset="synthetic"
 
 Each (theta_max, seed) trains in ``<out>/theta<T>_seed<S>/`` and leaves its ``metrics.json`` there (``--resume``
@@ -102,7 +104,7 @@ def plot(summary: dict, path: Path) -> Path:
         accuracy["k-means on posterior presences"] = curve("kmeans_posterior_counts_test_acc")
         panels.append({"curves": {"by expected part counts": curve("parent_class_purity_posterior", 1.0),
                                   "where on (presence > 0.5)": curve("parent_class_purity", 1.0)},
-                       "xlabel": xlabel, "ylabel": "objects' class purity (0.1: none)", "ylim": (0.0, 0.5),
+                       "xlabel": xlabel, "ylabel": "objects' class purity (0.1: none)", "ylim": (0.0, 1.0),
                        "title": "how class-specific the objects are"})
     return plotting.plot_curve_panels(panels, path)
 

@@ -137,6 +137,34 @@ def test_layers_table_reads_seed_summaries_and_single_models(tmp_path):
                     f"| {single_what} | `{single_name}` | 1 | 0.1 | 20.0 | 30.0 | 40.0 | 50.0 | 60.0 | 0.700 | 0.800 |"]
 
 
+def test_recipes_table_puts_each_shipped_recipe_in_its_own_column(tmp_path):
+    # catches: a recipe's column filled from another recipe's seeds, a share not scaled to %, a missing recipe given a
+    # column, or the training minutes not of their own seeds
+    from probcaps.experiments import mnist_probe
+    from probcaps.provenance import write_results
+
+    keys = [key for key, *_ in mnist_probe.RECIPE_ROWS]
+
+    def run(seed, level):
+        return {**{key: level + seed / 100 for key in keys}, "seed": seed, "steps": 2500, "n_train": 60,
+                "n_test": 20, "train_wall_time_s": 60.0 * (seed + 1)}
+
+    (first, first_head), (second, second_head) = mnist_probe.RECIPE_RUNS
+    assert mnist_probe.recipes_table(tmp_path) is None
+    write_results(tmp_path / f"{second}.json", {"per_seed": [run(0, 0.9), run(2, 0.9)]}, {})
+    only = mnist_probe.recipes_table(tmp_path).splitlines()
+    assert only[0] == f"| readout (MNIST test, 40×40) | {second_head} | target | SCAE |"
+    write_results(tmp_path / f"{first}.json", {"per_seed": [run(0, 0.5), run(1, 0.5), run(2, 0.5)]}, {})
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:3] for line in
+            mnist_probe.recipes_table(tmp_path).splitlines()[2:] if line.startswith("| ")}
+    # 0.50, 0.51, 0.52: 51.0 ± 1.0 in %; 0.90, 0.92: 91.0 ± 1.4
+    assert rows["linear probe, object presences + poses (%)"] == ["51.0 ± 1.0", "91.0 ± 1.4"]
+    assert rows["objects' class purity (0.1: none)"] == ["0.510 ± 0.010", "0.910 ± 0.014"]
+    assert rows["objects on per image (of 16)"] == ["0.5 ± 0.0", "0.9 ± 0.0"]
+    assert rows["steps; training minutes per seed"] == ["2,500; 1, 2, 3", "2,500; 1, 3"]
+    assert "≥ 85 | 98.7 |" in mnist_probe.recipes_table(tmp_path)
+
+
 def test_mnist_probe_bad_config_is_one_line(tmp_path, capsys):
     from probcaps.experiments import mnist_probe
 

@@ -421,6 +421,17 @@ def test_mnist_recipes_are_named_after_their_files_and_the_demo_is_a_diff_on_the
         assert all(trained[section][k] == v for k, v in mnist[section].to_dict().items() if k in trained[section])
 
 
+def test_the_objects_recipe_is_the_config_its_models_were_trained_and_read_with():
+    # catches: mnist_objects.toml (or a base it stands on) drifting from the models behind results/mnist_objects.json,
+    # which were trained as mnist_information.toml with --set changes before the recipe had a file of its own
+    configs = ROOT / "experiments" / "configs"
+    objects = load_experiment_config(configs / "mnist_objects.toml")
+    assert objects["name"] == "mnist_objects"
+    recipe = {section: objects[section].to_dict() for section in ("data", "model", "encoder", "train", "eval")}
+    for name in ("mnist_objects", "mnist_information_one_object_affine_codes_steps10000"):
+        assert json.loads((ROOT / "results" / f"{name}.json").read_text())["provenance"]["configs"] == recipe, name
+
+
 def test_unknown_config_key_names_key_and_file(tmp_path, tiny_toml):
     # catches: a typo in a config silently falling back to the default
     path = tmp_path / "typo.toml"
