@@ -99,7 +99,7 @@ def plot(summary: dict, path: Path) -> Path:
     accuracy = {f"probe on {label}": curve(f"probe_{k}_test_acc") for k, label in FEATURES.items()}
     xlabel, n = "maximum training rotation θmax (degrees)", len(pts[0]["seeds"])
     panels = [{"curves": accuracy, "xlabel": xlabel, "ylabel": "test accuracy (%)",
-               "title": f"rotated MNIST (test rotated within ±θmax); {n} seeds"}]
+               "title": f"rotated MNIST (test rotated within ±θmax); {n} seed{'s' if n > 1 else ''}"}]
     if "kmeans_posterior_counts_test_acc_mean" in pts[0]:
         accuracy["k-means on posterior presences"] = curve("kmeans_posterior_counts_test_acc")
         panels.append({"curves": {"by expected part counts": curve("parent_class_purity_posterior", 1.0),
