@@ -303,16 +303,16 @@ def layers_table(results_dir: Path) -> str | None:
 #: column head)``; ``results/mnist_recipes.md``
 RECIPES = "mnist_recipes"
 RECIPE_RUNS = [("mnist_readout", "`mnist.toml`"), ("mnist_objects", "`mnist_objects.toml`")]
-#: ``(metrics key, row head, target, SCAE's number)`` of :func:`recipes_table`; a head ending in (%) is a share
+#: ``(metrics key, row head, scale, digits, target, SCAE's number)`` of :func:`recipes_table`
 RECIPE_ROWS = [
-    ("probe_presence_pose_test_acc", "linear probe, object presences + poses (%)", "≥ 98.8", ""),
-    ("probe_presence_test_acc", "linear probe, prior presences (%)", "≥ 95",
+    ("probe_presence_pose_test_acc", "linear probe, object presences + poses (%)", 100.0, 1, "≥ 98.8", ""),
+    ("probe_presence_test_acc", "linear probe, prior presences (%)", 100.0, 1, "≥ 95",
      f"{100 * SCAE_PUBLISHED['probe_test_acc']:.1f}"),
-    ("kmeans_posterior_counts_test_acc", "k-means (10) + Hungarian, posterior presences (%)", "≥ 85",
+    ("kmeans_posterior_counts_test_acc", "k-means (10) + Hungarian, posterior presences (%)", 100.0, 1, "≥ 85",
      f"{100 * SCAE_PUBLISHED['kmeans_test_acc']:.1f}"),
-    ("kmeans_presence_test_acc", "k-means (10) + Hungarian, prior presences (%)", "", ""),
-    ("object_class_purity", "objects' class purity (0.1: none)", "", ""),
-    ("mean_active_parents", "objects on per image (of 16)", "", ""),
+    ("kmeans_presence_test_acc", "k-means (10) + Hungarian, prior presences (%)", 100.0, 1, "", ""),
+    ("object_class_purity", "objects' class purity (0.1: none)", 1.0, 3, "", ""),
+    ("mean_active_parents", "objects on per image (of 16)", 1.0, 1, "", ""),
 ]
 
 
@@ -326,8 +326,7 @@ def recipes_table(results_dir: Path) -> str | None:
     seeds = [metrics["per_seed"] for _, metrics, _ in loaded]
     lines = ["| readout (MNIST test, 40×40) | " + " | ".join(head for head, _, _ in loaded) + " | target | SCAE |",
              "| --- |" + " --- |" * (len(loaded) + 2)]
-    for key, what, target, scae in RECIPE_ROWS:
-        scale, digits = (100.0, 1) if what.endswith("(%)") else (1.0, 3 if "purity" in key else 1)
+    for key, what, scale, digits, target, scae in RECIPE_ROWS:
         cells = [seed_cell(runs, key, scale, digits) for runs in seeds]
         lines.append(f"| {what} | " + " | ".join(cells) + f" | {target} | {scae} |")
     lines.append("| steps; training minutes per seed | " + " | ".join(
