@@ -6,7 +6,7 @@ probe accuracy; ``finding`` in the JSON tests it (the slope of accuracy against 
 
     python experiments/rotated_training.py --thetas 0 45 90 180 --seeds 0 1          # the committed run
     python experiments/rotated_training.py --resume                                   # continue interrupted runs
-    python -m experiments.rotated_training --config experiments/configs/rotated_training_objects.toml --seeds 0
+    python -m experiments.rotated_training --config experiments/configs/rotated_training_objects.toml --seeds 0 1 2
                                                        # the same with objects that stand for digits (mnist_objects.toml)
     python experiments/rotated_training.py --thetas 0 90 --seeds 0 --set train.steps=5 --set data.dataset="synthetic"
 

@@ -305,8 +305,7 @@ TABLE_SOURCES = [
       for p in sorted((ROOT / "results").glob("ttvi_classification*.json"))],
     ("experiments.normal_guide", [], ["normal_guide"]),
     *[("experiments.rotated_training", ["--name", n], [n])
-      for n in ("rotated_training", "rotated_training_headline", "rotated_training_objects",
-                "rotated_training_objects_ends")],
+      for n in ("rotated_training", "rotated_training_headline", "rotated_training_objects")],
     *[("experiments.rotated_training", ["--name", p.stem], [p.stem])  # the tries for objects that specialise
       for p in sorted((ROOT / "results").glob("specialisation_*.json"))],
     ("experiments.rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
