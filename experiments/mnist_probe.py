@@ -173,8 +173,21 @@ def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
     return "\n".join(lines)
 
 
+#: the recipes with object codes, by the code's bound, then by steps; rows of both :data:`LEVER_RUNS` and
+#: :data:`LAYER_RUNS` (each was read out with the part layer's probes)
+CODE_RUNS = [
+    ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
+    ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
+    ("mnist_information_one_object_affine_codes005", "… the same with 8-D object codes (deformations ≤ 0.05)"),
+    ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
+    ("mnist_information_one_object_affine_codes_steps10000",
+     "… 8-D object codes (deformations ≤ 0.1), 10,000 steps"),
+]
+
+
 #: the recipes and changes tried for objects that stand for digits, each read out over several seeds:
-#: ``(results name, what it is)``, in the order they were tried; ``results/mnist_levers.md``
+#: ``(results name, what it is)``, in the order they were tried (those with codes last, :data:`CODE_RUNS`);
+#: ``results/mnist_levers.md``
 LEVERS = "mnist_levers"
 LEVER_RUNS = [
     ("mnist_readout", "the recommended recipe: affine object poses (`mnist.toml`)"),
@@ -205,12 +218,7 @@ LEVER_RUNS = [
     ("mnist_information_one_object_affine_steps20000", "… 1 object per image at 20,000 steps, affine object poses"),
     ("mnist_information_one_object_affine_sigma015",
      "… 1 object per image at 2,500 steps, affine object poses, the part-pose ceiling at 0.15"),
-    ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
-    ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
-    ("mnist_information_one_object_affine_codes005", "… the same with 8-D object codes (deformations ≤ 0.05)"),
-    ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
-    ("mnist_information_one_object_affine_codes_steps10000",
-     "… 8-D object codes (deformations ≤ 0.1), 10,000 steps"),
+    *CODE_RUNS,
 ]
 
 
@@ -263,12 +271,7 @@ LAYER_RUNS = [
     ("mnist_information_one_object_steps20000_seed2_layers", "… 1 object per image, 20,000 steps (seed 2)"),
     ("mnist_information_one_object_affine_steps20000_layers", "… 1 object per image, 20,000 steps, affine poses"),
     ("mnist_information_one_object_affine_sigma015", "… the same at 2,500 steps, the part-pose ceiling at 0.15"),
-    ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
-    ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
-    ("mnist_information_one_object_affine_codes005", "… the same with 8-D object codes (deformations ≤ 0.05)"),
-    ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
-    ("mnist_information_one_object_affine_codes_steps10000",
-     "… 8-D object codes (deformations ≤ 0.1), 10,000 steps"),
+    *CODE_RUNS,
 ]
 
 
