@@ -173,8 +173,8 @@ def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
     return "\n".join(lines)
 
 
-#: the recipes with object codes, by the code's bound, then by steps; rows of both :data:`LEVER_RUNS` and
-#: :data:`LAYER_RUNS` (each was read out with the part layer's probes)
+#: the recipes with object codes, by the code's bound, then steps, then objects per image; rows of both
+#: :data:`LEVER_RUNS` and :data:`LAYER_RUNS` (each was read out with the part layer's probes)
 CODE_RUNS = [
     ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
     ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
@@ -182,6 +182,8 @@ CODE_RUNS = [
     ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
     ("mnist_information_one_object_affine_codes_steps10000",
      "… 8-D object codes (deformations ≤ 0.1), 10,000 steps"),
+    ("mnist_information_two_objects_affine_codes",
+     "… 2 objects per image at 2,500 steps, 8-D object codes (deformations ≤ 0.1)"),
 ]
 
 
