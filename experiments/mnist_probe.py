@@ -225,8 +225,9 @@ LEVER_RUNS = [
 
 
 def seed_cell(runs: list[dict], key: str, scale: float = 100.0, digits: int = 1) -> str:
-    """``key`` of each of ``runs`` (a recipe's seeds, or one model), mean ± std, as a table cell."""
-    return fmt_mean_std([r[key] for r in runs], scale=scale, digits=digits)
+    """``key`` of each of ``runs`` (a recipe's seeds, or one model), mean ± std, as a table cell; "—" where a run
+    has not measured it (a readout added since its results were written)."""
+    return fmt_mean_std([r.get(key, float("nan")) for r in runs], scale=scale, digits=digits)
 
 
 def levers_table(results_dir: Path) -> str | None:
@@ -313,6 +314,8 @@ RECIPE_RUNS = [("mnist_readout", "`mnist.toml`"), ("mnist_objects", "`mnist_obje
 #: ``(metrics key, row head, scale, digits, target, SCAE's number)`` of :func:`recipes_table`
 RECIPE_ROWS = [
     ("probe_presence_pose_test_acc", "linear probe, object presences + poses (%)", 100.0, 1, "≥ 98.8", ""),
+    ("mlp_presence_pose_test_acc", "two-layer network, object presences + poses (%)", 100.0, 1, "", ""),
+    ("mlp_parts_test_acc", "two-layer network, part presences + poses (%)", 100.0, 1, "", ""),
     ("probe_presence_test_acc", "linear probe, prior presences (%)", 100.0, 1, "≥ 95",
      f"{100 * SCAE_PUBLISHED['probe_test_acc']:.1f}"),
     ("kmeans_posterior_counts_test_acc", "k-means (10) + Hungarian, posterior presences (%)", 100.0, 1, "≥ 85",

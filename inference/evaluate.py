@@ -24,7 +24,7 @@ from probcaps.inference.capsule_svi import encode_dataset, load_images, load_tra
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
 from probcaps.inference.train import load_checkpoint, make_elbo
-from probcaps.metrics import (LinearProbe, class_purity, classification_summary, dominant_object_accuracy,
+from probcaps.metrics import (LinearProbe, MLPProbe, class_purity, classification_summary, dominant_object_accuracy,
                               kmeans_labels, mean_by_class)
 from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
@@ -33,7 +33,7 @@ from probcaps.report import fmt_mean_std, load_result, provenance_line, write_ta
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
            "parts_in_parent_frame", "part_pose_explained", "object_drawings", "plot_object_drawings",
-           "layer_features", "READOUTS", "LAYER_READOUTS", "REPORTED_KMEANS", "SCAE_PUBLISHED"]
+           "layer_features", "part_features", "READOUTS", "LAYER_READOUTS", "NONLINEAR_PROBES", "REPORTED_KMEANS", "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
@@ -47,6 +47,10 @@ LAYER_READOUTS = {"parts": "part presences + poses",
                   "parts_in_parent_frame": "part presences + poses in their parent's frame",
                   "presence_pose_parts_in_parent_frame": "object presences + poses ⊕ parts in their parent's frame",
                   "part_residuals": "parts' offsets from their parent's prediction"}
+#: The feature sets probed again by a two-layer network (``eval.nonlinear_probes``, :class:`~probcaps.metrics.MLPProbe`):
+#: how much class information the object layer holds against the part layer, whether or not a linear readout
+#: reaches it.
+NONLINEAR_PROBES = ("presence", "presence_pose", "presence_pose_code", "parts")
 #: The feature sets whose probes get a per-class report and a confusion-matrix figure.
 REPORTED_PROBES = ("presence", "presence_pose")
 #: The feature sets whose test k-means clusters (each named by its matched class) get the same: which digits share
@@ -224,11 +228,16 @@ def part_pose_explained(latents: Latents, residual: torch.Tensor, parent: torch.
     return float(1 - ((residual ** 2) * used).sum() / spread) if spread > 0 else float("nan")
 
 
+def part_features(latents: Latents) -> torch.Tensor:
+    """``(N, M * 7)``: the parts' presence logits and poses."""
+    return torch.cat([latents.part_logits, latents.part_poses.flatten(1)], 1)
+
+
 def layer_features(latents: Latents, frame: torch.Tensor, residual: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per :data:`LAYER_READOUTS` key, the probe's features ``(N, D)``, from :func:`parts_in_parent_frame`."""
     objects = probe_features(latents)["presence_pose"]
     in_frame = torch.cat([latents.part_logits, frame.flatten(1)], 1)
-    return {"parts": torch.cat([latents.part_logits, latents.part_poses.flatten(1)], 1),
+    return {"parts": part_features(latents),
             "parts_in_parent_frame": in_frame,
             "presence_pose_parts_in_parent_frame": torch.cat([objects, in_frame], 1),
             "part_residuals": residual.flatten(1)}
@@ -307,6 +316,12 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
             metrics[f"probe_{key}_test_acc"] = probe.accuracy(test_layers[key], test_labels)
             metrics[f"probe_{key}_train_acc"] = probe.accuracy(train_layers[key], train_labels)
         metrics["part_pose_explained"] = part_pose_explained(test_lat, test_residual, test_parent)
+    if ecfg.nonlinear_probes:
+        train_feats["parts"], test_feats["parts"] = ((part_features(lat),) for lat in (train_lat, test_lat))
+        for key in (key for key in NONLINEAR_PROBES if key in train_feats):
+            probe = MLPProbe(seed=seed).fit(train_feats[key][0], train_labels)
+            metrics[f"mlp_{key}_test_acc"] = probe.accuracy(test_feats[key][0], test_labels)
+            metrics[f"mlp_{key}_train_acc"] = probe.accuracy(train_feats[key][0], train_labels)
     test_presence = torch.sigmoid(test_lat.parent_logits)
     metrics["object_class_purity"] = class_purity(test_counts, test_labels)
     metrics["object_class_purity_presence"] = class_purity(test_presence, test_labels)
@@ -395,6 +410,11 @@ def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "resu
     return summary
 
 
+def nonlinear_label(key: str) -> str:
+    """The row head of a :data:`NONLINEAR_PROBES` readout in the tables, whose probe column it shares."""
+    return f"{READOUTS.get(key) or LAYER_READOUTS[key]}, two-layer network"
+
+
 def readout_table(results_dir: str | Path, name: str) -> str | None:
     """The table of ``results_dir/<name>.json`` written by :func:`evaluate_checkpoint`: probe and k-means on every
     readout (train / test), beside SCAE's; None when the file does not exist."""
@@ -415,6 +435,8 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
               if f"probe_{key}_test_acc" in m]
     lines += [f"| {label} | {pct(f'probe_{key}')} | — |" for key, label in LAYER_READOUTS.items()
               if f"probe_{key}_test_acc" in m]
+    lines += [f"| {nonlinear_label(key)} | {pct(f'mlp_{key}')} | — |" for key in NONLINEAR_PROBES
+              if f"mlp_{key}_test_acc" in m]
     lines.append(f"| SCAE (Kosiorek et al. 2019, Table 1) | {100 * SCAE_PUBLISHED['probe_test_acc']:.1f} (test) | "
                  f"{100 * SCAE_PUBLISHED['kmeans_test_acc']:.1f} (test) |")
     return "\n".join(lines + [
@@ -450,6 +472,8 @@ def seeds_readout_table(m: dict, prov: dict) -> str:
               for key, label in READOUTS.items() if all(f"probe_{key}_test_acc" in r for r in runs)]
     lines += [f"| {label} | {ms(f'probe_{key}_test_acc')} | — |"
               for key, label in LAYER_READOUTS.items() if all(f"probe_{key}_test_acc" in r for r in runs)]
+    lines += [f"| {nonlinear_label(key)} | {ms(f'mlp_{key}_test_acc')} | — |"
+              for key in NONLINEAR_PROBES if all(f"mlp_{key}_test_acc" in r for r in runs)]
     lines.append(f"| SCAE (Kosiorek et al. 2019, Table 1) | {100 * SCAE_PUBLISHED['probe_test_acc']:.1f} | "
                  f"{100 * SCAE_PUBLISHED['kmeans_test_acc']:.1f} |")
     minutes = ", ".join(f"{w / 60:.0f}" if w is not None else "—" for w in prov.get("wall_time_s") or [])

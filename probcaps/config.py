@@ -73,6 +73,7 @@ class EvalConfig(Section):
     kmeans_n_init: int = 10
     figures: bool = True
     layer_readouts: bool = False   # also probe the part layer (inference/evaluate.py, LAYER_READOUTS)
+    nonlinear_probes: bool = False  # also a two-layer network's probe (inference/evaluate.py, NONLINEAR_PROBES)
 
 
 # ------------------------------------------------------------------------------------------------------ ranges

@@ -1,4 +1,4 @@
-"""Evaluation metrics: linear probes, cluster accuracy, per-class reports, class purity, R^2 and reconstruction error.
+"""Evaluation metrics: linear and two-layer probes, cluster accuracy, per-class reports, class purity, R^2 and reconstruction error.
 
 Every function accepts numpy arrays or torch tensors (on any device, with gradients) and returns plain Python floats
 or numpy arrays; bad input raises a ``ValueError`` naming the offending argument.
@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LinearProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels",
+__all__ = ["LinearProbe", "MLPProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels",
            "kmeans_accuracy", "classification_summary",
            "mean_by_class", "object_class_shares", "class_purity", "dominant_object_accuracy", "r2_scores", "r2_score",
            "reconstruction_mse"]
@@ -113,6 +113,71 @@ class LinearProbe:
         if X.shape[1] != n_in:
             raise ValueError(f"features has {X.shape[1]} columns but the probe was fitted on {n_in}")
         return self.pipeline_.predict(X)
+
+    def accuracy(self, features: Any, labels: Any) -> float:
+        X, y = _rows(features, "features", labels, "labels")
+        return float(np.mean(self.predict(X) == y))
+
+
+class MLPProbe:
+    """A two-hidden-layer ReLU network on standardised features, trained by Adam on the cross-entropy (cosine-decayed
+    learning rate, weight decay, a fixed number of epochs, deterministic for a given ``seed``): how much class
+    information a set of features holds when the readout need not be linear.  The same interface as
+    :class:`LinearProbe`; labels may be any integers (the network's outputs are their sorted unique values)."""
+
+    def __init__(self, hidden: int = 256, epochs: int = 30, batch_size: int = 256, lr: float = 1e-3,
+                 weight_decay: float = 1e-4, seed: int = 0):
+        for name, value in (("hidden", hidden), ("epochs", epochs), ("batch_size", batch_size)):
+            if int(value) < 1:
+                raise ValueError(f"MLPProbe: {name} must be >= 1, got {value}")
+        if not lr > 0:
+            raise ValueError(f"MLPProbe: lr must be > 0, got {lr}")
+        self.hidden, self.epochs, self.batch_size = int(hidden), int(epochs), int(batch_size)
+        self.lr, self.weight_decay, self.seed = float(lr), float(weight_decay), seed
+        self.net_ = None
+
+    def fit(self, features: Any, labels: Any) -> "MLPProbe":
+        import torch
+
+        X, y = _rows(features, "features", labels, "labels")
+        classes, y_index = np.unique(y, return_inverse=True)
+        if classes.size < 2:
+            raise ValueError("labels must contain at least 2 distinct classes to fit a probe")
+        self.classes_, self.mean_, self.scale_ = classes, X.mean(0), X.std(0) + 1e-6
+        g = torch.Generator().manual_seed(self.seed)
+        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+            torch.manual_seed(self.seed)
+            net = torch.nn.Sequential(torch.nn.Linear(X.shape[1], self.hidden), torch.nn.ReLU(),
+                                      torch.nn.Linear(self.hidden, self.hidden), torch.nn.ReLU(),
+                                      torch.nn.Linear(self.hidden, classes.size))
+        inputs = torch.as_tensor((X - self.mean_) / self.scale_, dtype=torch.float32)
+        targets = torch.as_tensor(y_index)
+        batches = max(1, len(X) // self.batch_size)  # a ragged last batch is dropped; each epoch reshuffles
+        opt = torch.optim.Adam(net.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, self.epochs * batches)
+        for _ in range(self.epochs):
+            order = torch.randperm(len(X), generator=g)
+            for b in range(batches):
+                idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+                loss = torch.nn.functional.cross_entropy(net(inputs[idx]), targets[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+        self.net_ = net.eval()
+        return self
+
+    def predict(self, features: Any) -> np.ndarray:
+        import torch
+
+        if self.net_ is None:
+            raise RuntimeError("MLPProbe is not fitted; call fit(features, labels) first")
+        X = _features(features, "features")
+        if X.shape[1] != self.mean_.size:
+            raise ValueError(f"features has {X.shape[1]} columns but the probe was fitted on {self.mean_.size}")
+        with torch.no_grad():
+            logits = self.net_(torch.as_tensor((X - self.mean_) / self.scale_, dtype=torch.float32))
+        return self.classes_[logits.argmax(1).numpy()]
 
     def accuracy(self, features: Any, labels: Any) -> float:
         X, y = _rows(features, "features", labels, "labels")

@@ -12,7 +12,7 @@ import torch
 
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
-    LAYER_READOUTS, READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, information_rows,
+    LAYER_READOUTS, NONLINEAR_PROBES, READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, information_rows,
     parent_log_posterior, part_pose_explained, parts_in_parent_frame, posterior_part_counts, posterior_presences,
     readout_features,
 )
@@ -318,10 +318,16 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     train_capsules(cfg, tmp_path / "run", progress=False)
     results = tmp_path / "results"
     metrics = evaluate_checkpoint(tmp_path / "run" / "final.pt", name="tiny", results_dir=results, progress=False,
-                                  figures=True, overrides=["eval.layer_readouts=true"])
+                                  figures=True, overrides=["eval.layer_readouts=true", "eval.nonlinear_probes=true"])
     table = (results / "tiny.md").read_text()
     for key, label in LAYER_READOUTS.items():  # the part layer's probes, on request
         assert 0.0 <= metrics[f"probe_{key}_test_acc"] <= 1.0 and f"| {label} |" in table, key
+    for key in NONLINEAR_PROBES:  # the two-layer network's, on request; codes only in a model with codes
+        for split in ("train", "test"):
+            assert (0.0 <= metrics[f"mlp_{key}_{split}_acc"] <= 1.0 if codes or key != "presence_pose_code"
+                    else f"mlp_{key}_{split}_acc" not in metrics), (key, split)
+        label = f"| {READOUTS.get(key, LAYER_READOUTS.get(key))}, two-layer network |"
+        assert (label in table) == (codes > 0 or key != "presence_pose_code"), key
     assert ("| presences + poses + codes" in table) == bool(codes)
     for key in (key for key in READOUTS if codes or key != "presence_pose_code"):
         for kind in ("probe", "kmeans"):

@@ -9,6 +9,7 @@ import torch
 
 from probcaps.metrics import (
     LinearProbe,
+    MLPProbe,
     hungarian_accuracy,
     hungarian_labels,
     kmeans_accuracy,
@@ -68,6 +69,43 @@ def test_probe_rejects_bad_inputs():
         probe_accuracy(X, y, X, y[:4])
     with pytest.raises(RuntimeError, match="not fitted"):
         LinearProbe().predict(X)
+
+
+def _rings(n, seed):
+    """Two classes on concentric rings (radius 1 and 2, labels 3 and 7): no line separates them, a circle does."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, n)
+    angle = rng.uniform(0, 2 * np.pi, n)
+    r = 1.0 + y + rng.normal(0, 0.1, n)
+    return np.stack([r * np.cos(angle), r * np.sin(angle)], 1), np.where(y == 1, 7, 3)
+
+
+def test_mlp_probe_reads_what_a_linear_probe_cannot():
+    # catches: a network that is linear after all (no hidden non-linearity), labels returned as indices instead of the
+    # caller's values, or a fit that depends on the global random state
+    Xtr, ytr = _rings(2000, 0)
+    Xte, yte = _rings(500, 1)
+    assert probe_accuracy(Xtr, ytr, Xte, yte) < 0.7
+    probe = MLPProbe(hidden=32, epochs=20, batch_size=64, lr=1e-2, seed=5).fit(torch.as_tensor(Xtr), ytr)
+    assert probe.accuracy(Xte, yte) > 0.97
+    assert set(np.unique(probe.predict(Xte))) == {3, 7}
+    torch.manual_seed(123)
+    again = MLPProbe(hidden=32, epochs=20, batch_size=64, lr=1e-2, seed=5).fit(Xtr, ytr)
+    assert np.array_equal(again.predict(Xte), probe.predict(Xte))
+
+
+def test_mlp_probe_rejects_bad_inputs():
+    X, y = _rings(40, 2)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        MLPProbe().predict(X)
+    with pytest.raises(ValueError, match="features.*NaN"):
+        MLPProbe().fit(np.where(np.arange(80).reshape(40, 2) == 5, np.nan, X), y)
+    with pytest.raises(ValueError, match="2 distinct classes"):
+        MLPProbe().fit(X, np.zeros(40))
+    with pytest.raises(ValueError, match="hidden"):
+        MLPProbe(hidden=0)
+    with pytest.raises(ValueError, match="fitted on 2"):
+        MLPProbe(epochs=1).fit(X, y).predict(np.zeros((3, 4)))
 
 
 # --------------------------------------------------------------------------- clustering
