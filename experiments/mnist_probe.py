@@ -78,9 +78,12 @@ def results_without_model(seed_json: Path, run_dir: Path, cfg: dict) -> tuple[di
     return results["metrics"], {"step": prov["steps"], "wall_time_s": prov["wall_time_s"]}
 
 
-def export_checkpoint(src: Path, dst: Path) -> Path:
-    """The model and its config without optimiser state: what a user needs to evaluate (a few MB)."""
+def export_checkpoint(src: Path, dst: Path, name: str | None = None) -> Path:
+    """The model and its config without optimiser state: what a user needs to evaluate (a few MB); ``name``: the
+    name it carries (its results files' under ``probcaps evaluate``), the run's own by default."""
     ckpt = load_checkpoint(src)
+    if name:
+        ckpt["metadata"] = {**ckpt["metadata"], "name": name}
     return atomic_torch_save({k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}, dst)
 
 
@@ -402,7 +405,7 @@ def main(argv=None) -> int:
         else:
             metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
                                           data_dir=args.data_dir, device=args.device, progress=not args.quiet,
-                                          figures=seed == args.seeds[0])
+                                          figures=seed == args.seeds[0], eval_config=cfg["eval"])
         runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})
         if init_from_env().rank == 0:
             print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
@@ -412,7 +415,7 @@ def main(argv=None) -> int:
 
     def export_first(dst: Path) -> None:
         if first.is_file():
-            export_checkpoint(first, dst)
+            export_checkpoint(first, dst, args.name)
         else:  # its metrics came from its results file
             print(f"not exported: {first} is not kept")
 

@@ -183,8 +183,10 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
                       schedules={"expected_parents": schedule} if schedule else None, **loop_options)
 
 
-def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[str] = ()):
-    """Rebuild ``(cfg, system)`` from a checkpoint written by :func:`train_capsules`."""
+def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[str] = (), eval_config=None):
+    """Rebuild ``(cfg, system)`` from a checkpoint written by :func:`train_capsules`; ``eval_config`` (an
+    ``EvalConfig``) replaces the evaluation settings it was trained with, ``overrides`` (``section.key=value``) go
+    on top."""
     pyro.settings.set(module_local_params=True)
     ckpt = load_checkpoint(checkpoint, map_location=device)
     meta = ckpt.get("metadata", {})
@@ -199,6 +201,8 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
                     raise CheckpointError(f"{checkpoint}: trained with {key}.{option} = {section[option]!r}, an "
                                           f"option removed after commit {commit} (git checkout {commit} to use it)")
             cfg[key] = cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
+    if eval_config is not None:
+        cfg["eval"] = eval_config
     for item in overrides:
         section, key, value = parse_override(item)
         if section not in cfg or not hasattr(cfg[section], key):

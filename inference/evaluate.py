@@ -263,7 +263,7 @@ def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[
 
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
                         data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
-                        figures: bool | None = None, seed_suffix: bool = False) -> dict:
+                        figures: bool | None = None, seed_suffix: bool = False, eval_config=None) -> dict:
     """Probe and k-means accuracies on every readout of :data:`READOUTS`, the objects' class purity, per-class
     accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a checkpoint.
 
@@ -276,10 +276,12 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     ``object_information``: the mutual information (nats) between a training image and the object that explains
     one of its parts, of the posterior part counts of all the training images, which uses no label, ...)
     and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
-    ``<name>_seed<the training seed>``.
+    ``<name>_seed<the training seed>``.  ``eval_config``: the evaluation's settings (an ``EvalConfig``, before
+    ``overrides``) in place of those the model was trained with: a recipe's readouts, changed since, apply to its
+    trained models.
     """
     t0 = time.perf_counter()
-    cfg, system = load_trained(checkpoint, device=device, overrides=overrides)
+    cfg, system = load_trained(checkpoint, device=device, overrides=overrides, eval_config=eval_config)
     # the name the recipe's own evaluation of this seed has (experiments/mnist_probe.py): never its seeds' summary
     seed = cfg["train"].seed
     name = f"{name}_seed{seed}" if name and seed_suffix else name or f"{cfg['name']}_seed{seed}"

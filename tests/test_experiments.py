@@ -62,6 +62,24 @@ def test_mnist_probe_aggregates_a_seed_whose_model_was_not_kept(tmp_path, tiny_t
     assert not (runs / "seed0").exists()
 
 
+def test_mnist_probe_reads_a_trained_model_out_with_the_runs_eval_settings(tmp_path, tiny_toml, pyro_clean):
+    # catches: a finished run read out again (--resume) with the evaluation settings it was trained with instead of
+    # the recipe's own now, so a readout added to a recipe after training never reaches its results
+    from probcaps.experiments import mnist_probe
+
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    args = ["--config", str(tiny_toml), "--seeds", "0", "--out", str(runs), "--results-dir", str(results),
+            "--checkpoint-out", "", "--quiet", "--set", "train.steps=2", "--set", "eval.figures=false"]
+    assert mnist_probe.main(args) == 0
+    first = json.loads((results / "tiny_seed0.json").read_text())
+    assert "mlp_presence_pose_test_acc" not in first["metrics"]
+    assert mnist_probe.main([*args, "--resume", "--set", "eval.nonlinear_probes=true"]) == 0
+    again = json.loads((results / "tiny_seed0.json").read_text())
+    assert 0.0 <= again["metrics"]["mlp_presence_pose_test_acc"] <= 1.0
+    assert again["provenance"]["configs"]["eval"]["nonlinear_probes"] is True
+    assert again["metrics"]["probe_presence_pose_test_acc"] == first["metrics"]["probe_presence_pose_test_acc"]
+
+
 def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_clean, monkeypatch):
     # catches: a seed trained on its own (--train-only) not exported to --checkpoint-out, exported by default
     # over the committed checkpoints/<name>.pt, or recording the config's name instead of the run's --name
