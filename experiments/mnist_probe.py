@@ -310,6 +310,46 @@ def layers_table(results_dir: Path) -> str | None:
         "on with an object for parent, on the test images. Each row's command and commit are in its results file."])
 
 
+#: the models read out by a two-layer network's probes beside the linear ones (``eval.nonlinear_probes``):
+#: ``(results name, what it is)``; ``results/mnist_nonlinear_by_recipe.md``
+NONLINEAR = "mnist_nonlinear_by_recipe"
+NONLINEAR_RUNS = [
+    ("mnist_readout", "the recommended recipe (`mnist.toml`), 2,500 steps"),
+    ("mnist_information_one_object_affine_steps20000_layers",
+     "1 object per image, affine poses, no codes, 20,000 steps"),
+    ("mnist_objects", "objects that stand for digits (`mnist_objects.toml`), 10,000 steps"),
+]
+#: ``(metrics key without its probe's prefix, column head)`` of :func:`nonlinear_table`: each with the linear probe
+#: and the network
+NONLINEAR_COLUMNS = [("presence", "objects: prior presences"), ("presence_pose", "objects: presences + poses"),
+                     ("presence_pose_code", "objects: presences + poses + codes"), ("parts", "parts: presences + poses")]
+
+
+def nonlinear_table(results_dir: Path) -> str | None:
+    """One row per model set of :data:`NONLINEAR_RUNS` whose results are in ``results_dir``: on each feature set of
+    :data:`NONLINEAR_COLUMNS`, the linear probe and the two-layer network, mean ± std over the seeds ("—": not
+    measured, or no such features); how much class information the objects hold against their parts, linear or
+    not."""
+    rows = []
+    for name, what in NONLINEAR_RUNS:
+        if (loaded := load_result(results_dir, name)) is None:
+            continue
+        runs = loaded[0].get("per_seed", [loaded[0]])
+        cell = partial(seed_cell, runs)
+        rows.append(f"| {what} | `{name}` | {len(runs)} | {cell('mean_active_parents', 1.0)} | " + " | ".join(
+            f"{cell(f'probe_{key}_test_acc')} | {cell(f'mlp_{key}_test_acc')}" for key, _ in NONLINEAR_COLUMNS)
+            + " |")
+    if not rows:
+        return None
+    return "\n".join([
+        "| models | results | seeds | objects on per image | " + " | ".join(
+            f"{head}, linear (%) | {head}, network (%)" for _, head in NONLINEAR_COLUMNS) + " |",
+        "| --- |" + " --- |" * (3 + 2 * len(NONLINEAR_COLUMNS)), *rows, "",
+        "Test accuracy of the linear probe and of a two-layer network (two hidden ReLU layers of 256, Adam, 30 "
+        "epochs: `MLPProbe`) on the same features, both fit on the 60,000 training images and scored on the 10,000 "
+        "test images, mean ± std over the seeds. Each row's command and commit are in its results file."])
+
+
 #: the shipped MNIST recipes, side by side on the readouts the capsule premise is judged by: ``(results name,
 #: column head)``; ``results/mnist_recipes.md``
 RECIPES = "mnist_recipes"
@@ -357,13 +397,15 @@ def recipes_table(results_dir: Path) -> str | None:
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
     """Write ``results_dir/<name>.md`` and, from the results JSON there, ``results_dir/mnist_ablations.md`` when
     ``results_dir/mnist_ablations/`` holds tries, ``results_dir/mnist_levers.md`` when a recipe of
-    :data:`LEVER_RUNS` has results and ``results_dir/mnist_layers_by_recipe.md`` when one of :data:`LAYER_RUNS` has;
-    returns the files written (None: not written), and ``results_dir/mnist_recipes.md`` when a recipe of
-    :data:`RECIPE_RUNS` has results."""
+    :data:`LEVER_RUNS` has results, ``results_dir/mnist_layers_by_recipe.md`` when one of :data:`LAYER_RUNS` has,
+    ``results_dir/mnist_nonlinear_by_recipe.md`` when one of :data:`NONLINEAR_RUNS` has, and
+    ``results_dir/mnist_recipes.md`` when a recipe of :data:`RECIPE_RUNS` has; returns the files written (None: not
+    written)."""
     return [write_table(results_dir, name, readme_table(results_dir, name)),
             write_table(results_dir, ABLATIONS, ablations_table(results_dir)),
             write_table(results_dir, LEVERS, levers_table(results_dir)),
             write_table(results_dir, LAYERS, layers_table(results_dir)),
+            write_table(results_dir, NONLINEAR, nonlinear_table(results_dir)),
             write_table(results_dir, RECIPES, recipes_table(results_dir))]
 
 

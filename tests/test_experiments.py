@@ -155,6 +155,29 @@ def test_layers_table_reads_seed_summaries_and_single_models(tmp_path):
                     f"| {single_what} | `{single_name}` | 1 | 0.1 | 20.0 | 30.0 | 40.0 | 50.0 | 60.0 | 0.700 | 0.800 |"]
 
 
+def test_nonlinear_table_pairs_each_probe_with_its_network(tmp_path):
+    # catches: the network's accuracy put under the linear probe's head (or another feature set's), a model set
+    # without codes given numbers for them, or a row for a model set with no results
+    from probcaps.experiments import mnist_probe
+    from probcaps.provenance import write_results
+
+    def run(offset, codes=True):
+        keys = [f"{kind}_{key}_test_acc" for key, _ in mnist_probe.NONLINEAR_COLUMNS for kind in ("probe", "mlp")]
+        return {"mean_active_parents": 2.0, **{key: 0.1 * (i + 1) + offset for i, key in enumerate(keys)
+                                               if codes or "code" not in key}}
+
+    (seeds_name, seeds_what), (single_name, single_what) = mnist_probe.NONLINEAR_RUNS[2], mnist_probe.NONLINEAR_RUNS[1]
+    write_results(tmp_path / f"{seeds_name}.json", {"per_seed": [run(0.0), run(0.02)]}, {})
+    write_results(tmp_path / f"{single_name}.json", run(0.0, codes=False), {})
+    assert mnist_probe.nonlinear_table(tmp_path / "none") is None
+    lines = mnist_probe.nonlinear_table(tmp_path).splitlines()
+    assert lines[0].split(" | ")[4:6] == ["objects: prior presences, linear (%)", "objects: prior presences, network (%)"]
+    assert lines[2:4] == [
+        f"| {single_what} | `{single_name}` | 1 | 2.0 | 10.0 | 20.0 | 30.0 | 40.0 | — | — | 70.0 | 80.0 |",
+        f"| {seeds_what} | `{seeds_name}` | 2 | 2.0 ± 0.0 | 11.0 ± 1.4 | 21.0 ± 1.4 | 31.0 ± 1.4 | 41.0 ± 1.4 | "
+        "51.0 ± 1.4 | 61.0 ± 1.4 | 71.0 ± 1.4 | 81.0 ± 1.4 |"]
+
+
 def test_recipes_table_puts_each_shipped_recipe_in_its_own_column(tmp_path):
     # catches: a recipe's column filled from another recipe's seeds, a share not scaled to %, a missing recipe given a
     # column, or the training minutes not of their own seeds

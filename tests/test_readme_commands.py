@@ -298,7 +298,8 @@ def _mnist_probe_runs() -> list[str]:
 #: how each committed table file is rebuilt from the committed results: (entry point, its arguments, tables written)
 TABLE_SOURCES = [
     *[("experiments.mnist_probe", ["--name", n],
-       [n, "mnist_ablations", "mnist_levers", "mnist_layers_by_recipe", "mnist_recipes"]) for n in _mnist_probe_runs()],
+       [n, "mnist_ablations", "mnist_levers", "mnist_layers_by_recipe", "mnist_nonlinear_by_recipe", "mnist_recipes"])
+      for n in _mnist_probe_runs()],
     *[("experiments.affnist", ["--name", n], [n]) for n in ("affnist", "affnist_ceiling", "affnist_fast")],
     *[("experiments.rotated_digits", ["--name", n], [n]) for n in ("rotated_digits", "rotated_digits_fast")],
     *[("experiments.ttvi_classification", ["--name", p.stem], [p.stem])  # every checkpoint and protocol run
