@@ -187,6 +187,8 @@ CODE_RUNS = [
      "… 8-D object codes (deformations ≤ 0.1), 10,000 steps"),
     ("mnist_information_two_objects_affine_codes",
      "… 2 objects per image at 2,500 steps, 8-D object codes (deformations ≤ 0.1)"),
+    ("mnist_information_one_object_affine_codes32",
+     "… 1 object per image at 2,500 steps, 32-D object codes (deformations ≤ 0.1)"),
 ]
 
 
@@ -317,6 +319,8 @@ NONLINEAR_RUNS = [
     ("mnist_readout", "the recommended recipe (`mnist.toml`), 2,500 steps"),
     ("mnist_information_one_object_affine_steps20000_layers",
      "1 object per image, affine poses, no codes, 20,000 steps"),
+    ("mnist_information_one_object_affine_codes", "1 object per image, affine poses, 8-D codes, 2,500 steps"),
+    ("mnist_information_one_object_affine_codes32", "1 object per image, affine poses, 32-D codes, 2,500 steps"),
     ("mnist_objects", "objects that stand for digits (`mnist_objects.toml`), 10,000 steps"),
 ]
 #: ``(metrics key without its probe's prefix, column head)`` of :func:`nonlinear_table`: each with the linear probe
