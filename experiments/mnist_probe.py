@@ -326,7 +326,8 @@ NONLINEAR_RUNS = [
 #: ``(metrics key without its probe's prefix, column head)`` of :func:`nonlinear_table`: each with the linear probe
 #: and the network
 NONLINEAR_COLUMNS = [("presence", "objects: prior presences"), ("presence_pose", "objects: presences + poses"),
-                     ("presence_pose_code", "objects: presences + poses + codes"), ("parts", "parts: presences + poses")]
+                     ("presence_pose_code", "objects: presences + poses + codes"),
+                     ("parts", "parts: presences + poses")]
 
 
 def nonlinear_table(results_dir: Path) -> str | None:

@@ -33,7 +33,8 @@ from probcaps.report import fmt_mean_std, load_result, provenance_line, write_ta
 __all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
            "parts_in_parent_frame", "part_pose_explained", "object_drawings", "plot_object_drawings",
-           "layer_features", "part_features", "READOUTS", "LAYER_READOUTS", "NONLINEAR_PROBES", "REPORTED_KMEANS", "SCAE_PUBLISHED"]
+           "layer_features", "part_features", "READOUTS", "LAYER_READOUTS", "NONLINEAR_PROBES", "REPORTED_KMEANS",
+           "SCAE_PUBLISHED"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
@@ -47,9 +48,9 @@ LAYER_READOUTS = {"parts": "part presences + poses",
                   "parts_in_parent_frame": "part presences + poses in their parent's frame",
                   "presence_pose_parts_in_parent_frame": "object presences + poses ⊕ parts in their parent's frame",
                   "part_residuals": "parts' offsets from their parent's prediction"}
-#: The feature sets probed again by a two-layer network (``eval.nonlinear_probes``, :class:`~probcaps.metrics.MLPProbe`):
-#: how much class information the object layer holds against the part layer, whether or not a linear readout
-#: reaches it.
+#: The feature sets probed again by a two-layer network (``eval.nonlinear_probes``,
+#: :class:`~probcaps.metrics.MLPProbe`): how much class information the object layer holds against the part layer,
+#: whether or not a linear readout reaches it.
 NONLINEAR_PROBES = ("presence", "presence_pose", "presence_pose_code", "parts")
 #: The feature sets whose probes get a per-class report and a confusion-matrix figure.
 REPORTED_PROBES = ("presence", "presence_pose")

@@ -1,4 +1,5 @@
-"""Evaluation metrics: linear and two-layer probes, cluster accuracy, per-class reports, class purity, R^2 and reconstruction error.
+"""Evaluation metrics: linear and two-layer probes, cluster accuracy, per-class reports, class purity, R^2 and
+reconstruction error.
 
 Every function accepts numpy arrays or torch tensors (on any device, with gradients) and returns plain Python floats
 or numpy arrays; bad input raises a ``ValueError`` naming the offending argument.

@@ -171,7 +171,8 @@ def test_nonlinear_table_pairs_each_probe_with_its_network(tmp_path):
     write_results(tmp_path / f"{single_name}.json", run(0.0, codes=False), {})
     assert mnist_probe.nonlinear_table(tmp_path / "none") is None
     lines = mnist_probe.nonlinear_table(tmp_path).splitlines()
-    assert lines[0].split(" | ")[4:6] == ["objects: prior presences, linear (%)", "objects: prior presences, network (%)"]
+    assert lines[0].split(" | ")[4:6] == ["objects: prior presences, linear (%)",
+                                          "objects: prior presences, network (%)"]
     assert lines[2:4] == [
         f"| {single_what} | `{single_name}` | 1 | 2.0 | 10.0 | 20.0 | 30.0 | 40.0 | — | — | 70.0 | 80.0 |",
         f"| {seeds_what} | `{seeds_name}` | 2 | 2.0 ± 0.0 | 11.0 ± 1.4 | 21.0 ± 1.4 | 31.0 ± 1.4 | 41.0 ± 1.4 | "
