@@ -235,14 +235,19 @@ def seed_cell(runs: list[dict], key: str, scale: float = 100.0, digits: int = 1)
     return fmt_mean_std([r.get(key, float("nan")) for r in runs], scale=scale, digits=digits)
 
 
+def model_sets(results_dir: Path, listed: list[tuple[str, str]]):
+    """``(name, what, runs, provenance)`` for each ``(results name, what it is)`` of ``listed`` whose results are in
+    ``results_dir``; ``runs``: its seeds' metrics, or one model's alone."""
+    for name, what in listed:
+        if (loaded := load_result(results_dir, name)) is not None:
+            yield name, what, loaded[0].get("per_seed", [loaded[0]]), loaded[1]
+
+
 def levers_table(results_dir: Path) -> str | None:
     """One row per recipe of :data:`LEVER_RUNS` whose results are in ``results_dir``: the readouts the capsule premise
     is judged by, mean ± std over that recipe's seeds, beside the targets and SCAE's numbers."""
     rows, sizes = [], set()
-    for name, what in LEVER_RUNS:
-        if (loaded := load_result(results_dir, name)) is None:
-            continue
-        runs, prov = loaded[0]["per_seed"], loaded[1]
+    for name, what, runs, prov in model_sets(results_dir, LEVER_RUNS):
         cell = partial(seed_cell, runs)
         passing = sum(r["kmeans_posterior_counts_test_acc"] >= 0.85 for r in runs)
         sizes.update((r["n_train"], r["n_test"]) for r in runs)
@@ -288,10 +293,7 @@ def layers_table(results_dir: Path) -> str | None:
     objects beside the probes on their parts, mean ± std over the seeds; where the part layer knows the class better
     than the objects, the difference is in where the parts sit relative to their objects."""
     rows = []
-    for name, what in LAYER_RUNS:
-        if (loaded := load_result(results_dir, name)) is None:
-            continue
-        runs = loaded[0].get("per_seed", [loaded[0]])
+    for name, what, runs, _ in model_sets(results_dir, LAYER_RUNS):
         cell = partial(seed_cell, runs)
         rows.append(f"| {what} | `{name}` | {len(runs)} | {cell('mean_active_parents', 1.0)} | "
                     f"{cell('probe_presence_pose_test_acc')} | {cell('probe_parts_test_acc')} | "
@@ -336,10 +338,7 @@ def nonlinear_table(results_dir: Path) -> str | None:
     measured, or no such features); how much class information the objects hold against their parts, linear or
     not."""
     rows = []
-    for name, what in NONLINEAR_RUNS:
-        if (loaded := load_result(results_dir, name)) is None:
-            continue
-        runs = loaded[0].get("per_seed", [loaded[0]])
+    for name, what, runs, _ in model_sets(results_dir, NONLINEAR_RUNS):
         cell = partial(seed_cell, runs)
         rows.append(f"| {what} | `{name}` | {len(runs)} | {cell('mean_active_parents', 1.0)} | " + " | ".join(
             f"{cell(f'probe_{key}_test_acc')} | {cell(f'mlp_{key}_test_acc')}" for key, _ in NONLINEAR_COLUMNS)

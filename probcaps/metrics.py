@@ -69,7 +69,18 @@ def _rows(x: Any, x_name: str, y: Any, y_name: str, x_as=_features) -> tuple[np.
     return a, b
 
 
-class LinearProbe:
+class _Probe:
+    """What every probe shares: its accuracy, from its ``predict``."""
+
+    def predict(self, features: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def accuracy(self, features: Any, labels: Any) -> float:
+        X, y = _rows(features, "features", labels, "labels")
+        return float(np.mean(self.predict(X) == y))
+
+
+class LinearProbe(_Probe):
     """Multinomial logistic regression on standardised features: ``StandardScaler`` followed by
     ``LogisticRegression(solver="lbfgs")`` in a scikit-learn ``Pipeline``; ``C`` is the inverse L2 strength
     (scikit-learn refuses ``C <= 0`` and ``max_iter < 1`` when fitting)."""
@@ -115,12 +126,8 @@ class LinearProbe:
             raise ValueError(f"features has {X.shape[1]} columns but the probe was fitted on {n_in}")
         return self.pipeline_.predict(X)
 
-    def accuracy(self, features: Any, labels: Any) -> float:
-        X, y = _rows(features, "features", labels, "labels")
-        return float(np.mean(self.predict(X) == y))
 
-
-class MLPProbe:
+class MLPProbe(_Probe):
     """A two-hidden-layer ReLU network on standardised features, trained by Adam on the cross-entropy (cosine-decayed
     learning rate, weight decay, a fixed number of epochs, deterministic for a given ``seed``): how much class
     information a set of features holds when the readout need not be linear.  The same interface as
@@ -179,10 +186,6 @@ class MLPProbe:
         with torch.no_grad():
             logits = self.net_(torch.as_tensor((X - self.mean_) / self.scale_, dtype=torch.float32))
         return self.classes_[logits.argmax(1).numpy()]
-
-    def accuracy(self, features: Any, labels: Any) -> float:
-        X, y = _rows(features, "features", labels, "labels")
-        return float(np.mean(self.predict(X) == y))
 
 
 def probe_accuracy(train_features: Any, train_labels: Any, test_features: Any, test_labels: Any, **kw: Any) -> float:

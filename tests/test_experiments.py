@@ -36,6 +36,11 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
 
     metrics = evaluate_checkpoint(ckpt, name="again", results_dir=results, progress=False, figures=False)
     assert metrics["probe_presence_pose_test_acc"] == pytest.approx(per_seed[0]["probe_presence_pose_test_acc"])
+    # exported under another name, the model carries that name (its results files' under `probcaps evaluate`)
+    renamed = mnist_probe.export_checkpoint(tmp_path / "runs" / "seed0" / "final.pt", tmp_path / "renamed.pt", "other")
+    again = torch.load(renamed, weights_only=False)
+    assert again["metadata"]["name"] == "other" and exported["metadata"]["name"] == "tiny"
+    assert all(torch.equal(again["module"][k], v) for k, v in exported["module"].items())
 
 
 def test_mnist_probe_aggregates_a_seed_whose_model_was_not_kept(tmp_path, tiny_toml, pyro_clean, capsys):
