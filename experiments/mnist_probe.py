@@ -189,6 +189,8 @@ CODE_RUNS = [
      "… 2 objects per image at 2,500 steps, 8-D object codes (deformations ≤ 0.1)"),
     ("mnist_information_one_object_affine_codes32",
      "… 1 object per image at 2,500 steps, 32-D object codes (deformations ≤ 0.1)"),
+    ("mnist_objects_ceiling010",
+     "… 8-D object codes, 10,000 steps (`mnist_objects.toml`), the part-pose ceiling at 0.10"),
 ]
 
 
@@ -324,6 +326,7 @@ NONLINEAR_RUNS = [
     ("mnist_information_one_object_affine_codes", "1 object per image, affine poses, 8-D codes, 2,500 steps"),
     ("mnist_information_one_object_affine_codes32", "1 object per image, affine poses, 32-D codes, 2,500 steps"),
     ("mnist_objects", "objects that stand for digits (`mnist_objects.toml`), 10,000 steps"),
+    ("mnist_objects_ceiling010", "the same, the part-pose ceiling at 0.10"),
 ]
 #: ``(metrics key without its probe's prefix, column head)`` of :func:`nonlinear_table`: each with the linear probe
 #: and the network
