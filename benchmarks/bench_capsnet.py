@@ -114,7 +114,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from probcaps.cli import reexec_with_allocator_settings
+    from probcaps.runner import reexec_with_allocator_settings
 
     reexec_with_allocator_settings(sys.argv)
     sys.exit(main())

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from probcaps.cli import add_common_args, launch, one_line_errors, positive_int
+from probcaps.runner import add_common_args, launch, one_line_errors, positive_int
 from probcaps.io import read_jsonl, write_json
 from probcaps.provenance import command_line, device_description
 from probcaps.report import write_table

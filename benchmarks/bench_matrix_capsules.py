@@ -22,7 +22,7 @@ from pathlib import Path
 import torch  # noqa: E402
 
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss  # noqa: E402
-from probcaps.cli import positive_int  # noqa: E402
+from probcaps.runner import positive_int  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Out-of-distribution classification (paper §5.2): fit the linear probe on MNIST training features only, score
 it on the affNIST-recipe stand-in (Tieleman 2013) generated from the 10,000 MNIST test digits.
 
-    python experiments/affnist.py                                   # the committed run (headline checkpoint)
-    python experiments/affnist.py --ttvi-limit 1000                 # also: probe after test-time VI on 1000 images
-    python experiments/affnist.py --affnist-mat test.mat            # the real affNIST file, for users who have it
+    probcaps run affnist                                   # the committed run (headline checkpoint)
+    probcaps run affnist --ttvi-limit 1000                 # also: probe after test-time VI on 1000 images
+    probcaps run affnist --affnist-mat test.mat            # the real affNIST file, for users who have it
 
 Reported as "affNIST-recipe", never as affNIST (the real set could not be fetched here).  For scale, a supervised
 CNN (``models.cnn_classifier.ConvClassifier``) is trained on the same MNIST placement (40×40, ±6 px).  Writes
@@ -25,12 +25,13 @@ from probcaps.inference.ttvi import reencode_parents, ttvi_batches
 from probcaps.models.cnn_classifier import ConvClassifier
 from probcaps import plotting
 from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat
-from probcaps.cli import add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors
+from probcaps.runner import add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.mnist_probe import FEATURES, checkpoint_parser
-from probcaps.experiments.rotated_digits import reconstruct
+from probcaps.experiments.common import FEATURES, checkpoint_parser, reconstruct
 from probcaps.metrics import LinearProbe
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report
+
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
 
 def cnn_baseline(train_images, train_labels, tests: dict, steps: int, seeds: list[int], out: Path, device: str,
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--ttvi-steps", type=positive_int, default=200)
     p.add_argument("--cnn-steps", type=positive_int, default=1500)
     p.add_argument("--cnn-seeds", type=non_negative_int, nargs="*", default=[0])
-    add_run_args(p, name="affnist", out="runs/affnist", out_help="run folder of the CNN baseline")
+    add_run_args(p, EXPERIMENT, name="affnist", out="runs/affnist", out_help="run folder of the CNN baseline")
     args = p.parse_args(argv)
     if setup_run(args, tables := table_writer(readme_table, args.name)):
         return 0

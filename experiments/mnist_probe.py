@@ -1,9 +1,9 @@
 """Train the generative capsule model on MNIST (40x40, SCAE placement) over several seeds and report the linear
 probes and k-means accuracy (paper §5, Table 1; SCAE's anchors).
 
-    python experiments/mnist_probe.py --seeds 0 1 2                    # the recommended recipe (configs/mnist.toml)
-    python experiments/mnist_probe.py --seeds 0 --resume               # continue interrupted runs
-    python experiments/mnist_probe.py --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
+    probcaps run mnist_probe --seeds 0 1 2                    # the recommended recipe (configs/mnist.toml)
+    probcaps run mnist_probe --seeds 0 --resume               # continue interrupted runs
+    probcaps run mnist_probe --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
 Writes ``results/<name>_seed<S>.json`` per seed, ``results/<name>.json`` (per-seed metrics, mean and std), the first
 seed's figures and its final model without optimiser state, ``checkpoints/<name>.pt`` (for ``probcaps evaluate``);
@@ -17,81 +17,17 @@ import json
 from functools import partial
 from pathlib import Path
 
-from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules
+from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.evaluate import SCAE_PUBLISHED, evaluate_checkpoint
-from probcaps.inference.train import load_checkpoint, run_finished
-from probcaps import plotting
-from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
-from probcaps.errors import ProbcapsError
-from probcaps.io import atomic_torch_save
+from probcaps.experiments.common import checkpoint_out_path, export_checkpoint, plot_training_curves, results_without_model, train_run
+from probcaps.runner import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
 from probcaps.report import (fmt_mean_std, load_result, provenance_line, results_in, results_table, write_report,
                              write_table)
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "mnist.toml"
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
+
 HEADLINE = "mnist_probe"  # the package's first full run, which the ablations changed one key at a time
-HEADLINE_CHECKPOINT = ROOT / "checkpoints" / f"{HEADLINE}.pt"  # where the other MNIST experiments start from
-#: the feature sets of the linear probes (keys of ``probcaps.inference.capsule_svi.probe_features``)
-FEATURES = {"presence_pose": "presences + poses", "presence": "presences"}
-
-
-def checkpoint_parser(doc: str, checkpoint_help: str | None = None) -> argparse.ArgumentParser:
-    """The parser of an experiment on a trained model: ``doc`` (its module docstring) as the description, and
-    ``--checkpoint`` (default: the headline model)."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", default=str(HEADLINE_CHECKPOINT), help=checkpoint_help)
-    return p
-
-
-def checkpoint_out_path(arg: str | None, name: str) -> Path | None:
-    """Where ``--checkpoint-out`` exports the first seed's model: ``checkpoints/<name>.pt`` unless given, so a run
-    under another ``--name`` never overwrites the committed checkpoint of the default name; ``""``: no export."""
-    if arg is None:
-        return ROOT / "checkpoints" / f"{name}.pt"
-    return Path(arg) if arg else None
-
-
-def train_run(cfg: dict, out: Path, args, **kw) -> tuple[Path, dict]:
-    """Train ``cfg`` into the run folder ``out`` (with ``--resume``: from its checkpoint, and not at all once
-    finished); returns its ``final.pt`` and training state.  ``kw`` go to :func:`train_capsules`."""
-    # the checkpoint names the run (--name), not the config it started from: a model trained with --set changes, or
-    # fine-tuned from another checkpoint, says what it is
-    cfg = {**cfg, "name": args.name}
-    if not (args.resume and run_finished(out, cfg["train"].steps)):
-        train_capsules(cfg, out, resume=args.resume and (out / "checkpoint.pt").is_file(), device=args.device,
-                       data_dir=args.data_dir, progress=not args.quiet, **kw)
-    return out / "final.pt", load_checkpoint(out / "final.pt")["state"]
-
-
-def results_without_model(seed_json: Path, run_dir: Path, cfg: dict) -> tuple[dict, dict] | None:
-    """A seed's metrics and training state (``step``, ``wall_time_s``) from its results file, for a run whose model
-    was not kept (its run folder cleaned or moved away): None while ``run_dir`` holds a checkpoint to resume or
-    evaluate, or where there is no results file; an error where the file records another config."""
-    if not seed_json.is_file() or any((run_dir / f).is_file() for f in ("final.pt", "checkpoint.pt")):
-        return None
-    results = json.loads(seed_json.read_text())
-    prov = results.get("provenance", {})
-    if prov.get("configs") != json.loads(json.dumps(config_dicts(cfg))):
-        raise ProbcapsError(f"{seed_json}: its config is not this run's, and {run_dir} holds no model to evaluate "
-                            "instead; drop --reuse-results to train the seed again")
-    return results["metrics"], {"step": prov["steps"], "wall_time_s": prov["wall_time_s"]}
-
-
-def export_checkpoint(src: Path, dst: Path, name: str | None = None) -> Path:
-    """The model and its config without optimiser state: what a user needs to evaluate (a few MB); ``name``: the
-    name it carries (its results files' under ``probcaps evaluate``), the run's own by default."""
-    ckpt = load_checkpoint(src)
-    if name:
-        ckpt["metadata"] = {**ckpt["metadata"], "name": name}
-    return atomic_torch_save({k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}, dst)
-
-
-def plot_training_curves(logs: dict[str, Path], path: Path) -> None:
-    """Negative ELBO per image against step, one line per run (from the runs' ``log.jsonl``)."""
-    if curves := plotting.log_curves(logs, "loss"):
-        plotting.plot_curves(curves, path, xlabel="step", ylabel="negative ELBO per image (nats)",
-                             title="training (SVI, TraceEnum_ELBO)")
 
 
 @results_table("mnist_probe")
@@ -419,7 +355,7 @@ def write_tables(results_dir: Path, name: str) -> list[Path | None]:
 @one_line_errors("mnist_probe")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(p, DEFAULT_CONFIG, [0, 1, 2])
+    add_config_args(p, "mnist", [0, 1, 2])
     p.add_argument("--jit", action="store_true")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the alpha compositing and the part CNN (faster steps)")
@@ -428,13 +364,13 @@ def main(argv=None) -> int:
                    "or when its run folder holds no model and the JSON records the same config")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
-    add_run_args(p, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
+    add_run_args(p, EXPERIMENT, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
                  resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/<name>.md, "
                  "RESULTS_DIR/mnist_ablations.md)", checkpoint_out="export the first seed's model here (default: "
                  "checkpoints/<name>.pt, not with --train-only; '' for none)")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
-    args.out = args.out or str(ROOT / "runs" / args.name)
+    args.out = args.out or str(Path("runs") / args.name)
     if setup_run(args, tables := lambda results: write_tables(results, args.name)):
         return 0
     runs = []

@@ -1,10 +1,10 @@
 """MultiMNIST with CapsNet (Sabour, Frosst & Hinton 2017): name both of two overlapping digits and reconstruct
 each from its own digit capsule.
 
-    python experiments/multimnist.py --seeds 0                      # reduced config (configs/multimnist.toml)
-    python experiments/multimnist.py --config experiments/configs/multimnist_paper.toml --device cuda
-    python experiments/multimnist.py --seeds 0 --resume             # continue an interrupted run
-    python experiments/multimnist.py --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
+    probcaps run multimnist --seeds 0                      # reduced config (configs/multimnist.toml)
+    probcaps run multimnist --config experiments/configs/multimnist_paper.toml --device cuda
+    probcaps run multimnist --seeds 0 --resume             # continue an interrupted run
+    probcaps run multimnist --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
 Training pairs are drawn afresh every epoch (:mod:`probcaps.data.multimnist`); the test pairs are fixed.  Writes
 ``results/<name>.json`` (set accuracy, at-least-one accuracy, reconstruction error; per seed, mean and std) and
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.cli import (add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
+from probcaps.runner import (add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
                           setup_run)
 from probcaps.config import DigitCanvas, Section, load_sections
 from probcaps.data import load_digits
@@ -35,8 +35,8 @@ from probcaps.io import append_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report, write_table
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "multimnist.toml"
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
+
 # anchors: a reduced numpy CapsNet reproduction and the paper (about 5% error at full scale)
 NUMPY_SET_ACC = 0.486
 PAPER_SET_ACC = 0.95
@@ -209,9 +209,9 @@ def plot_training(runs: dict[str, Path], path: Path) -> None:
 @one_line_errors("multimnist")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(p, DEFAULT_CONFIG, [0])
+    add_config_args(p, "multimnist", [0])
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
-    add_run_args(p, name=False, out_help="run folders, one per seed (default runs/<name>)",
+    add_run_args(p, EXPERIMENT, name=False, out_help="run folders, one per seed (default runs/<name>)",
                  resume="continue each seed from its last checkpoint",
                  tables="tables (RESULTS_DIR/multimnist.md, multimnist_bench.md)", threads=1)
     args = p.parse_args(argv)
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
         return 0
     cfg = load_config(args.config, args.set)
     name = cfg["name"]
-    out_root = Path(args.out or ROOT / "runs" / name)
+    out_root = Path(args.out or Path("runs") / name)
     results = Path(args.results_dir)
     runs, outs = [], {}
     for seed in args.seeds:

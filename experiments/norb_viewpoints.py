@@ -1,10 +1,10 @@
 """Novel viewpoints on (synthetic) smallNORB: matrix capsules with EM routing against a CNN, matched on familiar
 viewpoints (Hinton, Sabour & Frosst 2018, section 5.1).
 
-    python experiments/norb_viewpoints.py --seeds 0 1 2                  # the azimuth split (configs/norb_azimuth.toml)
-    python experiments/norb_viewpoints.py --seeds 0 --resume             # continue interrupted runs
-    python experiments/norb_viewpoints.py --config experiments/configs/norb_elevation.toml --seeds 0 1 2
-    python experiments/norb_viewpoints.py --seeds 0 --set data.dataset="smallnorb" --name norb_azimuth_smallnorb
+    probcaps run norb_viewpoints --seeds 0 1 2                  # the azimuth split (configs/norb_azimuth.toml)
+    probcaps run norb_viewpoints --seeds 0 --resume             # continue interrupted runs
+    probcaps run norb_viewpoints --config experiments/configs/norb_elevation.toml --seeds 0 1 2
+    probcaps run norb_viewpoints --seeds 0 --set data.dataset="smallnorb" --name norb_azimuth_smallnorb
 
 Protocol: both models train on the training instances at the familiar viewpoints only (azimuths {300, .., 40} or
 the 3 lowest elevations), are evaluated every ``train.checkpoint_every`` steps on fixed test subsets at familiar and
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from probcaps import plotting
-from probcaps.cli import add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run
+from probcaps.runner import add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run
 from probcaps.config import Section, load_sections
 from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator
 from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split
@@ -43,8 +43,8 @@ from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spr
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
 from probcaps.report import fmt_mean_std, provenance_line, results_in, results_table, write_report, write_table
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "norb_azimuth.toml"
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
+
 MODELS = ("caps", "cnn")
 LABELS = {"caps": "matrix capsules", "cnn": "CNN"}
 
@@ -309,16 +309,16 @@ def plot_training(logs_by_seed: dict, path: Path) -> None:
 @one_line_errors("norb_viewpoints")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(p, DEFAULT_CONFIG, [0, 1, 2])
+    add_config_args(p, "norb_azimuth", [0, 1, 2])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
     p.add_argument("--no-figures", action="store_true", help="write the results JSON only")
-    add_run_args(p, out_help="run folders (<out>/seed<S>/<model>; default: runs/<name>)", resume=True, threads=1,
+    add_run_args(p, EXPERIMENT, out_help="run folders (<out>/seed<S>/<model>; default: runs/<name>)", resume=True, threads=1,
                  tables="tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/norb_ablations.md when there are tries)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     name = args.name or cfg["name"]
-    args.out = args.out or str(ROOT / "runs" / name)
+    args.out = args.out or str(Path("runs") / name)
     if setup_run(args, tables := lambda results: write_tables(results, name)):
         return 0
     t0 = time.perf_counter()

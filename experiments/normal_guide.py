@@ -2,8 +2,8 @@
 poses with learned scales, trained starting from a delta-trained checkpoint, against the delta model it started
 from, on the same test images.
 
-    python experiments/normal_guide.py                                   # the committed run
-    python experiments/normal_guide.py --resume                          # continue an interrupted run
+    probcaps run normal_guide                                   # the committed run
+    probcaps run normal_guide --resume                          # continue an interrupted run
     probcaps ttvi --checkpoint checkpoints/normal_guide.pt --pose-family normal   # test-time VI with it
 
 Writes ``results/<name>.json`` (test ELBO and probe accuracies of both, the learned pose scales),
@@ -17,16 +17,18 @@ from pathlib import Path
 
 import torch
 
-from probcaps.experiments.mnist_probe import (checkpoint_out_path, checkpoint_parser, export_checkpoint,
-                                             plot_training_curves, train_run)
+from probcaps.experiments.common import (checkpoint_out_path, checkpoint_parser, export_checkpoint,
+                                        plot_training_curves, train_run)
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import test_elbo
 from probcaps.inference.train import TrainConfig
-from probcaps.cli import (add_run_args, finite_positive_float, setup_run, table_writer, non_negative_int,
+from probcaps.runner import (add_run_args, finite_positive_float, setup_run, table_writer, non_negative_int,
                           positive_int, launch, one_line_errors)
 from probcaps.errors import ProbcapsError
 from probcaps.metrics import LinearProbe
 from probcaps.report import provenance_line, results_table, write_report
+
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
 
 def evaluate(system, cfg: dict, train, test, elbo_images: torch.Tensor, elbo_samples: int, device: str,
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--n-elbo-images", type=positive_int, default=2000)
     p.add_argument("--elbo-samples", type=positive_int, default=3)
     p.add_argument("--probe-train-limit", type=non_negative_int, default=10000, help="0: all")
-    add_run_args(p, name="normal_guide", out="runs/normal_guide", out_help="run folder", resume=True,
+    add_run_args(p, EXPERIMENT, name="normal_guide", out="runs/normal_guide", out_help="run folder", resume=True,
                  checkpoint_out="export the trained model here (default: checkpoints/<name>.pt; '' for none)")
     args = p.parse_args(argv)
     if setup_run(args, tables := table_writer(readme_table, args.name)):

@@ -1,8 +1,8 @@
 """Paper Figure 3: the encoder alone against encoder + free-form test-time VI on MNIST test digits rotated
 0°, 15°, …, 180° (paper §2.4, §5.3).  The generative model is frozen; only per-image latents move.
 
-    python experiments/rotated_digits.py                                    # the committed run (100 digits per angle)
-    python experiments/rotated_digits.py --n-images 20 --steps 50           # quicker
+    probcaps run rotated_digits                                    # the committed run (100 digits per angle)
+    probcaps run rotated_digits --n-images 20 --steps 50           # quicker
     probcaps ttvi --checkpoint checkpoints/mnist_probe.pt --rotate 90       # the same optimisation as a command
 
 Per angle, from the encoder's latents and after test-time VI: the ELBO per image (the same fixed noise before and
@@ -18,24 +18,21 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.cli import (add_run_args, add_ttvi_args, finite_float, launch, non_negative_int, one_line_errors,
+from probcaps.runner import (add_run_args, add_ttvi_args, finite_float, launch, non_negative_int, one_line_errors,
                           positive_int, setup_run, table_writer)
 from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.mnist_probe import checkpoint_parser
+from probcaps.experiments.common import checkpoint_parser, reconstruct
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import reconstruction_error
 from probcaps.inference.guides import Latents
 from probcaps.inference.ttvi import ttvi_batches
 from probcaps.report import provenance_line, results_table, write_report
 
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
+
 
 @torch.no_grad()
-def reconstruct(model, latents: Latents) -> torch.Tensor:
-    """``(N, 1, H, W)`` images rendered from ``latents``."""
-    return model.render(torch.sigmoid(latents.part_logits), latents.part_poses)[0]
-
-
 def _mean_sem(v: torch.Tensor) -> tuple[float, float]:
     return float(v.double().mean()), float(v.double().std() / len(v) ** 0.5) if len(v) > 1 else 0.0
 
@@ -85,7 +82,7 @@ def main(argv=None) -> int:
     add_ttvi_args(p)
     p.add_argument("--example", type=non_negative_int, default=0, help="index of the digit shown across angles")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    add_run_args(p, name="rotated_digits", out=False)
+    add_run_args(p, EXPERIMENT, name="rotated_digits", out=False)
     args = p.parse_args(argv)
     if setup_run(args, tables := table_writer(readme_table, args.name)):
         return 0

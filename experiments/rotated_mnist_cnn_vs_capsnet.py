@@ -4,8 +4,8 @@ LeNet-5 and a (reduced) CapsNet train on MNIST digits shifted by up to ±2 px (t
 ``RandomAffine(translate=0.0714)``) and are tested on the test digits rotated by each angle (0° to 180°); with
 ``--probcaps-checkpoint``, so is the probabilistic capsule model's linear probe.
 
-    python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --probcaps-checkpoint checkpoints/mnist_probe.pt
-    python experiments/rotated_mnist_cnn_vs_capsnet.py --seeds 0 --set data.dataset="synthetic" \\
+    probcaps run rotated_mnist_cnn_vs_capsnet --seeds 0 --probcaps-checkpoint checkpoints/mnist_probe.pt
+    probcaps run rotated_mnist_cnn_vs_capsnet --seeds 0 --set data.dataset="synthetic" \\
         --set lenet_train.steps=5 --set capsnet_train.steps=5          # smoke test
 
 Writes ``results/<name>.json`` (accuracy per angle, model and seed), ``<name>_accuracy.png``, ``<name>_examples.png``.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from probcaps import plotting
-from probcaps.cli import (add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
+from probcaps.runner import (checkpoint_arg, add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
                           setup_run, table_writer)
 from probcaps.config import DigitData, Section, load_sections
 from probcaps.data import iterate_batches, load_digits, place_on_canvas, random_offsets, rotate, to_float
@@ -36,9 +36,9 @@ from probcaps.models.capsnet import CapsNet, CapsNetConfig
 from probcaps.models.lenet import LeNet5
 from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
 
-ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
+
 NAME = "rotated_mnist_cnn_vs_capsnet"
-DEFAULT_CONFIG = ROOT / "experiments" / "configs" / f"{NAME}.toml"
 # the numpy reproduction's numbers: accuracy on the 10,000 test digits, unrotated and rotated by 35 degrees
 NUMPY_REFERENCE = {"lenet": {0: 0.9868, 35: 0.7605}, "capsnet": {0: 0.9937, 35: 0.8409}}
 MODELS = {"lenet": "LeNet-5", "capsnet": "CapsNet"}
@@ -165,17 +165,17 @@ def plot_accuracy(angles, curves: dict[str, np.ndarray], path: Path) -> None:
 @one_line_errors("rotated_mnist_cnn_vs_capsnet")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(p, DEFAULT_CONFIG, [0])
-    p.add_argument("--probcaps-checkpoint", default=None,
-                   help="also score this probabilistic capsule model (e.g. checkpoints/mnist_probe.pt)")
-    add_run_args(p, name=False, out_help="run folders, one per model and seed (default: runs/<name>)",
+    add_config_args(p, NAME, [0])
+    p.add_argument("--probcaps-checkpoint", type=checkpoint_arg, default=None,
+                   help="also score this probabilistic capsule model (a shipped one by name, e.g. mnist, or a file)")
+    add_run_args(p, EXPERIMENT, name=False, out_help="run folders, one per model and seed (default: runs/<name>)",
                  resume="continue (or reuse) each model's run", threads=1)
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     name = cfg["name"]  # names the results, tables and runs, so that another config cannot overwrite them
     if setup_run(args, table_writer(readme_table, name)):
         return 0
-    args.out = args.out or str(ROOT / "runs" / name)
+    args.out = args.out or str(Path("runs") / name)
     if args.probcaps_checkpoint and not Path(args.probcaps_checkpoint).is_file():
         raise ConfigError(f"--probcaps-checkpoint {args.probcaps_checkpoint}: no such file")
     data = cfg["data"]

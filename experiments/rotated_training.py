@@ -4,11 +4,11 @@ it on test digits rotated the same way; probe accuracy against ``theta_max`` (pa
 The paper's finding: the more rotation in training, the less the parents specialise to one class and the lower the
 probe accuracy; ``finding`` in the JSON tests it (the slope of accuracy against ``theta_max``, and its sign).
 
-    python experiments/rotated_training.py --thetas 0 45 90 180 --seeds 0 1          # the committed run
-    python experiments/rotated_training.py --resume                                   # continue interrupted runs
-    python -m experiments.rotated_training --config experiments/configs/rotated_training_objects.toml --seeds 0 1 2
+    probcaps run rotated_training --thetas 0 45 90 180 --seeds 0 1          # the committed run
+    probcaps run rotated_training --resume                                   # continue interrupted runs
+    probcaps run rotated_training --config experiments/configs/rotated_training_objects.toml --seeds 0 1 2
                                                        # the same with objects that stand for digits (mnist_objects.toml)
-    python experiments/rotated_training.py --thetas 0 90 --seeds 0 --set train.steps=5 --set data.dataset="synthetic"
+    probcaps run rotated_training --thetas 0 90 --seeds 0 --set train.steps=5 --set data.dataset="synthetic"
 
 Each (theta_max, seed) trains in ``<out>/theta<T>_seed<S>/`` and leaves its ``metrics.json`` there (``--resume``
 picks up where a sweep stopped).  Writes ``results/<name>.json`` and ``<name>.png`` (accuracy against theta_max).
@@ -25,18 +25,18 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.cli import (add_config_args, add_run_args, config_dicts, finite_non_negative_float, launch,
+from probcaps.runner import (add_config_args, add_run_args, config_dicts, finite_non_negative_float, launch,
                           one_line_errors, seed_summary, setup_run, table_writer)
 from probcaps.inference.capsule_svi import (encode_dataset, load_experiment_config, load_images, load_trained,
                                             probe_features)
 from probcaps.inference.evaluate import posterior_part_counts
-from probcaps.experiments.mnist_probe import FEATURES, train_run
+from probcaps.experiments.common import FEATURES, train_run
 from probcaps.io import write_json
 from probcaps.metrics import LinearProbe, class_purity, kmeans_accuracy
 from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "experiments" / "configs" / "rotated_training.toml"
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
+
 
 
 def probe_rotated(checkpoint: Path, theta_max: float, data_dir=None, device: str = "cpu",
@@ -143,14 +143,14 @@ def readme_table(m: dict, prov: dict) -> str:
 @one_line_errors("rotated_training")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(p, DEFAULT_CONFIG, [0, 1])
+    add_config_args(p, "rotated_training", [0, 1])
     p.add_argument("--thetas", type=finite_non_negative_float, nargs="+", default=[0, 45, 90, 180])
     p.add_argument("--jit", action="store_true")
     p.add_argument("--train-only", action="store_true", help="train (and probe) the runs, skip the summary")
-    add_run_args(p, resume="continue interrupted runs; reuse finished ones")
+    add_run_args(p, EXPERIMENT, resume="continue interrupted runs; reuse finished ones")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
-    args.out = args.out or str(ROOT / "runs" / args.name)
+    args.out = args.out or str(Path("runs") / args.name)
     if setup_run(args, tables := table_writer(readme_table, args.name)):
         return 0
     t0 = time.perf_counter()

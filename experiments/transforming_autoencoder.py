@@ -1,10 +1,10 @@
 """Transforming auto-encoders (Hinton, Krizhevsky & Wang 2011) on MNIST pairs: translation and full affine.
 
-    python experiments/transforming_autoencoder.py                          # both recipes, seeds 0 1 2
-    python experiments/transforming_autoencoder.py --seeds 0 \\
+    probcaps run transforming_autoencoder                          # both recipes, seeds 0 1 2
+    probcaps run transforming_autoencoder --seeds 0 \\
         --config experiments/configs/transforming_autoencoder_translation.toml  # one recipe, one seed
-    python experiments/transforming_autoencoder.py --resume                 # continue / re-evaluate finished runs
-    python experiments/transforming_autoencoder.py --set train.steps=5 --set data.dataset=synthetic   # smoke test
+    probcaps run transforming_autoencoder --resume                 # continue / re-evaluate finished runs
+    probcaps run transforming_autoencoder --set train.steps=5 --set data.dataset=synthetic   # smoke test
 
 A pair is one MNIST digit warped onto the canvas by a random jitter ``A`` (the input) and by ``T ∘ A`` (the
 target), ``T`` a known transformation from the config's ``[range]``: the network sees the input and ``T`` and must
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.cli import add_config_args, add_run_args, launch, one_line_errors, seed_summary, setup_run
+from probcaps.runner import add_config_args, add_run_args, launch, one_line_errors, seed_summary, setup_run
 from probcaps.config import DigitData, load_sections
 from probcaps.data import iterate_batches, load_digits as data_digits, seeded_generator
 from probcaps.errors import ConfigError
@@ -41,9 +41,10 @@ from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoenc
 from probcaps.render import warp
 from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, write_report, write_table
 
-ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
+
 NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams
-RECIPES = [ROOT / "experiments" / "configs" / f"{NAME}_{mode}.toml" for mode in MODES]
+RECIPES = [f"{NAME}_{mode}" for mode in MODES]  # bare names of the packaged recipes
 DIGIT_WINDOW = 22  # the numpy reproduction scores its MSE on a 22x22 crop: the same window, centred on the target digit
 
 # anchors from a numpy reproduction (translation only, 28x28 canvas)
@@ -368,7 +369,7 @@ def run_recipe(config: str | Path, args) -> Path:
     name = args.name or load_config(config, args.set)["name"]
     for seed in args.seeds:
         cfg = load_config(config, [*args.set, f"train.seed={seed}"])
-        out = Path(args.out or ROOT / "runs" / name) / f"seed{seed}"
+        out = Path(args.out or Path("runs") / name) / f"seed{seed}"
         run_dirs.append(out)
         if args.resume and run_finished(out, cfg["train"].steps):
             load_final(model := build_model(cfg, args.device), out, args.device)  # the final model, its timing
@@ -508,7 +509,7 @@ def _error_note(mode: str, runs: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, list(RECIPES), [0, 1, 2], "one or more recipes (default: the translation and the affine one)")
-    add_run_args(p, out_help="run folders (<out>/seed<S>; default: runs/<name>)", threads=1,
+    add_run_args(p, EXPERIMENT, out_help="run folders (<out>/seed<S>; default: runs/<name>)", threads=1,
                  resume="continue unfinished runs, re-evaluate finished ones",
                  tables=f"tables (RESULTS_DIR/{NAME}.md, RESULTS_DIR/{TAE_ABLATIONS}.md)")
     args = p.parse_args(argv)

@@ -3,11 +3,11 @@ features of MNIST training images, scored on test latents from the encoder and a
 free-form objects and as the objects re-encoded from the optimised parts (re-encoding keeps the objects in the
 distribution the probe was fit on).  Writes ``results/<name>.json`` and ``<name>_elbo.png`` (the ELBO trace).
 
-    python experiments/ttvi_classification.py                        # the committed run (1000 test digits)
-    python experiments/ttvi_classification.py --rotate 45            # on rotated test digits
-    python experiments/ttvi_classification.py --checkpoint checkpoints/mnist.pt \
+    probcaps run ttvi_classification                        # the committed run (1000 test digits)
+    probcaps run ttvi_classification --rotate 45            # on rotated test digits
+    probcaps run ttvi_classification --checkpoint checkpoints/mnist.pt \
         --name ttvi_classification_fair --threads 1                 # the fair protocol's committed run
-    python experiments/ttvi_classification.py --seeds 0 1 2          # mean ± std over test-time VI seeds
+    probcaps run ttvi_classification --seeds 0 1 2          # mean ± std over test-time VI seeds
 
 **The fair protocol** (``--n-train-ttvi N``, default 500; 0: off): the same test-time VI also runs on the first
 ``N`` training images and the probes are refit on them (VI → VI), so that probe and test features share one
@@ -32,14 +32,16 @@ from probcaps.inference.ttvi import (FreeFormGuide, fit_guide, frozen_and_seeded
                                      ttvi_batches)
 from probcaps import plotting
 from probcaps.data import rotate, to_float
-from probcaps.cli import (add_run_args, add_ttvi_args, setup_run, table_writer, finite_float, non_negative_int,
+from probcaps.runner import (add_run_args, add_ttvi_args, setup_run, table_writer, finite_float, non_negative_int,
                           positive_int, launch, one_line_errors, seed_summary)
-from probcaps.experiments.mnist_probe import checkpoint_parser
+from probcaps.experiments.common import checkpoint_parser
 from probcaps.metrics import LinearProbe
 from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
 
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}
+
+EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 #: the readings of the fair protocol: LATENTS and the test-time VI of the parts alone
 READINGS = {**LATENTS, "ttvi_parts": "test-time VI of the parts, objects from the encoder at every step"}
 #: the feature sets of the fair protocol (keys of ``probcaps.inference.evaluate.READOUTS``)
@@ -59,25 +61,6 @@ def readme_table(m: dict, prov: dict) -> str:
               f"features of {m['n_train']} training digits; checkpoint `{prov.get('checkpoint')}`; "
               f"{provenance_line(prov)}"]
     return "\n".join(lines)
-
-
-@results_table("ttvi_throughput")
-def throughput_table(m: dict, prov: dict) -> str:
-    """The table of a ``probcaps ttvi`` run (``results_dir/<name>.json``): how fast free-form test-time VI runs and
-    how much it improves the ELBO and the reconstructions."""
-    work = m["n_images"] * m["steps"]
-    line = provenance_line(prov)
-    return "\n".join([
-        "| images × steps | threads | wall time (min) | CPU time of the process (min) | image-steps/s (wall) | "
-        "ELBO per image, encoder → after | recon MSE ×100, encoder → after |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        f"| {m['n_images']:,} × {m['steps']} | {m['threads']} | {m['wall_time_s'] / 60:.1f} | "
-        f"{m['cpu_time_s'] / 60:.1f} | {work / m['wall_time_s']:.0f} | {m['elbo_encoder_mean']:.0f} → "
-        f"{m['elbo_ttvi_mean']:.0f} | {100 * m['recon_mse_encoder']:.3f} → {100 * m['recon_mse_ttvi']:.3f} |",
-        "",
-        "CPU time is the process's, summed over its threads (with one thread: the wall time on an otherwise idle "
-        "core); measured with nothing else running. " + line[0].upper() + line[1:],
-    ])
 
 
 @results_table("ttvi_classification_fair")
@@ -183,7 +166,7 @@ def main(argv=None) -> int:
                    "protocol, also the test-time VI of the parts alone (about as long again as the free-form one)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a key of the checkpoint's config, e.g. encoder.bf16=false on a CPU without bfloat16")
-    add_run_args(p, name="ttvi_classification", out=False)
+    add_run_args(p, EXPERIMENT, name="ttvi_classification", out=False)
     args = p.parse_args(argv)
     if setup_run(args, tables := table_writer(table_text, args.name)):
         return 0

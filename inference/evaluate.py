@@ -388,7 +388,7 @@ def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "resu
     """:func:`evaluate_checkpoint` of each of ``checkpoints`` (one per training seed) into
     ``results_dir/<name>_seed<S>.json`` and its table (the figures of the first seed alone), then ``<name>.json``:
     the seeds' metrics (``per_seed``), the mean and standard deviation of each number over them, and its table."""
-    from probcaps.cli import seed_summary
+    from probcaps.runner import seed_summary
 
     t0 = time.perf_counter()
     seen = {}  # every checkpoint read before anything is written; one file per seed

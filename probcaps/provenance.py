@@ -78,7 +78,7 @@ _PINNED_COMMITS: list = []
 def pinned_commit():
     """Within it, :func:`provenance` names the commit the checkout had on entry: a command's results files name the
     code that ran, not a tree that the command's own first outputs have made dirty (a committed results file it
-    rewrites before writing the next).  Every entry point runs inside one (``probcaps.cli.one_line_errors``)."""
+    rewrites before writing the next).  Every entry point runs inside one (``probcaps.runner.one_line_errors``)."""
     _PINNED_COMMITS.append(git_commit())
     try:
         yield

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from probcaps import cli
+from probcaps import cli, registry, runner
 from probcaps.config import RULES, Range, check_sections, load_sections, range_of
 from probcaps.errors import ConfigError
 
@@ -294,7 +294,7 @@ def test_field_metadata_overrides_the_table():
 def _schemas() -> dict[str, dict]:
     """Every config schema: the capsule model's and each experiment's own."""
     found = {"capsule model": _capsule_schema()}
-    found.update({n: _module(n).SCHEMA for n in cli.experiments() if hasattr(_module(n), "SCHEMA")})
+    found.update({n: _module(n).SCHEMA for n in registry.experiments() if hasattr(_module(n), "SCHEMA")})
     return found
 
 
@@ -355,12 +355,12 @@ def test_non_utf8_and_unreadable_config_files_are_one_line(tmp_path, capsys):
 # ------------------------------------------------------------------------------------- arguments
 
 SHARED_TYPES = {
-    cli.positive_int: ["0", "-1", "x"],
-    cli.non_negative_int: ["-1", "1.5"],
-    cli.finite_float: ["nan", "inf", "x"],
-    cli.finite_positive_float: ["0", "-1e-3", "nan", "-inf"],
-    cli.finite_non_negative_float: ["-1", "nan"],
-    cli.device_arg: ["foo", "cuda:99"],
+    runner.positive_int: ["0", "-1", "x"],
+    runner.non_negative_int: ["-1", "1.5"],
+    runner.finite_float: ["nan", "inf", "x"],
+    runner.finite_positive_float: ["0", "-1e-3", "nan", "-inf"],
+    runner.finite_non_negative_float: ["-1", "nan"],
+    runner.device_arg: ["foo", "cuda:99"],
 }
 
 
@@ -383,7 +383,7 @@ def parsers() -> dict[str, tuple[callable, list[str], argparse.ArgumentParser]]:
 
     argparse.ArgumentParser.parse_args = capture
     try:
-        for name in cli.experiments():
+        for name in registry.experiments():
             module = _module(name)
             try:
                 module.main.__wrapped__([])
@@ -412,7 +412,7 @@ def _argument_cases():
 def test_numeric_options_use_the_shared_types():
     # catches: a numeric option added later with a bare type=int/float (no range check: --steps 0, --lr nan)
     found = parsers()
-    assert set(cli.experiments()) <= set(found)
+    assert set(registry.experiments()) <= set(found)
     for entry, (_, _, parser) in found.items():
         for action in parser._actions:
             assert action.type not in (int, float), f"{entry} {action.option_strings}: use a probcaps.cli type"
@@ -440,7 +440,7 @@ def test_every_output_folder_option_refuses_a_file(tmp_path, capsys):
     checked = 0
     for entry, (main, prefix, parser) in parsers().items():
         for action in parser._actions:
-            if action.type is cli.folder_arg:
+            if action.type is runner.folder_arg:
                 with pytest.raises(SystemExit) as e:
                     main([*prefix, *_required_options(parser, tmp_path), action.option_strings[-1], str(taken)])
                 assert e.value.code == 2, (entry, action.option_strings)
@@ -510,7 +510,7 @@ def test_unreadable_data_file_is_one_line(tmp_path, monkeypatch, capsys):
 ])
 def test_os_errors_are_one_line_naming_the_path(error, capsys):
     # catches: any OSError escaping an entry point as a traceback (or without the path at fault)
-    @cli.one_line_errors("experiment")
+    @runner.one_line_errors("experiment")
     def failing(argv=None):
         raise error
 

@@ -244,7 +244,7 @@ def test_interrupted_entry_point_exits_with_the_shells_code_not_a_traceback(sign
     # catches: Ctrl-C or a SIGTERM in an experiment script ending in a traceback after the training loop's
     # "checkpoint written ...; continue with --resume" line, or with an exit status a scheduler reads as a crash
     from probcaps.inference.train import Terminated
-    from probcaps.cli import one_line_errors
+    from probcaps.runner import one_line_errors
 
     @one_line_errors("experiment")
     def interrupted(argv=None):
@@ -275,7 +275,7 @@ def _experiment_modules() -> dict:
 def test_run_lists_every_experiment_with_its_first_docstring_line(capsys):
     # catches: `probcaps run` missing an experiment (or offering a module without main), or help text that does not
     # say what each experiment is
-    from probcaps.cli import experiments
+    from probcaps.registry import experiments, first_sentence
 
     modules = _experiment_modules()
     assert set(experiments()) == set(modules) and len(modules) >= 5
@@ -284,8 +284,8 @@ def test_run_lists_every_experiment_with_its_first_docstring_line(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for name, module in modules.items():
-        first_line = module.__doc__.strip().splitlines()[0].strip()
-        assert experiments()[name] == first_line
+        first_line = first_sentence(module.__doc__)
+        assert experiments()[name] == first_line and first_line and len(first_line) <= 110
         assert any(line.split() and line.split()[0] == name and first_line in line for line in out.splitlines()), name
 
 
@@ -403,7 +403,7 @@ def test_run_turns_an_undecorated_experiments_errors_into_one_line(monkeypatch, 
 def test_seed_summary_is_the_mean_and_sample_std_over_seeds():
     # catches: the population std (ddof=0) reported as the seed-to-seed spread, a per-angle curve averaged over its
     # angles instead of over seeds, or a NaN std for a single seed
-    from probcaps.cli import seed_summary
+    from probcaps.runner import seed_summary
 
     runs = [{"acc": 0.5, "curve": [1.0, 4.0]}, {"acc": 0.7, "curve": [3.0, 8.0]}, {"acc": 0.9, "curve": [5.0, 0.0]}]
     summary = seed_summary(runs, ("acc", "curve"))
@@ -418,7 +418,7 @@ def test_numeric_argument_types_keep_their_bounds():
     # 0 accepted as a learning rate) or letting a non-finite number through
     import argparse
 
-    from probcaps import cli
+    from probcaps import runner as cli
 
     accepted = {cli.positive_int: ("1", 1), cli.non_negative_int: ("0", 0), cli.finite_float: ("-2.5", -2.5),
                 cli.finite_positive_float: ("1e-9", 1e-9), cli.finite_non_negative_float: ("0", 0.0)}

@@ -118,9 +118,24 @@ def _check_rotated_mnist(ctx):
 
 
 def _check_ttvi_table(ctx):
-    from probcaps.experiments.ttvi_classification import throughput_table
+    from probcaps.experiments.common import throughput_table
 
     assert (ctx.results / "ttvi_tiny.md").read_text() == throughput_table(ctx.results, "ttvi_tiny") + "\n"
+
+
+def _check_list(ctx):
+    import contextlib
+    import io
+
+    from probcaps.cli import print_list
+    from probcaps.registry import experiments, model_cards, recipes
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_list()
+    names = {line.split()[0] for line in out.getvalue().splitlines() if line.startswith("  ")}
+    assert {"mnist", "demo", "mnist_probe", "rotated_digits"} <= names
+    assert names == set(recipes()) | set(experiments()) | set(model_cards())
 
 
 def _report_argv(ctx):
@@ -157,6 +172,7 @@ EXAMPLES = [
                                                     str(c.results), "--steps", "2", "--quiet", *sets(TINY40)],
             writes=["demo.json"]),
     Example("probcaps-report", "probcaps", _report_argv, check=_check_report),
+    Example("probcaps-list", "probcaps", lambda c: ["list"], check=_check_list),
     Example("probcaps-run", "probcaps", lambda c: ["run", "rotated_digits", "--checkpoint", str(c.checkpoint),
                                                    "--n-images", "2", "--steps", "2", "--angles", "0", "90",
                                                    "--results-dir", str(c.results), "--quiet"],

@@ -37,7 +37,9 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
     metrics = evaluate_checkpoint(ckpt, name="again", results_dir=results, progress=False, figures=False)
     assert metrics["probe_presence_pose_test_acc"] == pytest.approx(per_seed[0]["probe_presence_pose_test_acc"])
     # exported under another name, the model carries that name (its results files' under `probcaps evaluate`)
-    renamed = mnist_probe.export_checkpoint(tmp_path / "runs" / "seed0" / "final.pt", tmp_path / "renamed.pt", "other")
+    from probcaps.experiments.common import export_checkpoint
+
+    renamed = export_checkpoint(tmp_path / "runs" / "seed0" / "final.pt", tmp_path / "renamed.pt", "other")
     again = torch.load(renamed, weights_only=False)
     assert again["metadata"]["name"] == "other" and exported["metadata"]["name"] == "tiny"
     assert all(torch.equal(again["module"][k], v) for k, v in exported["module"].items())
@@ -90,7 +92,7 @@ def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_cle
     # over the committed checkpoints/<name>.pt, or recording the config's name instead of the run's --name
     from probcaps.experiments import mnist_probe
 
-    monkeypatch.setattr(mnist_probe, "ROOT", tmp_path)
+    monkeypatch.chdir(tmp_path)  # the default export, checkpoints/<name>.pt, is under the current folder
     args = ["--config", str(tiny_toml), "--seeds", "1", "--out", str(tmp_path / "runs"), "--train-only", "--quiet",
             "--results-dir", str(tmp_path / "results"), "--set", "train.steps=2", "--name", "trial"]
     assert mnist_probe.main(args) == 0
@@ -102,14 +104,14 @@ def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_cle
 
 
 def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
-    # catches: a short run under another --name silently overwriting the committed checkpoints/mnist.pt
-    from probcaps.experiments import mnist_probe
+    # catches: a short run under another --name silently overwriting the committed checkpoints/mnist.pt, or an
+    # export written into the installed package instead of the current folder
+    from probcaps.experiments.common import checkpoint_out_path
 
-    monkeypatch.setattr(mnist_probe, "ROOT", tmp_path)
-    assert mnist_probe.checkpoint_out_path(None, "mnist") == tmp_path / "checkpoints" / "mnist.pt"
-    assert mnist_probe.checkpoint_out_path(None, "trial") == tmp_path / "checkpoints" / "trial.pt"
-    assert mnist_probe.checkpoint_out_path("elsewhere/x.pt", "trial") == Path("elsewhere/x.pt")
-    assert mnist_probe.checkpoint_out_path("", "trial") is None
+    assert checkpoint_out_path(None, "mnist") == Path("checkpoints") / "mnist.pt"
+    assert checkpoint_out_path(None, "trial") == Path("checkpoints") / "trial.pt"
+    assert checkpoint_out_path("elsewhere/x.pt", "trial") == Path("elsewhere/x.pt")
+    assert checkpoint_out_path("", "trial") is None
 
 
 def test_levers_table_reads_each_recipe_over_its_seeds(tmp_path):

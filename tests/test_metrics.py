@@ -248,7 +248,7 @@ def test_a_command_names_the_commit_it_started_at_though_its_own_outputs_dirty_t
     # catches: the second seed's results of one command stamped "+dirty" because the first seed's results file, a
     # committed one, was rewritten in between
     import probcaps.provenance as prov_module
-    from probcaps.cli import one_line_errors
+    from probcaps.runner import one_line_errors
 
     states = iter(["abc1234", "abc1234+dirty", "abc1234+dirty", "abc1234+dirty"])
     monkeypatch.setattr(prov_module, "git_commit", lambda repo_dir=None: next(states))

@@ -334,7 +334,7 @@ def test_committed_tables_are_what_their_results_give(tmp_path, monkeypatch):
         main = importlib.import_module(f"probcaps.{module}").main
         assert main(["--tables-only", "--results-dir", str(tmp_path), *args]) == 0, (module, args)
         rebuilt.update(tables)
-    from probcaps.experiments.ttvi_classification import throughput_table
+    from probcaps.experiments.common import throughput_table
     from probcaps.report import write_table
 
     write_table(tmp_path, "ttvi_throughput", throughput_table(tmp_path, "ttvi_throughput"))
