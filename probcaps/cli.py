@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validate", action="store_true", help="turn on Pyro's validation checks")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config key")
     p.add_argument("--evaluate", action="store_true", help="evaluate the final checkpoint afterwards")
+    p.add_argument("--verbose", action="store_true", help="with --evaluate: print every metric, not only the table")
     add_common_args(p, results_dir="results")
 
     p = sub.add_parser("evaluate", help="probe accuracies, k-means accuracy and figures of a checkpoint")
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train a small model on real MNIST for a few minutes and report the probes")
     p.add_argument("--out", type=folder_arg, default="runs/demo")
+    p.add_argument("--verbose", action="store_true", help="also print every metric (they are all in the JSON)")
     p.add_argument("--steps", type=positive_int, default=None)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     add_common_args(p, results_dir="runs/demo/results")
@@ -161,10 +163,42 @@ def _train(args) -> None:
           f"{Path(args.out) / 'final.pt'}")
     if args.evaluate:
         metrics = _evaluate_path(Path(args.out) / "final.pt", args, name=cfg["name"])
-        print("linear probe on the test images (fit on the training features):")
-        _print_metrics(metrics)
-        print(f"metrics and figures written under {args.results_dir}/ ({cfg['name']}.json, "
-              f"{cfg['name']}_templates.png, {cfg['name']}_reconstructions.png)")
+        if getattr(args, "verbose", False):
+            _print_metrics(metrics)
+        print(summary_table(metrics, f"{state.step:,} steps"))
+        results = Path(args.results_dir)
+        print(f"all metrics: {results / (cfg['name'] + '.json')}")
+        figures = sorted(results.glob(f"{cfg['name']}_*.png"))
+        print("figures: " + (", ".join(str(f) for f in figures) if figures else "none (eval.figures = false)"))
+
+
+#: the readouts of the short table after a demo or a training with --evaluate: (results key, what it is, scale)
+SUMMARY_ROWS = [("probe_presence_pose_test_acc", "linear probe, object presences + poses (%)", 100),
+                ("probe_presence_test_acc", "linear probe, object presences (%)", 100),
+                ("kmeans_posterior_counts_test_acc", "k-means (10), posterior presences (%)", 100),
+                ("mean_active_parents", "objects on per image", 1)]
+#: SCAE's (Kosiorek et al. 2019) published MNIST numbers for the rows that have one
+SCAE_ROWS = {"probe_presence_test_acc": 99.0, "kmeans_posterior_counts_test_acc": 98.7}
+
+
+def summary_table(metrics: dict, run: str, shipped: str = "mnist") -> str:
+    """The few readouts a reader wants, as a text table: this run's, the shipped recipe's ``shipped`` model card's
+    (mean ± std over its seeds), and SCAE's."""
+    from probcaps.registry import model_cards
+
+    card = model_cards().get(shipped, {}).get("readouts", {})
+
+    def cell(values: dict, key: str, scale: float) -> str:
+        if f"{key}_mean" in values:
+            return f"{scale * values[key + '_mean']:.1f} ± {scale * values[key + '_std']:.1f}"
+        return f"{scale * values[key]:.1f}" if isinstance(values.get(key), (int, float)) else "—"
+
+    header = ("readout (MNIST test)", f"this run ({run})", f"`{shipped}` recipe, shipped", "SCAE")
+    rows = [(label, cell(metrics, key, scale), cell(card, key, scale),
+             f"{SCAE_ROWS[key]:.1f}" if key in SCAE_ROWS else "—") for key, label, scale in SUMMARY_ROWS]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in [header, *rows])
 
 
 def _evaluate_path(checkpoint, args, name=None, overrides=()):

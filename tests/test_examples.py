@@ -329,3 +329,25 @@ def test_experiments_run_as_modules_both_ways():
     assert proc.returncode == 0, proc.stderr[-2000:]
     outcome = dict(line.rsplit(" ", 1) for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in modules)
     assert outcome == {m: "0" for m in modules}, outcome
+
+
+def test_demo_ends_with_a_short_table_beside_the_shipped_recipe_and_scae(tmp_path, capsys, monkeypatch):
+    # catches: the demo ending in a wall of raw metric keys instead of the few readouts a reader compares, or a table
+    # without the shipped recipe's and SCAE's numbers beside this run's
+    from probcaps.cli import SUMMARY_ROWS, main
+    from probcaps.registry import model_cards
+
+    monkeypatch.setenv("PROBCAPS_NO_REEXEC", "1")
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--results-dir", str(tmp_path / "res"), "--steps", "2",
+                 "--quiet", *sets(TINY40)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    after = out[next(i for i, line in enumerate(out) if line.startswith("trained ")) + 1:]
+    assert len(after) <= 25, after
+    assert after[0].split()[:3] == ["readout", "(MNIST", "test)"] and "SCAE" in after[0]
+    rows = {label: line for _, label, _ in SUMMARY_ROWS for line in after if line.startswith(label)}
+    assert len(rows) == len(SUMMARY_ROWS), after
+    assert "99.0" in rows["linear probe, object presences (%)"]  # SCAE's
+    assert "98.7" in rows["k-means (10), posterior presences (%)"]
+    if "readouts" in model_cards().get("mnist", {}):  # the shipped recipe's mean ± std
+        assert all("±" in line for line in rows.values()), rows
+    assert any(line.startswith("all metrics: ") and line.endswith("demo.json") for line in after)
