@@ -318,8 +318,13 @@ def _command(args) -> None:
 
         download_mnist(resolve_data_root(args.data_dir))
     elif args.command == "report":
-        from probcaps.report import update_readme
+        from probcaps.registry import CARDS_FILE, cards_table, model_cards, write_model_cards
+        from probcaps.report import update_readme, write_table
 
+        checkpoints = Path(args.readme).parent / "checkpoints"
+        if checkpoints.is_dir() and CARDS_FILE.parent.parent == checkpoints.parent.resolve():  # in a clone
+            write_model_cards(checkpoints, results_dir=args.results_dir)
+            write_table(Path(args.results_dir) / "models", "cards", cards_table(model_cards()))
         update_readme(args.results_dir, args.readme)
     elif not setup_run(args, None):
         from probcaps.inference.distributed import init_from_env

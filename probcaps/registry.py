@@ -21,7 +21,8 @@ from probcaps.errors import CheckpointError, ConfigError
 
 __all__ = ["CONFIGS_DIR", "CARDS_FILE", "is_bare_name", "recipes", "resolve_config", "model_cards",
            "shipped_model_dir", "resolve_checkpoint", "sha256_file", "experiments", "first_sentence",
-           "write_model_cards"]
+           "write_model_cards", "describe_checkpoint", "CARD_READOUTS",
+           "cards_table"]
 
 _PACKAGE = Path(__file__).resolve().parent
 #: a clone (or an editable install) keeps models/, inference/ and experiments/ beside probcaps/; an installed package
@@ -138,17 +139,104 @@ def experiments() -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+#: what a model card reports of its model's results: (key in a results file, its name in the summary line, scale)
+CARD_READOUTS = [("probe_presence_pose_test_acc", "probe on presences + poses", 100),
+                 ("probe_presence_test_acc", "on presences", 100),
+                 ("kmeans_posterior_counts_test_acc", "k-means", 100),
+                 ("object_class_purity", "objects' class purity", 1),
+                 ("mean_active_parents", "objects on per image", 1)]
+
+
+def _model_results(path: Path, results_dir: Path, name: str, seed) -> tuple[Path, dict, dict] | None:
+    """``(results file, this model's metrics, the recipe's metrics over its seeds)`` of the checkpoint ``path``:
+    the results file whose provenance lists it among its checkpoints (one entry per seed), else the per-seed file of
+    its run, ``<name>_seed<seed>.json`` (and ``<name>.json`` for the recipe); None where no results file has it."""
+    files = sorted(results_dir.rglob("*.json"))
+    here, listing = f"checkpoints/{path.name}", []
+    for file in files:
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            listed = data["provenance"].get("checkpoints") or []
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if here in listed and "per_seed" in data["metrics"]:
+            mine = data["metrics"]["per_seed"][listed.index(here)]
+            listing.append((-sum(key in mine for key, _, _ in CARD_READOUTS), len(file.name), file, mine,
+                            data["metrics"]))
+    if listing:  # the read-out with the most of the card's readouts
+        return min(listing, key=lambda entry: entry[:2])[2:]
+    own = [f for f in files if f.name == f"{name}_seed{seed}.json"]
+    recipe = [f for f in files if f.name == f"{name}.json"]
+    if own:
+        mine = json.loads(own[0].read_text(encoding="utf-8"))["metrics"]
+        whole = json.loads(recipe[0].read_text(encoding="utf-8"))["metrics"] if recipe else mine
+        return own[0], mine, whole
+    return None
+
+
+def describe_checkpoint(path: str | os.PathLike, results_dir: str | os.PathLike = "results") -> dict:
+    """A shipped model's card, from its checkpoint (recipe, data, sizes, steps, training wall time) and the results
+    file that reads it out (readouts, device): what ``probcaps list`` and the docs show."""
+    import torch
+
+    path = Path(path)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    meta, state, train = ckpt.get("metadata", {}), ckpt.get("state", {}), ckpt.get("train_config", {})
+    configs = meta.get("configs", {})
+    data, model = configs.get("data", {}), configs.get("model", {})
+    name, seed = meta.get("name", path.stem), train.get("seed")
+    card = {"recipe": name, "kind": meta.get("kind"), "guide": meta.get("guide"), "seed": seed,
+            "steps": state.get("step"), "batch_size": train.get("batch_size"),
+            "wall_time_min": round(state["wall_time_s"] / 60, 1) if "wall_time_s" in state else None,
+            "data": f"{data.get('dataset')} training images ({data.get('train_limit') or 'all'}), "
+                    f"{data.get('canvas_size')}×{data.get('canvas_size')} canvas, shifts up to ±{data.get('max_shift')} px",
+            "objects": model.get("num_parents"), "parts": model.get("num_parts")}
+    found = _model_results(path, Path(results_dir), name, seed)
+    if found:
+        file, mine, whole = found
+        prov = json.loads(file.read_text(encoding="utf-8"))["provenance"]
+        card["results"] = str(file)
+        card["device"] = prov.get("device")
+        card["readouts"] = {key: mine[key] for key, _, _ in CARD_READOUTS if key in mine}
+        card["recipe_readouts"] = {k: whole[k] for key, _, _ in CARD_READOUTS for k in (f"{key}_mean", f"{key}_std")
+                                   if k in whole}
+    shown = [f"{label} {scale * card['readouts'][key]:.{1 if scale == 100 else 2}f}{'%' if scale == 100 else ''}"
+             for key, label, scale in CARD_READOUTS[:3] if key in card.get("readouts", {})]
+    card["summary"] = first_sentence(f"{name} recipe, seed {seed}, {card['steps']:,} steps" +
+                                     (f": {', '.join(shown)}" if shown else ""), width=140)
+    return card
+
+
 def write_model_cards(checkpoints_dir: str | os.PathLike = "checkpoints", cards_file: str | os.PathLike = CARDS_FILE,
-                      describe=None) -> Path:
+                      results_dir: str | os.PathLike = "results") -> Path:
     """Write the model cards of every ``*.pt`` in ``checkpoints_dir`` to ``cards_file``: its file name, sha256 and
-    size, and what ``describe(path) -> dict`` says of it (recipe, data, steps, device, wall time, readouts).
-    Returns ``cards_file``."""
+    size, and :func:`describe_checkpoint` of it (recipe, data, steps, device, wall time, readouts).  Returns
+    ``cards_file``."""
     from probcaps.io import atomic_write
 
     cards = {}
     for path in sorted(Path(checkpoints_dir).glob("*.pt")):
         card = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
-        cards[path.stem] = {**card, **(describe(path) if describe else {})}
+        cards[path.stem] = {**card, **describe_checkpoint(path, results_dir)}
     text = json.dumps({"models": cards}, indent=1, ensure_ascii=False) + "\n"
     model_cards.cache_clear()
     return atomic_write(Path(cards_file), lambda f: f.write(text), mode="w")
+
+
+def cards_table(cards: dict[str, dict]) -> str:
+    """The model cards as a markdown table, one row a shipped model, and the footer naming the cards file."""
+    head = ["model", "recipe, seed", "data", "objects / parts", "steps", "training (min)", "device",
+            *(label for _, label, _ in CARD_READOUTS), "results", "sha256"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, card in cards.items():
+        readouts = card.get("readouts", {})
+        cells = [f"`{name}`", f"`{card.get('recipe')}`, {card.get('seed')}", str(card.get("data")),
+                 f"{card.get('objects')} / {card.get('parts')}", f"{card.get('steps'):,}",
+                 str(card.get("wall_time_min")), str(card.get("device") or "—"),
+                 *(f"{scale * readouts[key]:.{1 if scale == 100 else 2}f}" if key in readouts else "—"
+                   for key, _, scale in CARD_READOUTS),
+                 f"`{card['results']}`" if card.get("results") else "—", f"`{card['sha256'][:12]}…`"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + ("\n\nWritten by `probcaps report` from each model's checkpoint in `checkpoints/` and the "
+                              "results file that reads it out; the full cards (and whole sha256) are "
+                              "`probcaps/model_cards.json`, checked whenever a model is named by its bare name.\n")
