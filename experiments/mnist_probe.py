@@ -20,11 +20,10 @@ from pathlib import Path
 from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config, train_capsules
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.evaluate import SCAE_PUBLISHED, evaluate_checkpoint
-from probcaps.inference.train import load_checkpoint, run_finished
+from probcaps.checkpoints import load_checkpoint, run_finished, save_checkpoint
 from probcaps import plotting
 from probcaps.cli import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
 from probcaps.errors import ProbcapsError
-from probcaps.io import atomic_torch_save
 from probcaps.report import (fmt_mean_std, load_result, provenance_line, results_in, results_table, write_report,
                              write_table)
 
@@ -84,7 +83,7 @@ def export_checkpoint(src: Path, dst: Path, name: str | None = None) -> Path:
     ckpt = load_checkpoint(src)
     if name:
         ckpt["metadata"] = {**ckpt["metadata"], "name": name}
-    return atomic_torch_save({k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}, dst)
+    return save_checkpoint({k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}, dst)
 
 
 def plot_training_curves(logs: dict[str, Path], path: Path) -> None:

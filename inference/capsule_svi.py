@@ -13,7 +13,8 @@ from tqdm.auto import tqdm
 
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.distributed import init_from_env
-from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
+from probcaps.checkpoints import load_checkpoint, load_module_state
+from probcaps.inference.train import TrainConfig, TrainState, make_elbo, train_loop
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information
 from probcaps.distributions import ClampedRelaxedBernoulli
 from probcaps.config import DataConfig, EvalConfig, load_sections, parse_override, replace_checked

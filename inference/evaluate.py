@@ -23,7 +23,8 @@ from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_m
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
-from probcaps.inference.train import load_checkpoint, make_elbo
+from probcaps.checkpoints import load_checkpoint
+from probcaps.inference.train import make_elbo
 from probcaps.metrics import (LinearProbe, MLPProbe, class_purity, classification_summary, dominant_object_accuracy,
                               kmeans_labels, mean_by_class)
 from probcaps.models.capsule_model import object_information

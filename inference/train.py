@@ -30,12 +30,12 @@ from tqdm.auto import tqdm
 
 from probcaps.config import Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
-from probcaps.io import (INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, atomic_torch_save, read_jsonl,
-                         truncate_log)
+from probcaps.checkpoints import (checkpoint_step, first_non_finite, load_checkpoint, load_module_state,
+                                  optimiser_tensors, rng_state, save_checkpoint, set_rng_state)
+from probcaps.io import INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, read_jsonl, truncate_log
 from probcaps.inference import distributed
 
-__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "load_checkpoint",
-           "make_elbo", "read_jsonl", "truncate_log", "run_finished", "load_module_state", "load_final", "start_log"]
+__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log"]
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
 LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes")
@@ -141,21 +141,6 @@ def seed_everything(seed: int) -> None:
     pyro.set_rng_seed(seed)
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -184,64 +169,6 @@ def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
     return torch.optim.Adam(_param_groups(module, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
-def _first_non_finite(tensors: dict) -> str | None:
-    """The name of the first floating tensor of ``{name: tensor}`` holding a NaN or Inf, or None (one sync)."""
-    named = [(k, t) for k, t in tensors.items() if torch.is_tensor(t) and t.is_floating_point() and t.numel()]
-    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named]) if named else None
-    return None if finite is None or bool(finite.all()) else named[int((~finite).nonzero()[0])][0]
-
-
-def _optimiser_tensors(optimiser_state: dict) -> dict:
-    return {f"optimiser.state.{i}.{k}": v for i, s in optimiser_state["state"].items() for k, v in s.items()}
-
-
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    """Read a checkpoint written by :func:`train_loop`; a missing, unreadable or non-finite one is a one-line error."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a corrupt file
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(ckpt, dict) or "module" not in ckpt:
-        raise CheckpointError(f"{path}: not a probcaps checkpoint (no 'module' state)")
-    if (bad := _first_non_finite(ckpt["module"])) is not None:
-        raise CheckpointError(f"{path}: '{bad}' holds NaN or Inf values; the model in this checkpoint diverged and "
-                              f"cannot be used")
-    return ckpt
-
-
-def run_finished(out_dir: str | Path, steps: int) -> bool:
-    """Whether ``out_dir`` holds a final model (``final.pt``) trained for at least ``steps`` steps: ``--resume``
-    entry points reuse such a run as it is, and train a shorter one on from its last checkpoint."""
-    final = Path(out_dir) / "final.pt"
-    return final.is_file() and int(load_checkpoint(final)["state"]["step"]) >= steps
-
-
-def load_module_state(module: nn.Module, state: dict, path: str | Path) -> None:
-    """``load_state_dict`` that names the checkpoint and the first mismatching tensor instead of a torch dump."""
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
-    for k, v in state.items():
-        if own[k].shape != v.shape:
-            raise CheckpointError(f"{path}: '{k}' has shape {tuple(v.shape)} in the checkpoint but "
-                                  f"{tuple(own[k].shape)} in the model (different config?)")
-    module.load_state_dict(state)
-
-
-def load_final(module: nn.Module, out_dir: str | Path, map_location="cpu") -> dict:
-    """Load the final model of the run in ``out_dir`` (``final.pt``) into ``module``; returns its training state."""
-    path = Path(out_dir) / "final.pt"
-    ckpt = load_checkpoint(path, map_location=map_location)
-    load_module_state(module, ckpt["module"], path)
-    return ckpt["state"]
-
-
 def start_log(path: Path, resume: bool) -> bool:
     """Ready the JSON-lines log ``path`` an ``on_checkpoint`` callback appends to, in a run folder: when ``resume``
     and the folder holds a checkpoint, keep its records up to the checkpoint's step, else delete it.  Returns
@@ -252,13 +179,6 @@ def start_log(path: Path, resume: bool) -> bool:
         return True
     path.unlink(missing_ok=True)
     return False
-
-
-def _checkpoint_step(path: Path) -> str:
-    try:
-        return str(int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state"]["step"]))
-    except Exception:  # noqa: BLE001 - only for a message
-        return "unknown"
 
 
 def _run_folder(out_dir: str | Path) -> Path:
@@ -368,7 +288,7 @@ class _Run:
             resume, force = False, True
         if not resume:
             if (self.ckpt_path.is_file() or self.final_path.is_file()) and not force:
-                step = _checkpoint_step(self.final_path if self.final_path.is_file() else self.ckpt_path)
+                step = checkpoint_step(self.final_path if self.final_path.is_file() else self.ckpt_path)
                 raise ConfigError(f"{self.out_dir} holds a run (step {step}); pass --resume to continue or --force "
                                   f"to start over")
             self.world.barrier()  # every process has looked before rank 0 deletes
@@ -398,7 +318,7 @@ class _Run:
                                   f"{world_size} (torchrun --nproc_per_node={world_size}), not {self.world.size}, "
                                   f"or the random draws would differ")
         load_module_state(self.module, ckpt["module"], self.ckpt_path)
-        if (bad := _first_non_finite(_optimiser_tensors(ckpt["optimiser"]))) is not None:
+        if (bad := first_non_finite(optimiser_tensors(ckpt["optimiser"]))) is not None:
             raise CheckpointError(f"{self.ckpt_path}: '{bad}' holds NaN or Inf values")
         new_base = list(self.scheduler.base_lrs)
         try:
@@ -408,7 +328,7 @@ class _Run:
                                   f"changed?): {e}") from None
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.state = TrainState(**{k: v for k, v in ckpt["state"].items() if k in TrainState.__dataclass_fields__})
-        _set_rng_state((ckpt.get("rng_per_rank") or [ckpt["rng"]])[self.world.rank])
+        set_rng_state((ckpt.get("rng_per_rank") or [ckpt["rng"]])[self.world.rank])
         self.window = ckpt.get("log_window", {"steps": 0, "sums": {}})
         self.lr_changes = list(ckpt.get("lr_changes", []))
         self._apply_config_lr(new_base)
@@ -448,7 +368,7 @@ class _Run:
 
     def _write(self, path: Path, callback_pending: bool = False, rng: dict | None = None) -> None:
         """Checkpoint the run into ``path`` (``rng``: the RNG state to store, by default the current one)."""
-        rng = rng or _rng_state()
+        rng = rng or rng_state()
         rngs = self.world.gather_objects(rng) if self.world.size > 1 else None
         if not self.is_main:
             return
@@ -458,15 +378,15 @@ class _Run:
                 "callback_pending": callback_pending,
                 "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
                 "lr_changes": list(self.lr_changes), "world_size": self.world.size, "rng_per_rank": rngs}
-        if (bad := _first_non_finite(snap["module"]) or _first_non_finite(_optimiser_tensors(snap["optimiser"]))):
+        if (bad := first_non_finite(snap["module"]) or first_non_finite(optimiser_tensors(snap["optimiser"]))):
             raise self._diverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write {path}")
-        atomic_torch_save(snap, path)
+        save_checkpoint(snap, path)
         if self.writer is not None:
             self.writer.flush()
 
     def _diverged(self, message: str) -> TrainingDiverged:
         """``message`` and where the last checkpoint is (every written checkpoint is finite)."""
-        last = (f"last good checkpoint: {self.ckpt_path}, step {_checkpoint_step(self.ckpt_path)}"
+        last = (f"last good checkpoint: {self.ckpt_path}, step {checkpoint_step(self.ckpt_path)}"
                 if self.ckpt_path.is_file() else "no checkpoint was written yet")
         return TrainingDiverged(f"{message} ({last})")
 
@@ -484,7 +404,7 @@ class _Run:
     def _checkpoint(self) -> None:
         """A scheduled checkpoint: the callback first, so that a run killed inside it resumes from the previous
         checkpoint and redoes the steps since and this callback instead of losing it."""
-        rng = _rng_state()  # the boundary's: the resumed run redoes the callback from the same RNG state
+        rng = rng_state()  # the boundary's: the resumed run redoes the callback from the same RNG state
         try:
             self._run_callback()
         except KeyboardInterrupt:
@@ -538,7 +458,7 @@ class _Run:
                 return
             # the RNG state and buffers (e.g. batch-norm statistics, which a forward pass updates) before this
             # step: an interruption inside the step, before its update, checkpoints the step boundary with them
-            rng_before = _rng_state()
+            rng_before = rng_state()
             buffers_before = {k: b.clone() for k, b in self.module.named_buffers()}
             self.stop.abortable = world.size == 1
             try:
@@ -621,7 +541,7 @@ class _Run:
         self.scheduler.step()
         state.step += 1
         state.batch_in_epoch += 1
-        if (bad := _first_non_finite(dict(self.module.named_parameters()))) is not None:
+        if (bad := first_non_finite(dict(self.module.named_parameters()))) is not None:
             raise self._diverged(f"step {state.step - 1}: the update made '{bad}' NaN or Inf (learning rate "
                                  f"{self.optimiser.param_groups[0]['lr']:.3g} too large?); stopped without writing it")
         return float(loss_value), float(grad_norm), terms, n_global, signum

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import DataError
 from ..geometry import degrees
-from ..io import atomic_torch_save
+from ..checkpoints import save_checkpoint
 from .loaders import seeded_generator
 from .mnist import user_cache_dir
 from .smallnorb import NORB_CLASSES, NorbSet
@@ -223,7 +223,7 @@ def synthetic_norb(split: str, data_dir: str | os.PathLike | None = None, seed: 
         data = NorbSet(images, cls, inst, az, el, light)
         for folder in _cache_dirs(data_dir) if cache and full else ():
             with contextlib.suppress(OSError):  # a read-only data root: try the user cache
-                atomic_torch_save(vars(data), folder / name)
+                save_checkpoint(vars(data), folder / name)
                 break
     if cache:  # the same process asking again (e.g. an experiment's report) gets the same tensors
         _MEMO[memo_key] = data
