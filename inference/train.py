@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -31,14 +32,22 @@ from tqdm.auto import tqdm
 from probcaps.config import Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.checkpoints import (checkpoint_step, first_non_finite, load_checkpoint, load_module_state,
-                                  optimiser_tensors, rng_state, save_checkpoint, set_rng_state)
+                                  optimiser_tensors, rng_state, save_checkpoint, set_rng_state, to_plain)
 from probcaps.io import INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, read_jsonl, truncate_log
 from probcaps.inference import distributed
 
 __all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log"]
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
-LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes")
+LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes", "config_changes")
+
+# train keys a resumed run may change (how it is optimised, for how long, how often it logs and checkpoints: the
+# config's values apply from the resumed step on, and the change is printed and logged); a change of any other key
+# of the config or the metadata (model, data, encoder, batch size, seed, ...) would train another model from the
+# checkpoint's state, and is refused.  Evaluation settings may change too.
+RESUMABLE_TRAIN_KEYS = ("steps", "lr", "warmup_steps", "final_lr_fraction", "weight_decay", "grad_clip", "log_every",
+                        "checkpoint_every", "validate", "jit", "compile")
+RESUMABLE_METADATA = ("name", "configs.eval.*", *(f"configs.train.{k}" for k in RESUMABLE_TRAIN_KEYS))
 
 
 @dataclass
@@ -194,6 +203,25 @@ def _run_folder(out_dir: str | Path) -> Path:
     return out_dir
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """``{"a.b.c": leaf}`` of nested dicts (lists and tensors are leaves)."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool((a == b).all())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)  # NaN equals NaN here
+
+
 class _LossModule(nn.Module):
     """``module`` with ``loss_fn`` as its forward, so that ``DistributedDataParallel`` sees the loss computed inside
     the wrapped module's forward (its gradient hooks are on ``module``'s parameters)."""
@@ -266,6 +294,7 @@ class _Run:
         self.state = TrainState()
         self.window = {"steps": 0, "sums": {}}  # steps since the last log record and the sums of loss and terms
         self.lr_changes: list[dict] = []  # {"step", "from", "to"}: learning rates changed by resumes
+        self.config_changes: list[dict] = []  # {"step", "key", "from", "to"}: train keys changed by resumes
         self.callback_done_at = -1  # the last step whose on_checkpoint call returned
         self.writer = None
         self.is_main = world.rank == 0
@@ -281,6 +310,10 @@ class _Run:
         for path in files if self.is_main else ():  # temporary files of writes a kill -9 cut short (we hold the lock)
             for tmp in self.out_dir.glob(f".{path.name}.*.tmp"):
                 tmp.unlink(missing_ok=True)
+        if resume and not self.ckpt_path.is_file() and self.final_path.is_file():
+            raise CheckpointError(f"{self.out_dir}: holds a finished model (final.pt, step "
+                                  f"{checkpoint_step(self.final_path)}) but no checkpoint.pt to continue from; "
+                                  f"nothing was changed (train into another folder, or --force to start over)")
         if resume and not self.ckpt_path.is_file() and started:
             if self.is_main:
                 print(f"{self.out_dir}: the run stopped before its first checkpoint; starting it at step 0",
@@ -317,6 +350,8 @@ class _Run:
             raise CheckpointError(f"{self.ckpt_path}: written by a run of {world_size} process(es); resume it with "
                                   f"{world_size} (torchrun --nproc_per_node={world_size}), not {self.world.size}, "
                                   f"or the random draws would differ")
+        self.config_changes = list(ckpt.get("config_changes", []))
+        self._check_config_unchanged(ckpt)
         load_module_state(self.module, ckpt["module"], self.ckpt_path)
         if (bad := first_non_finite(optimiser_tensors(ckpt["optimiser"]))) is not None:
             raise CheckpointError(f"{self.ckpt_path}: '{bad}' holds NaN or Inf values")
@@ -337,6 +372,32 @@ class _Run:
         pending = ckpt.get("callback_pending", False)
         self.callback_done_at = -1 if pending else self.state.step
         return pending
+
+    def _check_config_unchanged(self, ckpt: dict) -> None:
+        """Refuse a resume whose config would train another model than the checkpoint's (one line naming every
+        changed key); record and print the train keys that may change (:data:`RESUMABLE_TRAIN_KEYS`).  A key the
+        checkpoint lacks (one added to the package since) counts as unchanged."""
+        stored = {**{f"train.{k}": v for k, v in _flat(ckpt.get("train_config", {})).items()},
+                  **{f"metadata.{k}": v for k, v in _flat(ckpt.get("metadata", {})).items()}}
+        current = {**{f"train.{k}": v for k, v in _flat(self.cfg.to_dict()).items()},
+                   **{f"metadata.{k}": v for k, v in _flat(to_plain(self.metadata or {})).items()}}
+        changed = sorted(k for k in stored.keys() & current.keys() if not _same(stored[k], current[k]))
+        changed += sorted(k for k in current.keys() - stored.keys()
+                          if any(s.startswith(k + ".") for s in stored))  # a section replaced by a value
+        allowed = [f"train.{k}" for k in RESUMABLE_TRAIN_KEYS] + [f"metadata.{p}" for p in RESUMABLE_METADATA]
+        refused = [k for k in changed if not any(fnmatchcase(k, p) for p in allowed)]
+        if refused:
+            shown = [k.removeprefix("metadata.").removeprefix("configs.") for k in refused]
+            detail = ", ".join(f"{k} ({stored.get(r)!r} -> {current.get(r)!r})" for k, r in zip(shown, refused))
+            raise ConfigError(f"{self.ckpt_path}: cannot resume with a changed {detail}: it would train another "
+                              f"model from this checkpoint's state (resume with the run's own config, or train "
+                              f"into a new folder)")
+        step = int(ckpt["state"]["step"])
+        for key in (k for k in changed if k.startswith("train.") and k != "train.lr"):  # lr: _apply_config_lr
+            self.config_changes.append({"step": step, "key": key, "from": stored[key], "to": current[key]})
+            if self.is_main:
+                print(f"resuming at step {step}: {key} changed from {stored[key]!r} to {current[key]!r}",
+                      file=sys.stderr)
 
     def _apply_config_lr(self, new_base: list[float]) -> None:
         """Learning rates from this run's config (``train.lr``, the schedule, weight decay), not the checkpoint's:
@@ -377,7 +438,7 @@ class _Run:
                 "train_config": self.cfg.to_dict(), "metadata": self.metadata or {},
                 "callback_pending": callback_pending,
                 "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
-                "lr_changes": list(self.lr_changes), "world_size": self.world.size, "rng_per_rank": rngs}
+                "lr_changes": list(self.lr_changes), "config_changes": list(self.config_changes), "world_size": self.world.size, "rng_per_rank": rngs}
         if (bad := first_non_finite(snap["module"]) or first_non_finite(optimiser_tensors(snap["optimiser"]))):
             raise self._diverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write {path}")
         save_checkpoint(snap, path)
@@ -561,9 +622,9 @@ class _Run:
         record = {"step": state.step, "epoch": state.epoch, "loss": means.pop("loss"),
                   "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "items_per_s": items_per_s,
                   "wall_time_s": state.wall_time_s, **self.schedule_values, **means}
-        changes = [c for c in self.lr_changes if state.step - n <= c["step"] < state.step]
-        if changes:
-            record["lr_changes"] = changes
+        for key, log in (("lr_changes", self.lr_changes), ("config_changes", self.config_changes)):
+            if changes := [c for c in log if state.step - n <= c["step"] < state.step]:
+                record[key] = changes
         self.window = {"steps": 0, "sums": {}}
         if not self.is_main:
             return
@@ -571,7 +632,7 @@ class _Run:
         self.bar.set_postfix(loss=f"{record['loss']:.1f}", ips=f"{record['items_per_s']:.0f}")
         if self.writer is not None:
             for key, value in record.items():
-                if key in ("step", "epoch", "lr_changes"):
+                if key in ("step", "epoch", "lr_changes", "config_changes"):
                     continue
                 tag = (f"schedule/{key}" if key in self.schedule_values
                        else f"train/{key}" if key in LOG_KEYS else f"loss_terms/{key}")
