@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from probcaps import plotting
 from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
+from probcaps.config import check_file_name
 from probcaps.errors import CheckpointError
 from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
@@ -283,6 +284,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     trained models.
     """
     t0 = time.perf_counter()
+    if name is not None:
+        check_file_name(name, "--name")
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides, eval_config=eval_config)
     # the name the recipe's own evaluation of this seed has (experiments/mnist_probe.py): never its seeds' summary
     seed = cfg["train"].seed
@@ -392,6 +395,7 @@ def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "resu
     from probcaps.cli import seed_summary
 
     t0 = time.perf_counter()
+    check_file_name(name, "--name")
     seen = {}  # every checkpoint read before anything is written; one file per seed
     for path in checkpoints:
         seed = load_checkpoint(path)["train_config"].get("seed")
