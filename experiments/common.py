@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 
 from probcaps import plotting
+from probcaps.checkpoints import load_checkpoint, run_finished, save_checkpoint
 from probcaps.errors import ProbcapsError
 from probcaps.inference.capsule_svi import train_capsules
 from probcaps.inference.guides import Latents
-from probcaps.inference.train import load_checkpoint, run_finished
-from probcaps.io import atomic_torch_save
 from probcaps.report import provenance_line, results_table
 from probcaps.runner import checkpoint_arg, config_dicts
 
@@ -77,7 +76,7 @@ def export_checkpoint(src: Path, dst: Path, name: str | None = None) -> Path:
     ckpt = load_checkpoint(src)
     if name:
         ckpt["metadata"] = {**ckpt["metadata"], "name": name}
-    return atomic_torch_save({k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}, dst)
+    return save_checkpoint({k: ckpt[k] for k in ("module", "state", "train_config", "metadata")}, dst)
 
 
 def plot_training_curves(logs: dict[str, Path], path: Path) -> None:

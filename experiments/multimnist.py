@@ -30,7 +30,8 @@ from probcaps.config import DigitCanvas, Section, load_sections
 from probcaps.data import load_digits
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
 from probcaps.errors import ConfigError
-from probcaps.inference.train import TrainConfig, load_final, run_finished, start_log, train_loop
+from probcaps.checkpoints import load_final, run_finished
+from probcaps.inference.train import TrainConfig, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report, write_table

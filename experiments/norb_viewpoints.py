@@ -38,7 +38,9 @@ from probcaps.data.transforms import standardise_per_image
 from probcaps.errors import ConfigError
 from probcaps.io import append_jsonl
 from probcaps.inference.supervised import predict
-from probcaps.inference.train import TrainConfig, load_final, read_jsonl, run_finished, start_log, train_loop
+from probcaps.checkpoints import load_final, run_finished
+from probcaps.inference.train import TrainConfig, start_log, train_loop
+from probcaps.io import read_jsonl
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
 from probcaps.report import fmt_mean_std, provenance_line, results_in, results_table, write_report, write_table

@@ -31,7 +31,8 @@ from probcaps.data import iterate_batches, load_digits, place_on_canvas, random_
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import ConfigError
 from probcaps.inference.supervised import predict
-from probcaps.inference.train import TrainConfig, load_final, run_finished, train_loop
+from probcaps.checkpoints import load_final, run_finished
+from probcaps.inference.train import TrainConfig, train_loop
 from probcaps.models.capsnet import CapsNet, CapsNetConfig
 from probcaps.models.lenet import LeNet5
 from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report

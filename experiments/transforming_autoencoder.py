@@ -33,7 +33,8 @@ from probcaps.config import DigitData, load_sections
 from probcaps.data import iterate_batches, load_digits as data_digits, seeded_generator
 from probcaps.errors import ConfigError
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised
-from probcaps.inference.train import TrainConfig, load_final, run_finished, start_log, train_loop
+from probcaps.checkpoints import load_final, run_finished
+from probcaps.inference.train import TrainConfig, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
 from probcaps.metrics import r2_scores
 from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder, TransformingAutoencoderConfig,

@@ -13,15 +13,17 @@ from tqdm.auto import tqdm
 
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.distributed import init_from_env
-from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
+from probcaps.checkpoints import load_checkpoint, load_module_state
+from probcaps.inference.train import TrainConfig, TrainState, make_elbo, train_loop
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information
 from probcaps.distributions import ClampedRelaxedBernoulli
-from probcaps.config import DataConfig, EvalConfig, load_sections, parse_override, replace_checked
+from probcaps.config import (DataConfig, EvalConfig, check_file_name, check_sections, load_sections, parse_override,
+                             replace_checked)
 from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import CheckpointError, ConfigError
 
-__all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "load_images", "prior_schedule",
+__all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "check_across_sections", "stored_config", "load_images", "prior_schedule",
            "CapsuleSystem", "train_capsules", "load_trained", "encode_dataset", "probe_features"]
 
 SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder": EncoderConfig, "train": TrainConfig,
@@ -48,10 +50,18 @@ _LEGACY_STATE = ("model.prior_step", "model.parent_prior_logits")
 
 def load_experiment_config(path: str | Path | None, overrides: list[str] = ()) -> dict:
     cfg = load_sections(path, SCHEMA, overrides)
+    label = str(path) if path else "<defaults>"
     if cfg["name"] is None:
         cfg["name"] = Path(path).stem if path else "capsules"
+    check_file_name(cfg["name"], f"{label}: name")
+    return check_across_sections(cfg, label)
+
+
+def check_across_sections(cfg: dict, label: str) -> dict:
+    """What no one section's checks can say, for a config file and a checkpoint's stored config alike: the model
+    draws on the data's canvas (``label``: the file, named by the one-line error)."""
     if cfg["model"].canvas_size != cfg["data"].canvas_size:  # the data section's own checks: DataConfig.validate
-        raise ConfigError(f"{path}: model.canvas_size ({cfg['model'].canvas_size}) differs from data.canvas_size "
+        raise ConfigError(f"{label}: model.canvas_size ({cfg['model'].canvas_size}) differs from data.canvas_size "
                           f"({cfg['data'].canvas_size})")
     return cfg
 
@@ -189,18 +199,8 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
     on top."""
     pyro.settings.set(module_local_params=True)
     ckpt = load_checkpoint(checkpoint, map_location=device)
+    cfg = stored_config(ckpt, checkpoint)
     meta = ckpt.get("metadata", {})
-    if meta.get("kind") != "capsule_model":
-        raise CheckpointError(f"{checkpoint}: not a capsule-model checkpoint (kind {meta.get('kind')!r})")
-    cfg = {"name": meta.get("name", Path(checkpoint).parent.name)}
-    for key, cls in SCHEMA.items():
-        if cls is not str:
-            section = meta["configs"].get(key, {})
-            for option, (off, commit) in REMOVED_OPTIONS.get(key, {}).items():
-                if option in section and section[option] != off:
-                    raise CheckpointError(f"{checkpoint}: trained with {key}.{option} = {section[option]!r}, an "
-                                          f"option removed after commit {commit} (git checkout {commit} to use it)")
-            cfg[key] = cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
     if eval_config is not None:
         cfg["eval"] = eval_config
     for item in overrides:
@@ -208,11 +208,49 @@ def load_trained(checkpoint: str | Path, device: str = "cpu", overrides: list[st
         if section not in cfg or not hasattr(cfg[section], key):
             raise ConfigError(f"--set {item}: unknown key '{section}.{key}'")
         cfg[section] = replace_checked(cfg[section], {key: value}, f"--set {item}: {section}")
+    if overrides:
+        check_across_sections(cfg, f"{checkpoint} with --set {' '.join(overrides)}")
     system = CapsuleSystem(cfg["model"], cfg["encoder"], guide=meta.get("guide")).to(device)
     load_module_state(system, {k: v for k, v in ckpt["module"].items() if k not in _LEGACY_STATE}, checkpoint)
     system.eval()
     cfg["train_state"] = ckpt.get("state", {})
     return cfg, system
+
+
+def stored_config(ckpt: dict, checkpoint: str | Path) -> dict:
+    """The experiment config stored in a checkpoint of :func:`train_capsules` (``{"name": ..., section: dataclass}``),
+    through the checks a config file gets (:func:`probcaps.config.check_sections`, :func:`check_across_sections`);
+    anything missing, of the wrong type or out of range is a one-line error naming the checkpoint and the key.
+    Keys a section no longer has are dropped, and keys it has gained since take their defaults: a checkpoint may
+    predate either."""
+    meta = ckpt.get("metadata", {})
+    if meta.get("kind") != "capsule_model":
+        raise CheckpointError(f"{checkpoint}: not a capsule-model checkpoint (metadata.kind {meta.get('kind')!r})")
+    configs = meta.get("configs")
+    if not isinstance(configs, dict):
+        raise CheckpointError(f"{checkpoint}: metadata.configs: missing or not a dict (got {type(configs).__name__}); "
+                              f"the checkpoint cannot say which model it holds")
+    for key, cls in SCHEMA.items():
+        if cls is str:
+            continue
+        if not isinstance(section := configs.get(key), dict):
+            raise CheckpointError(f"{checkpoint}: configs.{key}: " + ("missing" if section is None else
+                                  f"must be a dict, got {type(section).__name__}"))
+        for option, (off, commit) in REMOVED_OPTIONS.get(key, {}).items():
+            if option in section and section[option] != off:
+                raise CheckpointError(f"{checkpoint}: trained with {key}.{option} = {section[option]!r}, an "
+                                      f"option removed after commit {commit} (git checkout {commit} to use it)")
+    cfg = {"name": check_file_name(meta.get("name", Path(checkpoint).parent.name), f"{checkpoint}: name"),
+           **check_sections(configs, SCHEMA, str(checkpoint))}
+    guide = meta.get("guide", {"family": "delta"})
+    if not isinstance(guide, dict) or guide.get("family", "delta") not in ("delta", "normal"):
+        raise CheckpointError(f"{checkpoint}: metadata.guide: must be {{'family': 'delta'}} or {{'family': 'normal', "
+                              f"...}}, got {guide!r}")
+    for key, value in guide.items():
+        if key != "family" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or not 0 < value < float("inf")):
+            raise CheckpointError(f"{checkpoint}: metadata.guide.{key}: must be a finite number > 0, got {value!r}")
+    return check_across_sections(cfg, str(checkpoint))
 
 
 @torch.no_grad()

@@ -18,12 +18,14 @@ import torch.nn.functional as F
 from probcaps import plotting
 from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
+from probcaps.config import check_file_name
 from probcaps.errors import CheckpointError
 from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
-from probcaps.inference.train import load_checkpoint, make_elbo
+from probcaps.checkpoints import load_checkpoint
+from probcaps.inference.train import make_elbo
 from probcaps.metrics import (LinearProbe, MLPProbe, class_purity, classification_summary, dominant_object_accuracy,
                               kmeans_labels, mean_by_class)
 from probcaps.models.capsule_model import object_information
@@ -282,6 +284,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     trained models.
     """
     t0 = time.perf_counter()
+    if name is not None:
+        check_file_name(name, "--name")
     cfg, system = load_trained(checkpoint, device=device, overrides=overrides, eval_config=eval_config)
     # the name the recipe's own evaluation of this seed has (experiments/mnist_probe.py): never its seeds' summary
     seed = cfg["train"].seed
@@ -391,6 +395,7 @@ def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "resu
     from probcaps.runner import seed_summary
 
     t0 = time.perf_counter()
+    check_file_name(name, "--name")
     seen = {}  # every checkpoint read before anything is written; one file per seed
     for path in checkpoints:
         seed = load_checkpoint(path)["train_config"].get("seed")

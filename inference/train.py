@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,15 +31,23 @@ from tqdm.auto import tqdm
 
 from probcaps.config import Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
-from probcaps.io import (INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, atomic_torch_save, read_jsonl,
-                         truncate_log)
+from probcaps.checkpoints import (checkpoint_step, first_non_finite, load_checkpoint, load_module_state,
+                                  optimiser_tensors, rng_state, save_checkpoint, set_rng_state, to_plain)
+from probcaps.io import INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, read_jsonl, truncate_log
 from probcaps.inference import distributed
 
-__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "load_checkpoint",
-           "make_elbo", "read_jsonl", "truncate_log", "run_finished", "load_module_state", "load_final", "start_log"]
+__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log"]
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
-LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes")
+LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes", "config_changes")
+
+# train keys a resumed run may change (how it is optimised, for how long, how often it logs and checkpoints: the
+# config's values apply from the resumed step on, and the change is printed and logged); a change of any other key
+# of the config or the metadata (model, data, encoder, batch size, seed, ...) would train another model from the
+# checkpoint's state, and is refused.  Evaluation settings may change too.
+RESUMABLE_TRAIN_KEYS = ("steps", "lr", "warmup_steps", "final_lr_fraction", "weight_decay", "grad_clip", "log_every",
+                        "checkpoint_every", "validate", "jit", "compile")
+RESUMABLE_METADATA = ("name", "configs.eval.*", *(f"configs.train.{k}" for k in RESUMABLE_TRAIN_KEYS))
 
 
 @dataclass
@@ -141,21 +150,6 @@ def seed_everything(seed: int) -> None:
     pyro.set_rng_seed(seed)
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -184,64 +178,6 @@ def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
     return torch.optim.Adam(_param_groups(module, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
-def _first_non_finite(tensors: dict) -> str | None:
-    """The name of the first floating tensor of ``{name: tensor}`` holding a NaN or Inf, or None (one sync)."""
-    named = [(k, t) for k, t in tensors.items() if torch.is_tensor(t) and t.is_floating_point() and t.numel()]
-    finite = torch.stack([torch.isfinite(t).all().to(named[0][1].device) for _, t in named]) if named else None
-    return None if finite is None or bool(finite.all()) else named[int((~finite).nonzero()[0])][0]
-
-
-def _optimiser_tensors(optimiser_state: dict) -> dict:
-    return {f"optimiser.state.{i}.{k}": v for i, s in optimiser_state["state"].items() for k, v in s.items()}
-
-
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    """Read a checkpoint written by :func:`train_loop`; a missing, unreadable or non-finite one is a one-line error."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a corrupt file
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(ckpt, dict) or "module" not in ckpt:
-        raise CheckpointError(f"{path}: not a probcaps checkpoint (no 'module' state)")
-    if (bad := _first_non_finite(ckpt["module"])) is not None:
-        raise CheckpointError(f"{path}: '{bad}' holds NaN or Inf values; the model in this checkpoint diverged and "
-                              f"cannot be used")
-    return ckpt
-
-
-def run_finished(out_dir: str | Path, steps: int) -> bool:
-    """Whether ``out_dir`` holds a final model (``final.pt``) trained for at least ``steps`` steps: ``--resume``
-    entry points reuse such a run as it is, and train a shorter one on from its last checkpoint."""
-    final = Path(out_dir) / "final.pt"
-    return final.is_file() and int(load_checkpoint(final)["state"]["step"]) >= steps
-
-
-def load_module_state(module: nn.Module, state: dict, path: str | Path) -> None:
-    """``load_state_dict`` that names the checkpoint and the first mismatching tensor instead of a torch dump."""
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: checkpoint does not fit the model (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
-    for k, v in state.items():
-        if own[k].shape != v.shape:
-            raise CheckpointError(f"{path}: '{k}' has shape {tuple(v.shape)} in the checkpoint but "
-                                  f"{tuple(own[k].shape)} in the model (different config?)")
-    module.load_state_dict(state)
-
-
-def load_final(module: nn.Module, out_dir: str | Path, map_location="cpu") -> dict:
-    """Load the final model of the run in ``out_dir`` (``final.pt``) into ``module``; returns its training state."""
-    path = Path(out_dir) / "final.pt"
-    ckpt = load_checkpoint(path, map_location=map_location)
-    load_module_state(module, ckpt["module"], path)
-    return ckpt["state"]
-
-
 def start_log(path: Path, resume: bool) -> bool:
     """Ready the JSON-lines log ``path`` an ``on_checkpoint`` callback appends to, in a run folder: when ``resume``
     and the folder holds a checkpoint, keep its records up to the checkpoint's step, else delete it.  Returns
@@ -252,13 +188,6 @@ def start_log(path: Path, resume: bool) -> bool:
         return True
     path.unlink(missing_ok=True)
     return False
-
-
-def _checkpoint_step(path: Path) -> str:
-    try:
-        return str(int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["state"]["step"]))
-    except Exception:  # noqa: BLE001 - only for a message
-        return "unknown"
 
 
 def _run_folder(out_dir: str | Path) -> Path:
@@ -272,6 +201,25 @@ def _run_folder(out_dir: str | Path) -> Path:
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise OutputError(f"{out_dir}: the run folder is not writable")
     return out_dir
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """``{"a.b.c": leaf}`` of nested dicts (lists and tensors are leaves)."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool((a == b).all())
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)  # NaN equals NaN here
 
 
 class _LossModule(nn.Module):
@@ -346,6 +294,7 @@ class _Run:
         self.state = TrainState()
         self.window = {"steps": 0, "sums": {}}  # steps since the last log record and the sums of loss and terms
         self.lr_changes: list[dict] = []  # {"step", "from", "to"}: learning rates changed by resumes
+        self.config_changes: list[dict] = []  # {"step", "key", "from", "to"}: train keys changed by resumes
         self.callback_done_at = -1  # the last step whose on_checkpoint call returned
         self.writer = None
         self.is_main = world.rank == 0
@@ -361,6 +310,10 @@ class _Run:
         for path in files if self.is_main else ():  # temporary files of writes a kill -9 cut short (we hold the lock)
             for tmp in self.out_dir.glob(f".{path.name}.*.tmp"):
                 tmp.unlink(missing_ok=True)
+        if resume and not self.ckpt_path.is_file() and self.final_path.is_file():
+            raise CheckpointError(f"{self.out_dir}: holds a finished model (final.pt, step "
+                                  f"{checkpoint_step(self.final_path)}) but no checkpoint.pt to continue from; "
+                                  f"nothing was changed (train into another folder, or --force to start over)")
         if resume and not self.ckpt_path.is_file() and started:
             if self.is_main:
                 print(f"{self.out_dir}: the run stopped before its first checkpoint; starting it at step 0",
@@ -368,7 +321,7 @@ class _Run:
             resume, force = False, True
         if not resume:
             if (self.ckpt_path.is_file() or self.final_path.is_file()) and not force:
-                step = _checkpoint_step(self.final_path if self.final_path.is_file() else self.ckpt_path)
+                step = checkpoint_step(self.final_path if self.final_path.is_file() else self.ckpt_path)
                 raise ConfigError(f"{self.out_dir} holds a run (step {step}); pass --resume to continue or --force "
                                   f"to start over")
             self.world.barrier()  # every process has looked before rank 0 deletes
@@ -397,8 +350,10 @@ class _Run:
             raise CheckpointError(f"{self.ckpt_path}: written by a run of {world_size} process(es); resume it with "
                                   f"{world_size} (torchrun --nproc_per_node={world_size}), not {self.world.size}, "
                                   f"or the random draws would differ")
+        self.config_changes = list(ckpt.get("config_changes", []))
+        self._check_config_unchanged(ckpt)
         load_module_state(self.module, ckpt["module"], self.ckpt_path)
-        if (bad := _first_non_finite(_optimiser_tensors(ckpt["optimiser"]))) is not None:
+        if (bad := first_non_finite(optimiser_tensors(ckpt["optimiser"]))) is not None:
             raise CheckpointError(f"{self.ckpt_path}: '{bad}' holds NaN or Inf values")
         new_base = list(self.scheduler.base_lrs)
         try:
@@ -408,7 +363,7 @@ class _Run:
                                   f"changed?): {e}") from None
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.state = TrainState(**{k: v for k, v in ckpt["state"].items() if k in TrainState.__dataclass_fields__})
-        _set_rng_state((ckpt.get("rng_per_rank") or [ckpt["rng"]])[self.world.rank])
+        set_rng_state((ckpt.get("rng_per_rank") or [ckpt["rng"]])[self.world.rank])
         self.window = ckpt.get("log_window", {"steps": 0, "sums": {}})
         self.lr_changes = list(ckpt.get("lr_changes", []))
         self._apply_config_lr(new_base)
@@ -417,6 +372,32 @@ class _Run:
         pending = ckpt.get("callback_pending", False)
         self.callback_done_at = -1 if pending else self.state.step
         return pending
+
+    def _check_config_unchanged(self, ckpt: dict) -> None:
+        """Refuse a resume whose config would train another model than the checkpoint's (one line naming every
+        changed key); record and print the train keys that may change (:data:`RESUMABLE_TRAIN_KEYS`).  A key the
+        checkpoint lacks (one added to the package since) counts as unchanged."""
+        stored = {**{f"train.{k}": v for k, v in _flat(ckpt.get("train_config", {})).items()},
+                  **{f"metadata.{k}": v for k, v in _flat(ckpt.get("metadata", {})).items()}}
+        current = {**{f"train.{k}": v for k, v in _flat(self.cfg.to_dict()).items()},
+                   **{f"metadata.{k}": v for k, v in _flat(to_plain(self.metadata or {})).items()}}
+        changed = sorted(k for k in stored.keys() & current.keys() if not _same(stored[k], current[k]))
+        changed += sorted(k for k in current.keys() - stored.keys()
+                          if any(s.startswith(k + ".") for s in stored))  # a section replaced by a value
+        allowed = [f"train.{k}" for k in RESUMABLE_TRAIN_KEYS] + [f"metadata.{p}" for p in RESUMABLE_METADATA]
+        refused = [k for k in changed if not any(fnmatchcase(k, p) for p in allowed)]
+        if refused:
+            shown = [k.removeprefix("metadata.").removeprefix("configs.") for k in refused]
+            detail = ", ".join(f"{k} ({stored.get(r)!r} -> {current.get(r)!r})" for k, r in zip(shown, refused))
+            raise ConfigError(f"{self.ckpt_path}: cannot resume with a changed {detail}: it would train another "
+                              f"model from this checkpoint's state (resume with the run's own config, or train "
+                              f"into a new folder)")
+        step = int(ckpt["state"]["step"])
+        for key in (k for k in changed if k.startswith("train.") and k != "train.lr"):  # lr: _apply_config_lr
+            self.config_changes.append({"step": step, "key": key, "from": stored[key], "to": current[key]})
+            if self.is_main:
+                print(f"resuming at step {step}: {key} changed from {stored[key]!r} to {current[key]!r}",
+                      file=sys.stderr)
 
     def _apply_config_lr(self, new_base: list[float]) -> None:
         """Learning rates from this run's config (``train.lr``, the schedule, weight decay), not the checkpoint's:
@@ -448,7 +429,7 @@ class _Run:
 
     def _write(self, path: Path, callback_pending: bool = False, rng: dict | None = None) -> None:
         """Checkpoint the run into ``path`` (``rng``: the RNG state to store, by default the current one)."""
-        rng = rng or _rng_state()
+        rng = rng or rng_state()
         rngs = self.world.gather_objects(rng) if self.world.size > 1 else None
         if not self.is_main:
             return
@@ -457,16 +438,16 @@ class _Run:
                 "train_config": self.cfg.to_dict(), "metadata": self.metadata or {},
                 "callback_pending": callback_pending,
                 "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
-                "lr_changes": list(self.lr_changes), "world_size": self.world.size, "rng_per_rank": rngs}
-        if (bad := _first_non_finite(snap["module"]) or _first_non_finite(_optimiser_tensors(snap["optimiser"]))):
+                "lr_changes": list(self.lr_changes), "config_changes": list(self.config_changes), "world_size": self.world.size, "rng_per_rank": rngs}
+        if (bad := first_non_finite(snap["module"]) or first_non_finite(optimiser_tensors(snap["optimiser"]))):
             raise self._diverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write {path}")
-        atomic_torch_save(snap, path)
+        save_checkpoint(snap, path)
         if self.writer is not None:
             self.writer.flush()
 
     def _diverged(self, message: str) -> TrainingDiverged:
         """``message`` and where the last checkpoint is (every written checkpoint is finite)."""
-        last = (f"last good checkpoint: {self.ckpt_path}, step {_checkpoint_step(self.ckpt_path)}"
+        last = (f"last good checkpoint: {self.ckpt_path}, step {checkpoint_step(self.ckpt_path)}"
                 if self.ckpt_path.is_file() else "no checkpoint was written yet")
         return TrainingDiverged(f"{message} ({last})")
 
@@ -484,7 +465,7 @@ class _Run:
     def _checkpoint(self) -> None:
         """A scheduled checkpoint: the callback first, so that a run killed inside it resumes from the previous
         checkpoint and redoes the steps since and this callback instead of losing it."""
-        rng = _rng_state()  # the boundary's: the resumed run redoes the callback from the same RNG state
+        rng = rng_state()  # the boundary's: the resumed run redoes the callback from the same RNG state
         try:
             self._run_callback()
         except KeyboardInterrupt:
@@ -538,7 +519,7 @@ class _Run:
                 return
             # the RNG state and buffers (e.g. batch-norm statistics, which a forward pass updates) before this
             # step: an interruption inside the step, before its update, checkpoints the step boundary with them
-            rng_before = _rng_state()
+            rng_before = rng_state()
             buffers_before = {k: b.clone() for k, b in self.module.named_buffers()}
             self.stop.abortable = world.size == 1
             try:
@@ -621,7 +602,7 @@ class _Run:
         self.scheduler.step()
         state.step += 1
         state.batch_in_epoch += 1
-        if (bad := _first_non_finite(dict(self.module.named_parameters()))) is not None:
+        if (bad := first_non_finite(dict(self.module.named_parameters()))) is not None:
             raise self._diverged(f"step {state.step - 1}: the update made '{bad}' NaN or Inf (learning rate "
                                  f"{self.optimiser.param_groups[0]['lr']:.3g} too large?); stopped without writing it")
         return float(loss_value), float(grad_norm), terms, n_global, signum
@@ -641,9 +622,9 @@ class _Run:
         record = {"step": state.step, "epoch": state.epoch, "loss": means.pop("loss"),
                   "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm, "items_per_s": items_per_s,
                   "wall_time_s": state.wall_time_s, **self.schedule_values, **means}
-        changes = [c for c in self.lr_changes if state.step - n <= c["step"] < state.step]
-        if changes:
-            record["lr_changes"] = changes
+        for key, log in (("lr_changes", self.lr_changes), ("config_changes", self.config_changes)):
+            if changes := [c for c in log if state.step - n <= c["step"] < state.step]:
+                record[key] = changes
         self.window = {"steps": 0, "sums": {}}
         if not self.is_main:
             return
@@ -651,7 +632,7 @@ class _Run:
         self.bar.set_postfix(loss=f"{record['loss']:.1f}", ips=f"{record['items_per_s']:.0f}")
         if self.writer is not None:
             for key, value in record.items():
-                if key in ("step", "epoch", "lr_changes"):
+                if key in ("step", "epoch", "lr_changes", "config_changes"):
                     continue
                 tag = (f"schedule/{key}" if key in self.schedule_values
                        else f"train/{key}" if key in LOG_KEYS else f"loss_terms/{key}")

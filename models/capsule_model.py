@@ -87,6 +87,11 @@ class CapsuleModelConfig(Section):
         if self.object_code_dims < 0 or self.code_deformation_std <= 0:
             raise ValueError("model.object_code_dims must be >= 0 and model.code_deformation_std > 0, got "
                              f"{self.object_code_dims} and {self.code_deformation_std}")
+        if self.num_parts > self.template_size ** 2:  # the templates start orthogonal: at most t² of them
+            raise ValueError(f"model.num_parts ({self.num_parts}) must be at most model.template_size² "
+                             f"({self.template_size}² = {self.template_size ** 2}): the templates start mutually "
+                             f"orthogonal, and a {self.template_size}x{self.template_size} template has only "
+                             f"{self.template_size ** 2} dimensions")
 
     @property
     def object_dims(self) -> int:

@@ -14,8 +14,10 @@ and the file's own keys replace the base's one by one (a section is merged, not 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -25,7 +27,8 @@ from typing import Any
 from probcaps.errors import ConfigError
 
 __all__ = ["Section", "DigitData", "DigitCanvas", "DataConfig", "EvalConfig", "Range", "RULES", "check_sections",
-           "check_value", "load_sections", "parse_override", "range_of", "read_toml", "replace_checked"]
+           "check_value", "load_sections", "parse_override", "range_of", "read_toml", "replace_checked",
+           "check_file_name", "file_name_arg", "check_threads", "threads_arg", "MAX_THREADS_PER_CPU"]
 
 
 class Section:
@@ -310,3 +313,55 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     except tomllib.TOMLDecodeError:
         value = rhs.strip()
     return section, key, value
+
+
+# ------------------------------------------------------------------------------------------- names and threads
+
+
+def check_file_name(name: Any, where: str) -> str:
+    """``name`` if it can name a file inside its folder (a run's results, a checkpoint's name): a non-empty string
+    without path separators or NUL, not ``.`` or ``..``.  Else a one-line ConfigError naming ``where`` (the file and
+    key, or the option, it came from): a name such as ``../../x`` would write outside the results folder."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: expected a string, got {name!r}")
+    separators = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    if not name or name in (".", "..") or "\0" in name or any(sep in name for sep in separators):
+        raise ConfigError(f"{where}: {name!r} is not a file name (a name, not a path: no '/', not '.' or '..', "
+                          f"not empty)")
+    return name
+
+
+def file_name_arg(text: str) -> str:
+    """``argparse`` type of an option naming a results file (``--name``): :func:`check_file_name`'s rule, refused by
+    argparse in one line."""
+    try:
+        return check_file_name(text, "name")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).partition(": ")[2]) from None
+
+
+#: ``--threads`` may ask for at most this many threads per CPU core of the machine: far more starve the machine of
+#: memory for thread stacks (and crash OpenMP) without making anything faster.
+MAX_THREADS_PER_CPU = 4
+
+
+def check_threads(n: Any, where: str = "--threads") -> int:
+    """``n`` torch CPU threads if the machine can take them: an integer from 1 to ``MAX_THREADS_PER_CPU`` times its
+    CPU cores; else a one-line ConfigError naming ``where``."""
+    cpus = os.cpu_count() or 1
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ConfigError(f"{where}: expected an integer, got {n!r}")
+    if not 1 <= n <= MAX_THREADS_PER_CPU * cpus:
+        raise ConfigError(f"{where}: must be in [1, {MAX_THREADS_PER_CPU * cpus}] ({MAX_THREADS_PER_CPU} per CPU core "
+                          f"of this machine's {cpus}), got {n}")
+    return n
+
+
+def threads_arg(text: str) -> int:
+    """``argparse`` type of ``--threads``: :func:`check_threads`'s rule."""
+    try:
+        return check_threads(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).partition(": ")[2]) from None

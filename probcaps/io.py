@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from probcaps.errors import DataError, ProbcapsError
 
-__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "atomic_torch_save", "write_json", "append_jsonl",
+__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "write_json", "append_jsonl",
            "deferred_signals", "read_jsonl", "truncate_log", "RunLock"]
 
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -84,13 +84,6 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: st
                 raise _output_error(path, e) from e
             raise
     return path
-
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
-    """:func:`atomic_write` of ``torch.save(obj)``."""
-    import torch
-
-    return atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

@@ -323,7 +323,7 @@ def test_every_committed_config_passes_the_rules():
 def test_every_committed_checkpoint_config_passes_the_rules():
     # catches: a range rule that rejects a value stored in a shipped checkpoint (it could no longer be evaluated
     # with an override, nor retrained from its config)
-    from probcaps.inference.train import load_checkpoint
+    from probcaps.checkpoints import load_checkpoint
 
     paths = sorted((REPO / "checkpoints").glob("*.pt"))
     assert paths

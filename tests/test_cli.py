@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from probcaps.inference.train import load_checkpoint
+from probcaps.checkpoints import load_checkpoint
 from probcaps.cli import main
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,7 +20,8 @@ from probcaps.cli import main
 from probcaps.errors import CheckpointError
 from probcaps.inference.capsule_svi import encode_dataset
 from probcaps.inference.distributed import World, init_from_env
-from probcaps.inference.train import TrainConfig, load_checkpoint, read_jsonl, train_loop
+from probcaps.checkpoints import load_checkpoint
+from probcaps.inference.train import TrainConfig, read_jsonl, train_loop
 from probcaps.inference.ttvi import ttvi_batches
 from test_guides_ttvi import _images, _system
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import interrupt_target as target
-from probcaps.inference.train import load_checkpoint, read_jsonl
+from probcaps.checkpoints import load_checkpoint
+from probcaps.io import read_jsonl
 
 TIMING_KEYS = ("items_per_s", "wall_time_s")
 CASES = [(sig, point, 4) for sig in ("INT", "TERM", "KILL") for point in target.POINTS

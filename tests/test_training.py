@@ -16,12 +16,13 @@ import torch.nn as nn
 
 from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, load_images, load_trained, train_capsules
 from probcaps.inference.guides import EncoderConfig
-from probcaps.inference.train import TrainConfig, load_checkpoint, make_elbo, read_jsonl, run_finished, train_loop
+from probcaps.checkpoints import load_checkpoint, run_finished, save_checkpoint
+from probcaps.inference.train import TrainConfig, make_elbo, read_jsonl, train_loop
 from probcaps.models.capsule_model import CapsuleModelConfig
 from probcaps.data import placed_mnist
 from probcaps.geometry import restrict_pose6
 from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
-from probcaps.io import atomic_torch_save, atomic_write
+from probcaps.io import atomic_write
 
 from conftest import REAL_DATA_ROOT, requires_real_mnist
 
@@ -233,13 +234,13 @@ def _failing_save(monkeypatch, fail_on_call: int):
     monkeypatch.setattr(torch, "save", save)
 
 
-def test_atomic_torch_save_leaves_old_file_intact(tmp_path, monkeypatch):
+def test_save_checkpoint_leaves_old_file_intact(tmp_path, monkeypatch):
     # catches: writing the checkpoint in place (a crash mid-write would leave a truncated, unloadable file)
     path = tmp_path / "checkpoint.pt"
-    atomic_torch_save({"module": {"w": torch.arange(3)}}, path)
+    save_checkpoint({"module": {"w": torch.arange(3)}}, path)
     _failing_save(monkeypatch, 1)
     with pytest.raises(OSError, match="simulated"):
-        atomic_torch_save({"module": {"w": torch.zeros(3)}}, path)
+        save_checkpoint({"module": {"w": torch.zeros(3)}}, path)
     assert torch.equal(torch.load(path)["module"]["w"], torch.arange(3))
     assert os.listdir(tmp_path) == ["checkpoint.pt"]  # no temporary file left behind
 

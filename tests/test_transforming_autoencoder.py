@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 import probcaps.render  # noqa: E402
-from probcaps.inference.train import run_finished  # noqa: E402
+from probcaps.checkpoints import run_finished  # noqa: E402
 from probcaps.models import transforming_autoencoder as tae_module  # noqa: E402
 from probcaps.models.transforming_autoencoder import (TransformingAutoencoder, TransformingAutoencoderConfig,  # noqa: E402
                                              estimate_transform, pose_consistency, transform_components)

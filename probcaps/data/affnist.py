@@ -149,7 +149,7 @@ def affnist_recipe_test(data_dir: str | os.PathLike | None = None, seed: int = 0
     path = cache / f"affnist_recipe_test_{key}.npz"
     images = None
     with contextlib.suppress(Exception):  # no cache yet, or an unreadable one: generate below
-        with np.load(path) as f:
+        with np.load(path, allow_pickle=False) as f:  # an object array in it is refused, never unpickled
             arr, digest = f["images"], str(f["sha1"])
         if hashlib.sha1(arr.tobytes()).hexdigest() == digest and arr.shape == (len(digits), 40, 40):
             images = torch.from_numpy(arr)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError
+from ..errors import CheckpointError, DataError
 from ..geometry import degrees
-from ..io import atomic_torch_save
+from ..checkpoints import read_plain, save_checkpoint
 from .loaders import seeded_generator
 from .mnist import user_cache_dir
 from .smallnorb import NORB_CLASSES, NorbSet
@@ -204,9 +204,9 @@ def synthetic_norb(split: str, data_dir: str | os.PathLike | None = None, seed: 
     path = next((p / name for p in _cache_dirs(data_dir) if (p / name).is_file()), None)
     if cache and full and path is not None:
         try:
-            data = NorbSet(**torch.load(path, weights_only=True))
-        except Exception as e:  # noqa: BLE001 - torch.load raises many types for a damaged file
-            raise DataError(f"{path}: unreadable synthetic_norb cache ({type(e).__name__}); delete it") from None
+            data = NorbSet(**read_plain(path))  # tensors only: a crafted cache file runs no code
+        except (CheckpointError, TypeError) as e:
+            raise DataError(f"{path}: unreadable synthetic_norb cache ({e}); delete it") from None
     else:
         centres, radii, mask, albedo = _instances(seed, variant=variant)
         first = 0 if split == "train" else 5
@@ -223,7 +223,7 @@ def synthetic_norb(split: str, data_dir: str | os.PathLike | None = None, seed: 
         data = NorbSet(images, cls, inst, az, el, light)
         for folder in _cache_dirs(data_dir) if cache and full else ():
             with contextlib.suppress(OSError):  # a read-only data root: try the user cache
-                atomic_torch_save(vars(data), folder / name)
+                save_checkpoint(vars(data), folder / name)
                 break
     if cache:  # the same process asking again (e.g. an experiment's report) gets the same tensors
         _MEMO[memo_key] = data
