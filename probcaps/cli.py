@@ -186,14 +186,15 @@ def summary_table(metrics: dict, run: str, shipped: str = "mnist") -> str:
     (mean ± std over its seeds), and SCAE's."""
     from probcaps.registry import model_cards
 
-    card = model_cards().get(shipped, {}).get("readouts", {})
+    card = model_cards().get(shipped, {})
+    card = card.get("recipe_readouts") or card.get("readouts", {})  # mean ± std over the recipe's seeds
 
     def cell(values: dict, key: str, scale: float) -> str:
         if f"{key}_mean" in values:
             return f"{scale * values[key + '_mean']:.1f} ± {scale * values[key + '_std']:.1f}"
         return f"{scale * values[key]:.1f}" if isinstance(values.get(key), (int, float)) else "—"
 
-    header = ("readout (MNIST test)", f"this run ({run})", f"`{shipped}` recipe, shipped", "SCAE")
+    header = ("readout (MNIST test)", f"this run ({run})", f"`{shipped}` recipe, its seeds", "SCAE")
     rows = [(label, cell(metrics, key, scale), cell(card, key, scale),
              f"{SCAE_ROWS[key]:.1f}" if key in SCAE_ROWS else "—") for key, label, scale in SUMMARY_ROWS]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from probcaps.config import file_name_arg
 from probcaps.errors import ProbcapsError
 from probcaps.provenance import pinned_commit
 
@@ -144,13 +145,6 @@ def folder_arg(text: str) -> str:
     parent = next((folder for folder in path.parents if folder.exists()), None)  # the nearest existing one
     if parent is not None and not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: {parent} is not a folder")
-    return text
-
-
-def file_name_arg(text: str) -> str:
-    """A name that becomes a file name (results, run folders): no folder separators, not ``.`` or ``..``."""
-    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text or os.sep in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a file name, not a path (no '/', not '.' or '..')")
     return text
 
 

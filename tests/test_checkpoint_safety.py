@@ -249,9 +249,12 @@ def test_plain_names_pass():
 
 def test_evaluate_refuses_a_name_that_leaves_the_results_folder(trained, tmp_path, capsys):
     # catches: evaluate --name ../../x writing its JSON two folders up
-    assert cli.main(["evaluate", "--checkpoint", str(trained / "run" / "final.pt"), "--name", "../../x",
-                     "--results-dir", str(tmp_path / "r" / "s"), "--quiet"]) == 2
-    one_line(capsys, "../../x")
+    with pytest.raises(SystemExit) as refused:  # argparse: its usage, then one error line
+        cli.main(["evaluate", "--checkpoint", str(trained / "run" / "final.pt"), "--name", "../../x",
+                  "--results-dir", str(tmp_path / "r" / "s"), "--quiet"])
+    assert refused.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --name" in last and "../../x" in last and "not a file name" in last
     assert not (tmp_path / "x.json").exists() and not (tmp_path / "r").exists()
 
 
