@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from probcaps.config import file_name_arg
+from probcaps.config import file_name_arg, threads_arg
 from probcaps.errors import ProbcapsError
 from probcaps.provenance import pinned_commit
 
@@ -103,16 +103,6 @@ non_negative_int = _bounded(int, 0, False, "An integer >= 0 (seeds; limits where
 finite_float = _bounded(float, None, False, "Any finite number (angles).")
 finite_positive_float = _bounded(float, 0, True, "A finite number > 0 (learning rates, scales).")
 finite_non_negative_float = _bounded(float, 0, False, "A finite number >= 0 (maximum angles).")
-
-
-def threads_arg(text: str) -> int:
-    """A number of torch CPU threads: at least 1, at most four per core of this machine (more only thrash, and
-    OpenMP fails on thousands)."""
-    value = positive_int(text)
-    limit = 4 * (os.cpu_count() or 1)
-    if value > limit:
-        raise argparse.ArgumentTypeError(f"must be <= {limit} (4 per core of this machine's {limit // 4}), got {value}")
-    return value
 
 
 def device_arg(text: str) -> str:
