@@ -19,7 +19,7 @@ from probcaps.inference.capsule_svi import probe_features
 from probcaps.inference.train import make_elbo
 from probcaps.inference.ttvi import ttvi_batches
 from probcaps.registry import CHECKPOINTS, resolve_checkpoint
-from tests.conftest import REAL_DATA_ROOT, requires_real_mnist
+from conftest import REAL_DATA_ROOT, requires_real_mnist
 
 N = 8
 
