@@ -9,7 +9,7 @@ back, score them, refine them by test-time VI, draw its objects and read feature
     recon = model.reconstruct(x)                     # (8, 1, 40, 40)
     elbo = model.log_likelihood_bound(x, seed=0)     # (8,) the ELBO of each image
     refined = model.ttvi(x, steps=50, seed=0)        # Capsules after test-time VI
-    features = model.features(capsules)              # (8, K + 6K) presences and poses, for a probe
+    features = model.features(capsules)              # (8, 7K) object presences and poses, for a probe
 
 Every method takes a batch of images ``(N, 1, H, W)``, floats in ``[0, 1]`` with ``H = W`` the model's canvas
 (:attr:`TrainedCapsuleModel.canvas_size`), on any device (they are moved to the model's); every tensor it returns is
@@ -171,11 +171,11 @@ class TrainedCapsuleModel:
         images, labels = load_images(self.config["data"], split, data_dir, limit=limit)
         return to_float(images).unsqueeze(1), labels
 
-    def _images(self, images: torch.Tensor, argument: str = "images") -> torch.Tensor:
+    def _images(self, images: torch.Tensor) -> torch.Tensor:
         """``images`` checked (``(N, 1, H, W)`` floats in ``[0, 1]``, ``N >= 1``) and moved to the model's device
-        and dtype; anything else is a one-line ``ValueError`` naming ``argument``."""
+        and dtype; anything else is a one-line ``ValueError`` naming the argument."""
         H = self.canvas_size
-        expected = f"{argument}: expected a float tensor of shape (N, 1, {H}, {H}) with values in [0, 1]"
+        expected = f"images: expected a float tensor of shape (N, 1, {H}, {H}) with values in [0, 1]"
         if not isinstance(images, torch.Tensor):
             raise ValueError(f"{expected}, got {type(images).__name__}")
         if not images.is_floating_point():
@@ -189,17 +189,16 @@ class TrainedCapsuleModel:
             raise ValueError(f"{expected}, got values in [{low.item():g}, {high.item():g}]")
         return images.to(device=self.device, dtype=self.model.offsets.dtype)
 
-    def _latents(self, images_or_capsules, argument: str = "images") -> Latents:
-        if isinstance(images_or_capsules, Capsules):
-            return images_or_capsules.latents
-        return self.encode(images_or_capsules, argument=argument).latents
+    def _latents(self, images: torch.Tensor | Capsules) -> Latents:
+        """The raw latents of given :class:`Capsules`, or of ``images`` encoded."""
+        return images.latents if isinstance(images, Capsules) else self.encode(images).latents
 
     # ------------------------------------------------------------------------------------------ the questions
-    def encode(self, images: torch.Tensor, batch_size: int = 500, *, argument: str = "images") -> Capsules:
+    def encode(self, images: torch.Tensor, batch_size: int = 500) -> Capsules:
         """The amortised encoder's capsules of ``images`` ``(N, 1, H, W)``, presences at their means
         (:func:`~probcaps.inference.capsule_svi.encode_dataset`), with the exact posterior over each part's parent
         (:func:`~probcaps.inference.evaluate.parent_log_posterior`); ``batch_size`` images at a time."""
-        x = self._images(images, argument)
+        x = self._images(images)
         latents = encode_dataset(self.system.encoder, x, batch_size, self.device)
         return self.capsules(latents, batch_size)
 

@@ -105,6 +105,17 @@ def test_log_likelihood_bound_is_the_training_loss_per_image(mnist):
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_log_likelihood_bound_counts_the_entropy_of_normal_pose_posteriors(mnist):
+    # catches: log q of the poses left out (a delta guide's is 0, a Normal guide's is not), or its samples drawn in
+    # another order than the training loss draws them
+    _, x, _ = mnist
+    model = probcaps.load("normal_guide")
+    assert model.system.guide_spec["family"] == "normal"
+    bound = model.log_likelihood_bound(x[:4], seed=2)
+    torch.manual_seed(2)
+    assert torch.allclose(-bound.mean(), model.system.loss(make_elbo(), x[:4]).detach(), rtol=1e-5)
+
+
 def test_ttvi_returns_the_refined_capsules_of_test_time_vi(mnist):
     # catches: refined capsules that are not test-time VI's (the encoder's, another seed's, another run's)
     model, x, _ = mnist
