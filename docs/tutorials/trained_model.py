@@ -89,7 +89,7 @@ show(torch.cat([x_test[:8], model.reconstruct(x_test[:8])]), rows=2, title="digi
 alone = model.draw_objects()
 show(alone.grid, alone.objects, rows=2, title="each object at the identity pose")
 in_use = model.draw_objects(x_test)
-show(in_use.grid.transpose(0, 1), [f"{o}, {c}" for c in in_use.columns for o in in_use.objects], rows=2,
+show(in_use.grid.transpose(0, 1), in_use.objects, rows=2,
      title="objects in use: the image where each is most present (top), drawn at its mean pose (bottom)")
 
 # %% [markdown]
