@@ -76,6 +76,12 @@ bench-capsnet: install
 bench-matrix-capsules: install
 	$(PY) benchmarks/bench_matrix_capsules.py --threads 2 --json results/bench_matrix_capsules.json
 
+# the documentation site (docs/conf.py): the pages of docs/, the tutorials and the API reference from the
+# docstrings, into build/docs; strict: any warning (a broken link, a missing reference) fails the build
+.PHONY: docs
+docs: install
+	$(PY) -m sphinx -W --keep-going -b html docs build/docs
+
 report: install
 	$(VENV)/bin/probcaps report
 

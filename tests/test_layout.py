@@ -33,8 +33,10 @@ def _layer_imports(folder: str) -> dict[str, set[str]]:
 
 
 def test_building_blocks_import_no_model_inference_or_experiment():
-    # catches: an import cycle between the building blocks and the folders above them (the CLI is the front door)
-    bad = {f: h for f, h in _layer_imports("probcaps").items() if h and f != "probcaps/cli.py"}
+    # catches: an import cycle between the building blocks and the folders above them (the CLI and the package's
+    # lazy public facade, probcaps/__init__.py, are the front doors)
+    bad = {f: h for f, h in _layer_imports("probcaps").items()
+           if h and f not in ("probcaps/cli.py", "probcaps/__init__.py")}
     assert not bad, bad
 
 
