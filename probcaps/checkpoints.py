@@ -86,10 +86,9 @@ def read_plain(path: str | os.PathLike, map_location="cpu", mmap: bool = False) 
     try:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        if "weights only" in str(e).lower() or "GLOBAL" in str(e):
+        if "GLOBAL" in str(e) or "unsupported global" in str(e).lower():  # a class or function: could run code
             raise _refusal(path, e) from None
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise CheckpointError(f"{path}: not a readable checkpoint (damaged, or not written by torch.save)") from None
     except Exception as e:  # noqa: BLE001 - torch raises many types for a corrupt file
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
