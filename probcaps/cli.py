@@ -228,28 +228,33 @@ def _print_metrics(metrics: dict) -> None:
             print(f"  {key:34s} {value:.4f}" if isinstance(value, float) else f"  {key:34s} {value}")
 
 
+def _load_model(args):
+    """The trained model of ``--checkpoint`` through the Python API (:func:`probcaps.load`)."""
+    from probcaps.inference.api import load
+
+    return load(args.checkpoint, device=args.device)
+
+
 def _ttvi(args) -> None:
     import torch
 
-    from probcaps.data import rotate, to_float
+    from probcaps.data import rotate
     from probcaps.experiments.common import throughput_table
-    from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
     from probcaps.inference.evaluate import reconstruction_error
-    from probcaps.inference.ttvi import ttvi_batches
     from probcaps.provenance import provenance, write_results
     from probcaps.report import write_table
 
-    cfg, system = load_trained(args.checkpoint, device=args.device)
-    out = Path(args.out or Path("results") / f"ttvi_{cfg['name']}.json")
+    model = _load_model(args)
+    out = Path(args.out or Path("results") / f"ttvi_{model.name}.json")
     if out.is_dir():  # refused before the optimisation, not after it
         raise ProbcapsError(f"--out {out}: is a folder (name the results JSON file)")
-    images, _ = load_images(cfg["data"], args.split, args.data_dir, limit=args.limit)
-    x = rotate(to_float(images), args.rotate).clamp(0, 1) if args.rotate else to_float(images)
-    result = ttvi_batches(system.model, system.guide, x, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                          device=args.device, progress=not args.quiet, seed=args.seed, pose_family=args.pose_family)
-    before = encode_dataset(system.encoder, x, args.batch_size, args.device)
-    recon_mse = [reconstruction_error(system.model, x, latents, args.batch_size, args.device)
-                 for latents in (before, result.latents)]
+    x, _ = model.load_images(args.split, limit=args.limit, data_dir=args.data_dir)
+    x = rotate(x[:, 0], args.rotate).clamp(0, 1).unsqueeze(1) if args.rotate else x
+    refined = model.ttvi(x, steps=args.steps, lr=args.lr, pose_family=args.pose_family, seed=args.seed,
+                         batch_size=args.batch_size, progress=not args.quiet)
+    result, before = refined.ttvi, model.encode(x, batch_size=args.batch_size)
+    recon_mse = [reconstruction_error(model.model, x[:, 0], capsules.latents, args.batch_size, args.device)
+                 for capsules in (before, refined)]
     metrics = {
         "n_images": len(x), "rotation_deg": args.rotate, "steps": args.steps, "lr": args.lr,
         "elbo_encoder_mean": float(result.elbo_start.mean()), "elbo_ttvi_mean": float(result.elbo_end.mean()),
@@ -267,22 +272,18 @@ def _ttvi(args) -> None:
 
 
 def _draw_objects(args) -> None:
-    from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
-    from probcaps.inference.evaluate import object_drawings, plot_object_drawings
-
-    cfg, system = load_trained(args.checkpoint, device=args.device)
-    out = Path(args.out or Path("results") / f"{cfg['name']}_objects_drawn.png")
-    images, _ = load_images(cfg["data"], "test", args.data_dir, limit=args.limit)
-    latents = encode_dataset(system.encoder, images, cfg["eval"].batch_size, args.device, progress=not args.quiet)
-    drawings = object_drawings(system.model, latents, images, components=args.components, span=args.span,
-                               min_share=args.min_share)
-    if drawings is None:
+    model = _load_model(args)
+    out = Path(args.out or Path("results") / f"{model.name}_objects_drawn.png")
+    images, _ = model.load_images("test", limit=args.limit, data_dir=args.data_dir)
+    try:
+        drawings = model.draw_objects(images, min_share=args.min_share, components=args.components, span=args.span)
+    except ValueError:
         raise ProbcapsError(f"--min-share {args.min_share:g}: no object of {args.checkpoint} is on in that share of "
-                            f"the {len(images)} images")
+                            f"the {len(images)} images") from None
     if args.rank > 0:
         return
-    plot_object_drawings(drawings, out, f"{cfg['name']}: objects drawn alone at their mean latents")
-    print(f"{len(drawings[1])} objects drawn to {out}")
+    drawings.plot(out, f"{model.name}: objects drawn alone at their mean latents")
+    print(f"{len(drawings.objects)} objects drawn to {out}")
 
 
 def print_list() -> None:
