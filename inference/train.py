@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -264,7 +265,9 @@ def train_loop(module: nn.Module, loss_fn: Callable[..., torch.Tensor | tuple[to
         TrainingDiverged: a non-finite loss, gradient or parameter; nothing non-finite is ever written.
         ConfigError, CheckpointError, OutputError, RunFolderBusy: one-line errors about the input or the folder.
     """
-    with _StopSignals() as stop:  # first: a signal during the start-up below is honoured before the first step
+    with _StopSignals() as stop, warnings.catch_warnings():  # first: a signal during the start-up is honoured
+        # a NaN loss ends the run with one line of its own (TrainingDiverged): Pyro's warning would repeat it
+        warnings.filterwarnings("ignore", message="Encountered NaN", category=UserWarning)
         cfg.check()
         schedules = dict(schedules or {})
         if clash := sorted(set(schedules) & set(LOG_KEYS)):

@@ -183,13 +183,18 @@ def _m_step(log_w: torch.Tensor, moments_fn, beta_v, beta_a, lam: float, var_flo
     log_S = torch.logsumexp(log_w, dim=-1)                 # log sum_i r_ij
     # S_j relative to its mean over the J parents: the cost's scale does not grow with the number of inputs
     S_rel = torch.exp(log_S - (torch.logsumexp(log_S, -1, keepdim=True) - math.log(log_S.shape[-1])))
-    cost = S_rel * (beta_v + 0.5 * (torch.log(var) + log_scale2)).sum(-1)
+    # the (N, J) cost in float64: H beta_v summed over the pose entries overflows float32 from beta_v ~ 1e37 on,
+    # and the standardisation would then turn inf - inf into NaN
+    wide = torch.float64
+    log_var = torch.log(var).to(wide) + (log_scale2.to(wide) if torch.is_tensor(log_scale2) else log_scale2)
+    cost = S_rel.to(wide) * (beta_v.to(wide) + 0.5 * log_var).sum(-1)
     if standardise:
         # the cost standardised over the J parents at each position: activations say which parents explain their
         # inputs better than the others do, whatever the cost's overall scale
         centred = cost - cost.mean(-1, keepdim=True)
         cost = centred / (centred.pow(2).mean(-1, keepdim=True) + 1e-12).sqrt()
-    return mu, var, F.logsigmoid(lam * (beta_a - cost))
+    log_a = F.logsigmoid(lam * (beta_a.to(wide) - cost))
+    return mu, var, log_a.clamp_min(torch.finfo(log_w.dtype).min).to(log_w.dtype)
 
 
 def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor, cfg: EMConfig,
@@ -224,7 +229,7 @@ def _route(cache: VoteCache, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_
 def _scale_exponent(x: torch.Tensor, above: float) -> torch.Tensor:
     """``(N,)`` per row of ``x`` ``(N, ...)``: the ``e`` with ``2^e <= max |x_n| < 2^(e + 1)`` where that maximum
     exceeds ``2^above``, else 0 (rows of ordinary magnitude are left exactly as they are)."""
-    e = torch.frexp(_peak(x.reshape(x.shape[0], -1), dim=1))[1] - 1
+    e = torch.frexp(_peak(x.flatten(1), dim=1))[1] - 1
     return torch.where(e >= above, e, torch.zeros_like(e))
 
 
@@ -254,22 +259,86 @@ def _unscaled(outputs, scale_exp: torch.Tensor | None, out_dtype: torch.dtype):
     return tuple(t.clamp(finfo.min, finfo.max).to(out_dtype) for t in (mu, var, log_a, log_R))
 
 
+class _WideBackward(torch.autograd.Function):
+    """``fn(*inputs)`` as it is in the forward pass; its gradient taken again in float64 in the backward pass and
+    saturated at the inputs' dtype's largest values.  For float32 routing of rescaled votes: the gradient of the
+    variances, ``2^(2e)`` times that of the rescaled ones, overflows float32 inside the backward pass (votes from
+    about 4e18 on) although the gradient reaching the votes (``2^-e`` times that again) is finite."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:]
+        with torch.enable_grad():
+            wide = [x.detach().double().requires_grad_(need) for x, need in zip(inputs, needs)]
+            outs = ctx.fn(*wide)
+            pairs = [(o, g.double()) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+            asked = [w for w in wide if w.requires_grad]
+            found = torch.autograd.grad([o for o, _ in pairs], asked, [g for _, g in pairs], allow_unused=True)
+        found = iter(found)
+        result = []
+        for x, need in zip(inputs, needs):
+            g = next(found) if need else None
+            if g is not None:
+                big = torch.finfo(x.dtype).max
+                g = g.clamp(-big, big).to(x.dtype)
+            result.append(g)
+        return (None, *result)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _em_routing(votes, log_a_in, beta_v, beta_a, cfg: EMConfig, normalise, scale_exp=None):
+    """:func:`em_routing` in the inputs' dtype (float32 or float64), rescaling ``votes`` by ``scale_exp`` (as
+    :func:`_scale_exponent` gives it for them; None: computed here)."""
+    if scale_exp is None:
+        scale_exp = _scale_exponent(votes, _max_exponent(votes.dtype) / 4)
+    if bool((scale_exp != 0).any()):
+        votes = votes / torch.exp2(scale_exp.to(votes.dtype)).view(-1, 1, 1, 1)
+    else:
+        scale_exp = None
+    return _unscaled(_route(votes_cache(votes), log_a_in, beta_v, beta_a, cfg, normalise, scale_exp),
+                     scale_exp, votes.dtype)
+
+
 def em_routing(votes: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor, beta_a: torch.Tensor,
                cfg: EMConfig = EMConfig(), normalise: Callable[[torch.Tensor], torch.Tensor] = log_softmax_parents):
     """EM routing of votes ``(N, J, I, H)`` (``H = 16`` for 4x4 poses) given as a tensor, with the inputs' log
     activations ``log_a_in (N, I)`` (``-inf`` allowed: clamped at ``cfg.log_a_floor``) and ``beta_v, beta_a (J,)``;
     ``normalise`` maps E-step logits ``(N, J, I)`` to ``log R`` (default: log-softmax over ``J``).  Returns ``mu (N, J,
     H)``, ``var (N, J, H)``, ``log a_out (N, J)`` and the last ``log R (N, J, I)``, in ``votes``' dtype (computed in
-    float32 for half precision)."""
+    float32 for half precision).  ``N`` may be 0."""
     out_dtype, dtype = votes.dtype, _compute_dtype(votes.dtype, "em_routing")
     votes, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (votes, log_a_in, beta_v, beta_a))
     scale_exp = _scale_exponent(votes, _max_exponent(votes.dtype) / 4)
-    if bool((scale_exp != 0).any()):
-        votes = votes / torch.exp2(scale_exp.to(votes.dtype)).view(-1, 1, 1, 1)
+    if dtype == torch.float32 and bool((scale_exp != 0).any()) and _needs_grad(votes, log_a_in, beta_v, beta_a):
+        outputs = _WideBackward.apply(lambda *xs: _em_routing(*xs, cfg, normalise), votes, log_a_in, beta_v, beta_a)
     else:
-        scale_exp = None
-    return _unscaled(_route(votes_cache(votes), log_a_in, beta_v, beta_a, cfg, normalise, scale_exp),
-                     scale_exp, out_dtype)
+        outputs = _em_routing(votes, log_a_in, beta_v, beta_a, cfg, normalise, scale_exp)
+    return _unscaled(outputs, None, out_dtype)
+
+
+def _em_routing_conv(M, W, log_a_in, beta_v, beta_a, cfg: EMConfig, normalise):
+    """:func:`em_routing_conv` in the inputs' dtype (float32 or float64)."""
+    dtype = M.dtype
+    above = _max_exponent(dtype) / 8
+    e_M = _scale_exponent(M, above)                                     # (N,)
+    e_W = _scale_exponent(W.reshape(1, -1), above)                      # (1,)
+    scale_exp = None
+    if bool((e_M != 0).any() or (e_W != 0).any()):
+        M = M / torch.exp2(e_M.to(dtype)).view(-1, 1, 1, 1)
+        W = W / torch.exp2(e_W.to(dtype))
+        scale_exp = e_M + e_W
+    return _unscaled(_route(conv_votes_cache(M, W), log_a_in, beta_v, beta_a, cfg, normalise, scale_exp),
+                     scale_exp, dtype)
 
 
 def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, beta_v: torch.Tensor,
@@ -280,12 +349,10 @@ def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, be
     out_dtype, dtype = M.dtype, _compute_dtype(M.dtype, "em_routing_conv")
     M, W, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (M, W, log_a_in, beta_v, beta_a))
     above = _max_exponent(dtype) / 8
-    e_M = _scale_exponent(M, above)                                     # (N,)
-    e_W = _scale_exponent(W.reshape(1, -1), above)                      # (1,)
-    scale_exp = None
-    if bool((e_M != 0).any() or (e_W != 0).any()):
-        M = M / torch.exp2(e_M.to(dtype)).view(-1, 1, 1, 1)
-        W = W / torch.exp2(e_W.to(dtype))
-        scale_exp = e_M + e_W
-    return _unscaled(_route(conv_votes_cache(M, W), log_a_in, beta_v, beta_a, cfg, normalise, scale_exp),
-                     scale_exp, out_dtype)
+    rescaled = bool((_scale_exponent(M, above) != 0).any() or (_scale_exponent(W.reshape(1, -1), above) != 0).any())
+    route = lambda *xs: _em_routing_conv(*xs, cfg, normalise)  # noqa: E731
+    if dtype == torch.float32 and rescaled and _needs_grad(M, W, log_a_in, beta_v, beta_a):
+        outputs = _WideBackward.apply(route, M, W, log_a_in, beta_v, beta_a)
+    else:
+        outputs = route(M, W, log_a_in, beta_v, beta_a)
+    return _unscaled(outputs, None, out_dtype)

@@ -123,7 +123,7 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
     out_dtype = u_hat.dtype
     u_hat = u_hat.to(_compute_dtype(out_dtype, "dynamic_routing"))
     B, J, I, D = u_hat.shape
-    e = _routing_exponent(_peak(u_hat.reshape(B, -1), dim=1), u_hat.dtype)  # (B,)
+    e = _routing_exponent(_peak(u_hat.flatten(1), dim=1), u_hat.dtype)  # (B,)
     scale = None
     if bool((e != 0).any()):
         scale = torch.exp2(e.to(u_hat.dtype)).view(B, 1, 1)  # a constant for autograd
@@ -158,7 +158,7 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
     out_dtype = u.dtype
     dtype = _compute_dtype(out_dtype, "linear_dynamic_routing")
     u, weight = u.to(dtype), weight.to(dtype)
-    e_u = _routing_exponent(_peak(u.reshape(B, -1), dim=1), dtype)  # (B,)
+    e_u = _routing_exponent(_peak(u.flatten(1), dim=1), dtype)  # (B,)
     e_w = _routing_exponent(_peak(weight), dtype)
     scale = None
     if bool((e_u != 0).any() or e_w != 0):

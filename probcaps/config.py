@@ -109,6 +109,8 @@ class Range:
         """Why ``value`` (a number) is out of range, or None."""
         if isinstance(value, float) and not math.isfinite(value):
             return f"must be a finite number, got {value!r}"
+        if isinstance(value, float) and abs(value) > FLOAT32_MAX:  # the models compute in float32
+            return f"must be a number float32 can hold (|value| <= {FLOAT32_MAX:.4g}), got {value!r}"
         if value < self.low or (self.low_open and value == self.low) or value > self.high:
             return f"must be {self.describe()}, got {value!r}"
         return None
@@ -123,8 +125,13 @@ class Range:
             values.append(int(math.floor(self.high)) + 1 if integer else float(self.high) + 0.5)
         if not integer:
             values.append(math.nan)
+            if self.high == math.inf:
+                values.append(1e308)  # finite, but beyond float32
         return values
 
+
+#: The largest float32: a float key beyond it would overflow in the models (they compute in float32).
+FLOAT32_MAX = 3.4028234663852886e38
 
 COUNT = Range(1)                                          # sizes, widths, steps, iterations
 COUNT_OR_ALL = Range(0, note="0: all")                    # limits and subset sizes
@@ -132,6 +139,8 @@ NON_NEGATIVE = Range(0)
 POSITIVE = Range(0, low_open=True)                        # finite and > 0
 PROBABILITY = Range(0, 1)
 FINITE = Range()
+# a standard deviation: > 0, and its square (the models work with variances) far from float32's overflow
+STD = Range(0, 1e15, low_open=True)
 
 # First match wins: a key's name (the field name, whatever its section) against each pattern in turn.  Integers that
 # match nothing must be >= 0, floats that match nothing finite.
@@ -144,7 +153,8 @@ RULES: list[tuple[tuple[str, ...], Range]] = [
       "*_n_init", "kernel", "*_kernel", "*_stride", "*strides", "*channels", "*hidden", "*_capsules", "*_dim",
       "set_heads", "set_inducing", "set_blocks", "parent_code", "part_embedding", "keypoints", "elevations",
       "lightings", "instances_per_split", "pairs", "*_pairs", "A", "B", "C", "D"), COUNT),
-    (("lr", "*temperature", "*_std", "*_std_*", "probe_C", "var_floor", "min_scale", "max_scale", "expected_parents",
+    (("*_std", "*_std_*"), STD),
+    (("lr", "*temperature", "probe_C", "var_floor", "min_scale", "max_scale", "expected_parents",
       "dummy_affinity", "keypoint_radius", "grad_clip"), POSITIVE),
     (("dropout", "dummy_presence", "min_iou", "*_threshold", "m_plus", "m_minus", "margin_start", "margin_end",
       "*_fraction"), PROBABILITY),

@@ -49,6 +49,9 @@ def sampling_grid(A: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
 MIN_POSE_DET = 1e-6
 #: Source coordinates of every canvas pixel for those poses: beyond the source's edge, so bilinear sampling gives 0.
 _OFF_SOURCE = ((0.0, 0.0, 3.0), (0.0, 0.0, 3.0))
+#: The largest magnitude of a canvas-to-source coefficient: far beyond any source (``[-1, 1]``), and small enough
+#: that a grid coordinate (three such terms) stays finite in float32.
+MAX_SOURCE_COORD = 1e30
 
 
 def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
@@ -66,13 +69,19 @@ def warp(images: torch.Tensor, P: torch.Tensor, out_size: tuple[int, int] | int)
 
 
 def _canvas_to_source(P: torch.Tensor, source_size, out_size) -> torch.Tensor:
-    """``(N, 2, 3)`` maps from canvas to source coordinates for poses ``P`` ``(N, 3, 3)`` (see :func:`warp`)."""
+    """``(N, 2, 3)`` maps from canvas to source coordinates for poses ``P`` ``(N, 3, 3)`` (see :func:`warp`).
+
+    Finite, with finite gradients, for every finite pose: the closed-form inverse is taken in float64 (a float32
+    determinant of poses near float32's largest value overflows), and every entry is kept within
+    ``±MAX_SOURCE_COORD`` (such a map sends the whole canvas off its source, or onto one point of it)."""
     (h, w), (H, W) = source_size, out_size
+    wide = P.double()
     # source coords v = S^-1 P^-1 u with S = diag(w/W, h/H): scale the two rows of P^-1.
     # the floor keeps the inverse finite (a zero-weighted inf would still make NaN gradients through the where)
-    Pinv = invert(P, min_abs_det=MIN_POSE_DET)[:, :2, :]
-    Pinv = torch.where((determinant(P).abs() < MIN_POSE_DET).view(-1, 1, 1), Pinv.new_tensor(_OFF_SOURCE), Pinv)
-    return Pinv * Pinv.new_tensor([W / w, H / h]).view(1, 2, 1)
+    Pinv = invert(wide, min_abs_det=MIN_POSE_DET)[:, :2, :]
+    Pinv = torch.where((determinant(wide).abs() < MIN_POSE_DET).view(-1, 1, 1), Pinv.new_tensor(_OFF_SOURCE), Pinv)
+    Pinv = Pinv * Pinv.new_tensor([W / w, H / h]).view(1, 2, 1)
+    return Pinv.clamp(-MAX_SOURCE_COORD, MAX_SOURCE_COORD).to(P.dtype)
 
 
 def render_templates(templates: torch.Tensor, poses: torch.Tensor, out_size: tuple[int, int] | int) -> torch.Tensor:
@@ -213,8 +222,9 @@ def footprints(poses: torch.Tensor, template_size: tuple[int, int], out_size: tu
         centre, size = poses[..., :2, 2], poses.new_tensor([W, H])
         # canvas coordinate u -> pixel index ((u + 1) size - 1) / 2 (pixel centres at integers), rounded outwards:
         # a pixel within rounding error of the edge is kept (its value and gradient are ~0)
-        lo = torch.floor((((centre - half) + 1) * size - 1) / 2).clamp(0, max(H, W)).long()
-        hi = torch.ceil((((centre + half) + 1) * size - 1) / 2).clamp(-1, max(H, W)).long()
+        # a pose whose box is undefined (inf - inf from a non-finite pose) touches no pixel: an empty range
+        lo = torch.floor((((centre - half) + 1) * size - 1) / 2).nan_to_num(nan=max(H, W)).clamp(0, max(H, W)).long()
+        hi = torch.ceil((((centre + half) + 1) * size - 1) / 2).nan_to_num(nan=-1).clamp(-1, max(H, W)).long()
         return torch.minimum(torch.cat([lo, hi], -1), torch.tensor([W - 1, H - 1] * 2, device=poses.device))
 
 

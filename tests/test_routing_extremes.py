@@ -367,3 +367,79 @@ def test_fused_routing_equals_reference_beyond_the_window(mag):
     v2, c2 = dynamic_routing(capsule_predictions(u, w.permute(1, 0, 3, 2)), 3)
     assert torch.allclose(c1, c2, atol=1e-5)
     assert v2.abs().max() > 0 and torch.allclose(v1, v2, rtol=1e-4, atol=1e-5 * float(v2.abs().max()))
+
+
+# --------------------------------------------------------------------------- gradients at the dtype's extremes
+
+
+@pytest.mark.parametrize("magnitude", [4e18, 1e19, 3e19, 1e25, 1e37])
+def test_em_routing_gradient_of_every_output_is_finite_for_huge_float32_votes(magnitude):
+    # catches: the variances' gradient, 2^(2e) times that of the rescaled ones, overflowing float32 inside the
+    # backward pass (inf gradients on votes near 1e19) although the gradient reaching the votes is finite
+    g = torch.Generator().manual_seed(21)
+    votes = (torch.randn(3, 4, 5, 16, generator=g) * magnitude).requires_grad_(True)
+    log_a = torch.rand(3, 5, generator=g).log().requires_grad_(True)
+    beta_v, beta_a = torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    outputs = em_routing(votes, log_a, beta_v, beta_a)
+    for out in outputs[:3]:
+        grads = torch.autograd.grad(out.double().sum(), (votes, log_a, beta_v, beta_a), retain_graph=True,
+                                    allow_unused=True)
+        assert all(x is None or torch.isfinite(x).all() for x in grads)
+    M = (torch.randn(3, 5, 4, 4, generator=g) * magnitude ** 0.5).requires_grad_(True)
+    W = (torch.randn(5, 4, 4, 4, generator=g) * magnitude ** 0.5).requires_grad_(True)
+    mu, var, log_a_out, _ = em_routing_conv(M, W, log_a, beta_v, beta_a)
+    grads = torch.autograd.grad(var.double().sum() + mu.double().sum() + log_a_out.double().sum(), (M, W, log_a))
+    assert all(torch.isfinite(x).all() for x in grads)
+
+
+def test_em_routing_wide_backward_matches_the_plain_gradient_where_both_are_finite():
+    # catches: the float64 backward of rescaled float32 routing computing another function's gradient
+    g = torch.Generator().manual_seed(22)
+    votes = torch.randn(2, 3, 4, 16, generator=g, dtype=torch.float64) * 2.0 ** 40
+    log_a = torch.rand(2, 4, generator=g, dtype=torch.float64).log()
+    beta = torch.zeros(3, dtype=torch.float64)
+    cfg = EMConfig(iterations=1)  # no stop-gradient iterations: both differentiate one function
+    v32 = votes.float().requires_grad_(True)
+    mu, _, log_a_out, _ = em_routing(v32, log_a.float(), beta.float(), beta.float(), cfg)
+    (grad32,) = torch.autograd.grad(mu.double().sum() / 2.0 ** 40 + log_a_out.double().sum(), v32)
+    v64 = v32.detach().double().requires_grad_(True)
+    mu, _, log_a_out, _ = em_routing(v64, log_a, beta, beta, cfg)
+    (grad64,) = torch.autograd.grad(mu.sum() / 2.0 ** 40 + log_a_out.sum(), v64)
+    assert torch.allclose(grad32.double(), grad64, rtol=1e-3, atol=1e-6 * grad64.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("beta_v", [1e30, 1e37, 0.5, -1e37])
+def test_em_routing_is_finite_for_huge_beta_v(dtype, beta_v):
+    # catches: H beta_v summed over the pose entries overflowing float32 (beta_v >= 1e37) and the cost's
+    # standardisation turning inf - inf into NaN activations
+    g = torch.Generator().manual_seed(23)
+    votes = torch.randn(2, 3, 4, 16, generator=g, dtype=dtype, requires_grad=True)
+    bv = torch.full((3,), beta_v, dtype=dtype, requires_grad=True)
+    ba = torch.zeros(3, dtype=dtype, requires_grad=True)
+    for standardise in (True, False):
+        mu, var, log_a_out, log_R = em_routing(votes, torch.zeros(2, 4, dtype=dtype), bv, ba,
+                                               EMConfig(standardise_cost=standardise))
+        assert all(torch.isfinite(t).all() for t in (mu, var, log_a_out, log_R))
+        grads = torch.autograd.grad(mu.sum() + log_a_out.sum(), (votes, bv, ba))
+        assert all(torch.isfinite(x).all() for x in grads)
+
+
+def test_every_routing_takes_an_empty_batch():
+    # catches: reshape(0, -1) of the per-row scale search failing on a batch of 0 (the last, empty share of a
+    # batch split over processes, or an empty evaluation split)
+    J, I = 3, 4
+    votes = torch.randn(0, J, I, 16, requires_grad=True)
+    mu, var, log_a_out, log_R = em_routing(votes, torch.zeros(0, I), torch.zeros(J), torch.zeros(J))
+    assert mu.shape == (0, J, 16) and log_a_out.shape == (0, J) and log_R.shape == (0, J, I)
+    (mu.sum() + log_a_out.sum()).backward()
+    assert votes.grad.shape == votes.shape
+    mu, *_ = em_routing_conv(torch.randn(0, I, 4, 4), torch.randn(I, J, 4, 4), torch.zeros(0, I), torch.zeros(J),
+                             torch.zeros(J))
+    assert mu.shape == (0, J, 16)
+    u_hat = torch.randn(0, J, I, 8, requires_grad=True)
+    v, c = dynamic_routing(u_hat)
+    assert v.shape == (0, J, 8) and c.shape == (0, J, I)
+    v.sum().backward()
+    v, c = linear_dynamic_routing(torch.randn(0, I, 8), torch.randn(J, I, 8, 16))
+    assert v.shape == (0, J, 16) and c.shape == (0, J, I)

@@ -6,6 +6,8 @@ Conventions: images are ``(N, H, W)`` (or ``(N, C, H, W)`` where noted), row 0 a
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..geometry import degrees, rotation_matrix
@@ -67,7 +69,12 @@ def rotate(images: torch.Tensor, angles_deg, canvas: int | None = None) -> torch
     if x.dim() != 4 or x.shape[-1] != x.shape[-2]:
         raise ValueError(f"rotate: images must be square (N, H, W) or (N, C, H, W), got {tuple(images.shape)}")
     n = x.shape[0]
-    angles = degrees(angles_deg).to(device=x.device, dtype=x.dtype)
+    # whole turns removed first, in float64 (exactly): a finite angle of any size (1e300) turns the image, instead
+    # of overflowing float32 to inf and its sine to NaN; an angle within one turn is left as it is
+    if isinstance(angles_deg, (int, float)) and not math.isfinite(angles_deg):
+        raise ValueError(f"rotate: the angle must be finite, got {angles_deg}")
+    turns = torch.as_tensor(angles_deg, dtype=torch.float64, device=x.device)
+    angles = degrees(torch.fmod(turns, 360.0)).to(dtype=x.dtype)
     angles = angles.expand(n) if angles.dim() == 0 else angles
     if angles.shape != (n,):
         raise ValueError(f"rotate: angles must be a scalar or ({n},), got shape {tuple(angles.shape)}")
