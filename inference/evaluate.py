@@ -27,7 +27,7 @@ from probcaps.inference.guides import Latents
 from probcaps.checkpoints import load_checkpoint
 from probcaps.inference.train import make_elbo
 from probcaps.metrics import (LinearProbe, MLPProbe, class_purity, classification_summary, dominant_object_accuracy,
-                              kmeans_labels, mean_by_class)
+                              kmeans_labels, kmeans_spread, mean_by_class, most_confused_pair)
 from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
@@ -309,6 +309,11 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
             metrics[f"kmeans_{key}_{split}_acc"] = float((clustered == labels.numpy()).mean())
             if split == "test" and key in REPORTED_KMEANS:
                 reports["kmeans", key] = classification_summary(test_labels, clustered)
+                # how stable the clustering is, and where it fails: over single initialisations, and its worst pair
+                spread = kmeans_spread(feats[key][1], labels, n_clusters=10, inits=ecfg.kmeans_n_init)
+                metrics.update({f"kmeans_{key}_test_acc_init_{q}": spread[q] for q in ("min", "median", "max")})
+                metrics[f"kmeans_{key}_test_confused_pair"] = most_confused_pair(
+                    reports["kmeans", key]["confusion"], reports["kmeans", key]["classes"])
         if key in REPORTED_PROBES:
             reports["probe", key] = classification_summary(test_labels, probe.predict(test_feats[key][0]),
                                                            classes=torch.unique(torch.cat([train_labels, test_labels])))

@@ -232,6 +232,29 @@ def kmeans_accuracy(features: Any, labels: Any, n_clusters: int = 10, seed: int 
     return float(np.mean(kmeans_labels(features, labels, n_clusters, seed, n_init) == _labels(labels, "labels")))
 
 
+def kmeans_spread(features: Any, labels: Any, n_clusters: int = 10, inits: int = 10) -> dict:
+    """How much :func:`kmeans_accuracy` depends on where k-means starts: the accuracy of each of ``inits`` single
+    initialisations (seeds ``0 .. inits − 1``), ``{"min", "median", "max": float, "accuracies": [float]}``."""
+    accuracies = [kmeans_accuracy(features, labels, n_clusters, seed=seed, n_init=1) for seed in range(int(inits))]
+    return {"min": float(np.min(accuracies)), "median": float(np.median(accuracies)),
+            "max": float(np.max(accuracies)), "accuracies": accuracies}
+
+
+def most_confused_pair(confusion: Any, classes: Any = None) -> dict:
+    """The two classes a classifier (or clustering) mixes up most: the pair ``(a, b)`` with the most images of
+    either given as the other in ``confusion`` ``(C, C)`` (rows true, columns predicted), ``{"classes": [a, b],
+    "count": int, "share": float}``, ``share`` of the images of the two classes."""
+    m = np.asarray(confusion, dtype=np.int64)
+    if m.ndim != 2 or m.shape[0] != m.shape[1] or m.shape[0] < 2:
+        raise ValueError(f"confusion must be a square matrix of at least 2 classes, got shape {m.shape}")
+    classes = list(range(m.shape[0])) if classes is None else list(classes)
+    mixed = np.triu(m + m.T, 1)
+    a, b = np.unravel_index(np.argmax(mixed), mixed.shape)
+    total = m[a].sum() + m[b].sum()
+    return {"classes": [classes[a], classes[b]], "count": int(mixed[a, b]),
+            "share": float(mixed[a, b] / total) if total else 0.0}
+
+
 def classification_summary(true_labels: Any, predicted: Any, classes: Any = None) -> dict:
     """Per-class accuracy and the confusion matrix of a classifier's predictions: ``{"classes": [...], "accuracy":
     float, "per_class_accuracy": {str(c): float}, "confusion": [[int]]}``.

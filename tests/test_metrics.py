@@ -261,3 +261,34 @@ def test_a_command_names_the_commit_it_started_at_though_its_own_outputs_dirty_t
     assert main([]) == 0
     assert seen == ["abc1234", "abc1234"]
     assert provenance()["git_commit"] == "abc1234+dirty"  # outside a command: the tree as it is now
+
+
+def test_kmeans_spread_covers_single_initialisations():
+    # catches: the spread computed from one initialisation repeated (min = max on data where starts matter), or a
+    # median that is not the middle of the runs
+    from probcaps.metrics import kmeans_accuracy, kmeans_spread
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(4), 30)
+    centres = rng.normal(size=(4, 2)) * 0.6  # overlapping clusters: where k-means starts matters
+    features = centres[labels] + rng.normal(scale=0.5, size=(120, 2))
+    spread = kmeans_spread(features, labels, n_clusters=4, inits=7)
+    runs = [kmeans_accuracy(features, labels, 4, seed=s, n_init=1) for s in range(7)]
+    assert spread["accuracies"] == runs and spread["median"] == float(np.median(runs))
+    assert spread["min"] == min(runs) <= spread["median"] <= spread["max"] == max(runs)
+    assert spread["min"] < spread["max"]
+    separated = np.repeat(np.eye(4) * 10, 30, axis=0)  # four far-apart points: every start finds them
+    assert kmeans_spread(separated, labels, n_clusters=4, inits=3)["min"] == 1.0
+
+
+def test_most_confused_pair_sums_both_directions():
+    # catches: only one direction of the confusion counted (4 given as 9 but not 9 as 4), or the diagonal counted
+    from probcaps.metrics import most_confused_pair
+
+    m = np.diag([50, 50, 50, 50])
+    m[1, 3], m[3, 1], m[0, 2] = 4, 5, 8  # 1 <-> 3: 9 images both ways; 0 -> 2: 8 one way
+    pair = most_confused_pair(m, classes=[4, 9, 2, 7])
+    assert pair["classes"] == [9, 7] and pair["count"] == 9
+    assert pair["share"] == pytest.approx(9 / (m[1].sum() + m[3].sum()))
+    with pytest.raises(ValueError, match="square"):
+        most_confused_pair(np.zeros((2, 3)))
