@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +21,7 @@ from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.config import check_file_name
 from probcaps.errors import CheckpointError
+from probcaps.render import warp
 from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.distributed import init_from_env
@@ -27,7 +29,8 @@ from probcaps.inference.guides import Latents
 from probcaps.checkpoints import load_checkpoint
 from probcaps.inference.train import make_elbo
 from probcaps.metrics import (LinearProbe, MLPProbe, class_purity, classification_summary, dominant_object_accuracy,
-                              kmeans_labels, kmeans_spread, mean_by_class, most_confused_pair)
+                              kmeans_labels, kmeans_spread, mean_by_class, most_confused_pair,
+                              template_distinctness)
 from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
@@ -88,18 +91,48 @@ def reconstruction_error(model, images: torch.Tensor, latents: Latents, batch_si
     return total / len(images)
 
 
+def drawn_templates(model) -> torch.Tensor:
+    """``(M, 1, t, t)``: what each template draws, its intensity times its alpha."""
+    templates = model.templates().detach()
+    return templates[:, :1] * templates[:, 1:]
+
+
+def template_neighbours(model, steps: int = 150) -> dict:
+    """:func:`~probcaps.metrics.template_distinctness` of the model's drawn templates (Smith et al. 2020, Figure 6):
+    each template's nearest other template under the best affine warp, and the share of it left unexplained."""
+    return template_distinctness(drawn_templates(model).cpu(), steps=steps)
+
+
 @torch.no_grad()
-def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, device: str = "cpu") -> list[str]:
-    """Learned templates, and inputs vs reconstructions with each template's contribution coloured."""
+def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, device: str = "cpu",
+                 neighbours: dict | None = None) -> list[str]:
+    """Learned templates (with each one's nearest other template under the best affine warp, when ``neighbours``
+    from :func:`template_neighbours` is given), and inputs vs reconstructions, coloured by template and by object
+    (each part's contribution given to its parents by the exact posterior over them; the clutter parent grey)."""
     templates = system.model.templates().cpu()
     paths = [plotting.plot_templates(templates[:, 0], f"{out_prefix}_templates.png", alphas=templates[:, 1],
                                      title="learned templates (top) and alphas (bottom)")]
+    if neighbours is not None:
+        drawn = drawn_templates(system.model).cpu()
+        t = drawn.shape[-1]
+        warped = warp(drawn[neighbours["nearest"]], neighbours["warp"], t)
+        paths.append(plotting.plot_image_grid(
+            torch.stack([drawn[:, 0], warped[:, 0]]), f"{out_prefix}_template_neighbours.png",
+            row_labels=["template", "nearest, warped"],
+            col_labels=[f"{m}←{int(j)}: {d:.2f}" for m, (j, d) in
+                        enumerate(zip(neighbours["nearest"], neighbours["distance"].tolist()))],
+            title=f"each template and its nearest other template under the best affine warp (share left "
+                  f"unexplained; mean {neighbours['mean']:.3f})"))
     x = to_float(images[:n]).to(device).unsqueeze(1)
     lat = system.encoder.encode(x)
     recon, contributions = system.model.render(torch.sigmoid(lat.part_logits), lat.part_poses)
-    colours = plotting.colour_parts(contributions[:, :, 0].cpu())
+    by_template = plotting.colour_parts(contributions[:, :, 0].cpu())
+    posterior = parent_log_posterior(system.model, lat).exp()                       # (n, M, K+1), clutter first
+    by_object = torch.einsum("nmk,nmhw->nkhw", posterior, contributions[:, :, 0]).cpu()
+    object_colours = np.vstack([[0.5, 0.5, 0.5], plotting.PART_PALETTE])         # the clutter parent grey
     paths.append(plotting.plot_reconstructions(x[:, 0].cpu(), recon[:, 0].cpu(), f"{out_prefix}_reconstructions.png",
-                                               part_colours=colours))
+                                               part_colours=by_template,
+                                               object_colours=plotting.colour_parts(by_object, object_colours)))
     return [str(p) for p in paths]
 
 
@@ -344,6 +377,10 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["object_information"] = float(between - within)
     metrics["certain_parent_share"] = certain_share
     metrics["published_scae"] = dict(SCAE_PUBLISHED)
+    neighbours = template_neighbours(system.model)
+    metrics["template_distinctness_mean"], metrics["template_distinctness_min"] = neighbours["mean"], neighbours["min"]
+    metrics["template_nearest"] = neighbours["nearest"].tolist()
+    metrics["template_distinctness"] = neighbours["distance"].tolist()
     metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
     metrics["test_recon_mse"] = reconstruction_error(system.model, test_images[:2000], test_lat, device=device)
     parent_on = test_presence > 0.5
@@ -362,7 +399,8 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
         counts_by_class, classes = mean_by_class(test_counts, test_labels)
         presence_by_class, _ = mean_by_class(test_presence, test_labels)
         # objects on whatever the digit show as full columns, class-specific ones as a scattered pattern
-        figure_paths = save_figures(system, test_images, results_dir / name, device=device) + [str(p) for p in [
+        figure_paths = save_figures(system, test_images, results_dir / name, device=device,
+                                    neighbours=neighbours) + [str(p) for p in [
             plotting.plot_heatmap(presence_by_class.T, results_dir / f"{name}_presence_by_class.png",
                                   row_labels=classes, xlabel="object capsule", ylabel="digit class",
                                   title="mean object presence per class (test set)", vmin=0, vmax=1,

@@ -7,11 +7,12 @@ or numpy arrays; bad input raises a ``ValueError`` naming the offending argument
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-__all__ = ["LinearProbe", "MLPProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels",
+__all__ = ["LinearProbe", "MLPProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels", "kmeans_spread", "most_confused_pair", "template_distinctness",
            "kmeans_accuracy", "classification_summary",
            "mean_by_class", "object_class_shares", "class_purity", "dominant_object_accuracy", "r2_scores", "r2_score",
            "reconstruction_mse"]
@@ -374,3 +375,56 @@ def reconstruction_mse(recon: Any, target: Any) -> float:
     """Mean squared error over all elements of ``recon`` and ``target`` (same shape)."""
     r, t = _pair(recon, target, "recon", "target")
     return float(np.mean((r - t) ** 2))
+
+
+def template_distinctness(templates: torch.Tensor, steps: int = 150, lr: float = 0.05, rotations: int = 4,
+                          seed: int = 0) -> dict:
+    """How distinct learned templates are (Smith et al. 2020, Figure 6): for each template ``T_i`` of ``templates``
+    ``(M, C, t, t)``, its nearest other template under the best affine warp,
+
+        d_i = min_{j != i} min_A ||T_i − warp(T_j, A)||² / ||T_i||²,
+
+    the share of ``T_i``'s energy that no other template, warped, explains (0: a warped copy of another; 1: nothing
+    alike).  ``A`` is fitted by ``steps`` Adam steps (``lr``) from ``rotations`` starts (rotations by multiples of
+    ``2π / rotations``) for every ordered pair at once.  Returns ``{"nearest": (M,) int64, "distance": (M,),
+    "warp": (M, 3, 3), "mean": float, "min": float}``; ``warp[i]`` maps the nearest template onto ``T_i``.
+    """
+    import torch
+
+    from probcaps.geometry import compose, pose6_to_matrix, rotation_matrix
+    from probcaps.render import warp
+
+    T = templates.detach().to(torch.float32)
+    M, C, t, _ = T.shape
+    if M < 2:
+        raise ValueError(f"template_distinctness: needs at least 2 templates, got {M}")
+    i, j = (~torch.eye(M, dtype=torch.bool)).nonzero().unbind(1)                 # every ordered pair, i != j
+    pairs = len(i)
+    starts = rotation_matrix(torch.arange(rotations) * (2 * math.pi / rotations))  # (R, 3, 3)
+    start = starts.repeat_interleave(pairs, 0)                                     # (R P, 3, 3)
+    target, source = T[i].repeat(rotations, 1, 1, 1), T[j].repeat(rotations, 1, 1, 1)
+    energy = target.pow(2).sum((1, 2, 3)).clamp_min(1e-12)
+    generator = torch.Generator().manual_seed(seed)
+    y = (1e-3 * torch.randn(len(start), 6, generator=generator)).requires_grad_()
+    optimiser = torch.optim.Adam([y], lr=lr)
+
+    def residual() -> torch.Tensor:
+        A = compose(start, pose6_to_matrix(y))
+        return (target - warp(source, A, t)).pow(2).sum((1, 2, 3)) / energy
+
+    with torch.enable_grad():
+        for _ in range(int(steps)):
+            optimiser.zero_grad()
+            residual().sum().backward()
+            optimiser.step()
+    with torch.no_grad():
+        share = residual().view(rotations, pairs)
+        best, restart = share.min(0)                                               # (P,)
+        A = compose(start, pose6_to_matrix(y)).view(rotations, pairs, 3, 3)[restart, torch.arange(pairs)]
+        table = torch.full((M, M), float("inf"))
+        table[i, j] = best
+        distance, nearest = table.min(1)
+        rows = torch.arange(M)
+        index = rows * (M - 1) + nearest - (nearest > rows).long()                 # the pair (i, nearest_i)
+    return {"nearest": nearest, "distance": distance, "warp": A[index], "mean": float(distance.mean()),
+            "min": float(distance.min())}

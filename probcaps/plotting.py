@@ -142,12 +142,14 @@ def colour_parts(weights: Any, colours: Any = None) -> np.ndarray:
 
 
 def plot_reconstructions(inputs: Any, recons: Any, path: str | os.PathLike, part_colours: Any = None,
-                         titles: Sequence[str] = ("input", "reconstruction", "parts"),
-                         title: str | None = None) -> Path:
-    """Rows: inputs / reconstructions / (coloured parts, if given); one column per image.
+                         titles: Sequence[str] = ("input", "reconstruction", "parts", "objects"),
+                         title: str | None = None, object_colours: Any = None) -> Path:
+    """Rows: inputs / reconstructions / (coloured parts, if given) / (coloured objects, if given); one column per
+    image (Smith et al. 2020, Figure 7).
 
-    ``inputs`` and ``recons`` are ``(N, H, W)`` (or ``(N, 1, H, W)``); ``part_colours`` is ``(N, H, W, 3)``, e.g.
-    from :func:`colour_parts`. ``titles`` label the rows."""
+    ``inputs`` and ``recons`` are ``(N, H, W)`` (or ``(N, 1, H, W)``); ``part_colours`` and ``object_colours`` are
+    ``(N, H, W, 3)``, e.g. from :func:`colour_parts` of the parts' or the objects' contributions. ``titles`` label
+    the rows."""
     X = _images(inputs, "inputs", 1)
     R = _images(recons, "recons", 1)
     _check_len(R, len(X), "recons", f"inputs has {len(X)}")
@@ -158,6 +160,12 @@ def plot_reconstructions(inputs: Any, recons: Any, path: str | os.PathLike, part
             raise ValueError(f"part_colours must have shape (N, H, W, 3), got {P.shape}")
         _check_len(P, len(X), "part_colours", f"inputs has {len(X)}")
         rows.append(P)
+    if object_colours is not None:
+        objects_rgb = _to_numpy(object_colours, "object_colours")
+        if objects_rgb.ndim != 4 or objects_rgb.shape[-1] != 3 or part_colours is None:
+            raise ValueError(f"object_colours must have shape (N, H, W, 3) and come with part_colours, got {objects_rgb.shape}")
+        _check_len(objects_rgb, len(X), "object_colours", f"inputs has {len(X)}")
+        rows.append(objects_rgb)
     # inputs and reconstructions share the fixed [0, 1] grey scale of _show when in range: comparable intensities
     return _image_rows(rows, path, list(titles or [])[:len(rows)], None, title)
 

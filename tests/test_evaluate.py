@@ -379,6 +379,15 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
     record = json.loads((results / "tiny.json").read_text())
     assert record["metrics"]["probe_presence_test_report"]["per_class_accuracy"] == \
         metrics["probe_presence_test_report"]["per_class_accuracy"]
+    for key in REPORTED_KMEANS:  # the clustering's stability over single starts, and its worst pair of classes
+        low, mid, high = (metrics[f"kmeans_{key}_test_acc_init_{q}"] for q in ("min", "median", "max"))
+        assert 0.0 <= low <= mid <= high <= 1.0
+        pair = metrics[f"kmeans_{key}_test_confused_pair"]
+        assert len(set(pair["classes"])) == 2 and 0.0 <= pair["share"] <= 1.0
+    M = cfg["model"].num_parts  # each template's nearest other one (Figure 6), and the figures of it and Figure 7
+    assert len(metrics["template_nearest"]) == M and all(j != m for m, j in enumerate(metrics["template_nearest"]))
+    assert metrics["template_distinctness_min"] == pytest.approx(min(metrics["template_distinctness"]))
+    assert (results / "tiny_template_neighbours.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
 # --------------------------------------------------------------------------- test-time VI under the fair protocol

@@ -292,3 +292,27 @@ def test_most_confused_pair_sums_both_directions():
     assert pair["share"] == pytest.approx(9 / (m[1].sum() + m[3].sum()))
     with pytest.raises(ValueError, match="square"):
         most_confused_pair(np.zeros((2, 3)))
+
+
+def test_template_distinctness_finds_a_warped_copy_and_sets_apart_a_new_shape():
+    # catches: a distance that ignores the warp (a rotated copy counted as distinct), one that compares a template
+    # with itself (every distance 0), or the nearest index off by the skipped diagonal
+    from probcaps.geometry import affine_matrix
+    from probcaps.metrics import template_distinctness
+    from probcaps.render import warp
+
+    t = 11
+    bar = torch.zeros(1, 1, t, t)
+    bar[0, 0, 2:9, 4:7] = 1.0                                     # an upright bar
+    one = torch.ones(1)
+    turned = warp(bar, affine_matrix(one * 0.9, one * 0.9, one * 1.2, one * 0, one * 0.05, one * 0), t)
+    ring = torch.zeros(1, 1, t, t)
+    yy, xx = torch.meshgrid(torch.arange(t), torch.arange(t), indexing="ij")
+    ring[0, 0] = (((yy - 5) ** 2 + (xx - 5) ** 2 - 12).abs() < 5).float()  # a ring: no warp of a bar makes it
+    found = template_distinctness(torch.cat([ring, bar, turned]), steps=200)
+    assert found["nearest"][1] == 2 and found["nearest"][2] == 1
+    assert found["distance"][1] < 0.15 and found["distance"][2] < 0.15
+    assert found["distance"][0] > 0.4
+    # the fitted warp of the nearest template reproduces the template it was fitted to
+    again = warp(torch.cat([ring, bar, turned])[found["nearest"][1:2]], found["warp"][1:2], t)
+    assert ((again - bar) ** 2).sum() / (bar ** 2).sum() == pytest.approx(float(found["distance"][1]), abs=1e-4)

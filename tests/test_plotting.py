@@ -201,3 +201,15 @@ def test_plot_predicted_vs_true(tmp_path):
     with pytest.raises(ValueError, match="pred and true"):
         plot_predicted_vs_true(pred, true[:, :3], list("abcd"), tmp_path / "bad.png")
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_reconstructions_take_a_row_coloured_by_object(tmp_path):
+    # catches: the objects' row dropped, or accepted without the parts' row it follows
+    from probcaps.plotting import plot_reconstructions
+
+    x = np.random.default_rng(0).random((3, 8, 8))
+    rgb = np.zeros((3, 8, 8, 3))
+    path = plot_reconstructions(x, x, tmp_path / "r.png", part_colours=rgb, object_colours=rgb)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="object_colours"):
+        plot_reconstructions(x, x, tmp_path / "s.png", object_colours=rgb)
