@@ -602,7 +602,8 @@ class _Run:
         values = self.schedule_values = {name: float(fn(state.step)) for name, fn in self.schedules.items()}
         shard, n_local, n_global = self._shard(batch)
         self.optimiser.zero_grad(set_to_none=True)
-        out = self.forward(shard, **values)
+        with world.collective():  # DDP's forward syncs buffers across the processes
+            out = self.forward(shard, **values)
         loss, terms = out if isinstance(out, tuple) else (out, {})
         if not isinstance(terms, dict):
             raise TypeError("train_loop: loss_fn must return a scalar loss or (loss, {name: float})")
@@ -620,7 +621,8 @@ class _Run:
         if not torch.isfinite(loss_value):
             raise self._diverged(f"step {state.step}: loss is {loss_value.item()}; stopped without writing the broken "
                                  f"model")
-        loss.backward()
+        with world.collective():  # DDP all-reduces the gradients inside the backward pass
+            loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             raise self._diverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without writing "
