@@ -12,8 +12,10 @@ only under the same number of processes.  Test-time work (encoding, test-time VI
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -21,8 +23,22 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from probcaps.data import iterate_batches
+from probcaps.errors import ProbcapsError
 
-__all__ = ["World", "init_from_env"]
+__all__ = ["World", "PeerLost", "init_from_env"]
+
+
+class PeerLost(ProbcapsError):
+    """Another process of a ``torchrun`` run stopped (killed, or failed) while this one waited on it."""
+
+
+def _peer_failure(e: BaseException) -> bool:
+    """Whether ``e``, raised by a collective, says a peer process is gone (gloo's and NCCL's transport errors)."""
+    dist_error = getattr(dist, "DistError", None)
+    text = str(e)
+    return (dist_error is not None and isinstance(e, dist_error)) or any(
+        word in text for word in ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Broken pipe",
+                                  "connection refused", "Socket Timeout", "timed out"))
 
 
 class World:
@@ -31,9 +47,26 @@ class World:
     def __init__(self, size: int = 1, rank: int = 0):
         self.size, self.rank = size, rank
 
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Around code that waits on the other processes (a collective, DDP's gradient all-reduce): a peer that
+        died (``kill -9`` of one rank) becomes one line, :class:`PeerLost`, instead of the backend's traceback."""
+        if self.size == 1:
+            yield
+            return
+        try:
+            yield
+        except RuntimeError as e:
+            if not _peer_failure(e):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerLost(f"process {self.rank} of {self.size}: another process of the run stopped ({first[:160]}); "
+                           f"its last checkpoint is kept: restart the run with --resume") from None
+
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier()
+            with self.collective():
+                dist.barrier()
 
     def seed(self, seed: int) -> int:
         """This process's seed: ``seed`` itself on rank 0 (a one-process run is unchanged), a stream derived from
@@ -68,7 +101,8 @@ class World:
     def gather_objects(self, obj) -> list:
         """``obj`` of every process, in rank order (on every process)."""
         out = [None] * self.size
-        dist.all_gather_object(out, obj)
+        with self.collective():
+            dist.all_gather_object(out, obj)
         return out
 
     def agree_stop(self, signum: int | None) -> int | None:
@@ -89,7 +123,8 @@ class World:
     def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
         if dist.get_backend() == "nccl" and not t.is_cuda:
             t = t.cuda()
-        dist.all_reduce(t)
+        with self.collective():
+            dist.all_reduce(t)
         return t.cpu()
 
 
@@ -119,4 +154,5 @@ def init_from_env() -> World:
 
 def _destroy() -> None:
     if dist.is_initialized():
-        dist.destroy_process_group()
+        with contextlib.suppress(RuntimeError):  # a peer already gone: nothing left to tear down with it
+            dist.destroy_process_group()

@@ -21,6 +21,7 @@ from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.config import check_file_name
 from probcaps.errors import CheckpointError
+from probcaps.io import restored_on_failure
 from probcaps.render import warp
 from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
@@ -425,8 +426,9 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     prov = provenance(seed=seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,
                       configs={k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")}, figures=figure_paths)
-    write_results(results_dir / f"{name}.json", metrics, prov)
-    write_table(results_dir, name, readout_table(results_dir, name))
+    with restored_on_failure(results_dir / f"{name}.json"):  # the JSON and its table, or neither
+        write_results(results_dir / f"{name}.json", metrics, prov)
+        write_table(results_dir, name, readout_table(results_dir, name))
     return metrics | run
 
 
@@ -456,8 +458,9 @@ def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "resu
     prov = provenance(seed=[r["seed"] for r in runs], steps=runs[0]["steps"], device=device,
                       wall_time_s=[r["train_wall_time_s"] for r in runs], checkpoints=[str(c) for c in checkpoints],
                       eval_wall_time_s=time.perf_counter() - t0)
-    write_results(Path(results_dir) / f"{name}.json", summary, prov)
-    write_table(results_dir, name, readout_table(results_dir, name))
+    with restored_on_failure(Path(results_dir) / f"{name}.json"):  # the JSON and its table, or neither
+        write_results(Path(results_dir) / f"{name}.json", summary, prov)
+        write_table(results_dir, name, readout_table(results_dir, name))
     return summary
 
 

@@ -122,8 +122,13 @@ class _StopSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        stopped_by_signal = self.signum is not None
         for s, handler in self._previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+            previous = signal.SIG_DFL if handler is None else handler
+            # a repeat of the signal that stopped the run, arriving while the entry point prints its line and the
+            # interpreter shuts down (two Ctrl-C a few ms apart), would raise inside whatever runs then (tqdm's or
+            # threading's shutdown: "Exception ignored ... KeyboardInterrupt"): it is dropped for a moment instead
+            signal.signal(s, _RepeatGrace(previous, REPEAT_GRACE_S) if stopped_by_signal else previous)
 
     def _handle(self, signum, frame) -> None:
         first = self.signum is None
@@ -135,6 +140,27 @@ class _StopSignals:
         if first and self.abortable:
             sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
                              f"(send it again to stop at once)\n")
+
+
+#: Seconds after a signal stopped a run during which a repeat of it is dropped (:class:`_RepeatGrace`).
+REPEAT_GRACE_S = 1.0
+
+
+class _RepeatGrace:
+    """A signal handler that drops the signal until ``seconds`` from now, then puts ``previous`` back (and hands
+    it any signal after that)."""
+
+    def __init__(self, previous, seconds: float):
+        self.previous, self.deadline = previous, time.monotonic() + seconds
+
+    def __call__(self, signum, frame) -> None:
+        if time.monotonic() < self.deadline:
+            return
+        signal.signal(signum, self.previous)
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous == signal.SIG_DFL:
+            signal.raise_signal(signum)  # the default action (SIGTERM: end the process)
 
 
 def make_elbo(jit: bool = False, max_plate_nesting: int = 2):
@@ -576,7 +602,8 @@ class _Run:
         values = self.schedule_values = {name: float(fn(state.step)) for name, fn in self.schedules.items()}
         shard, n_local, n_global = self._shard(batch)
         self.optimiser.zero_grad(set_to_none=True)
-        out = self.forward(shard, **values)
+        with world.collective():  # DDP's forward syncs buffers across the processes
+            out = self.forward(shard, **values)
         loss, terms = out if isinstance(out, tuple) else (out, {})
         if not isinstance(terms, dict):
             raise TypeError("train_loop: loss_fn must return a scalar loss or (loss, {name: float})")
@@ -594,7 +621,8 @@ class _Run:
         if not torch.isfinite(loss_value):
             raise self._diverged(f"step {state.step}: loss is {loss_value.item()}; stopped without writing the broken "
                                  f"model")
-        loss.backward()
+        with world.collective():  # DDP all-reduces the gradients inside the backward pass
+            loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         if not torch.isfinite(grad_norm):
             raise self._diverged(f"step {state.step}: gradient norm is {grad_norm.item()}; stopped without writing "

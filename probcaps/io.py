@@ -15,10 +15,12 @@ from typing import Any, Callable, Iterator
 
 from probcaps.errors import DataError, ProbcapsError
 
-__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "write_json", "append_jsonl",
+__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "sweep_temporaries", "restored_on_failure", "write_json", "append_jsonl",
            "deferred_signals", "read_jsonl", "truncate_log", "RunLock"]
 
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# held back during a write as well: a closed terminal (SIGHUP) ends the program after the write, not inside it
+_DEFERRED_SIGNALS = INTERRUPT_SIGNALS + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
 
 class OutputError(ProbcapsError, OSError):
@@ -44,7 +46,7 @@ def deferred_signals() -> Iterator[None]:
         yield
         return
     received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in INTERRUPT_SIGNALS}
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in _DEFERRED_SIGNALS}
     try:
         yield
     finally:
@@ -54,19 +56,52 @@ def deferred_signals() -> Iterator[None]:
             signal.raise_signal(s)
 
 
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _writer_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # another user's live process
+    return True
+
+
+def sweep_temporaries(path: str | os.PathLike) -> None:
+    """Remove the temporary files that writes of ``path`` killed before they could clean up (``kill -9``, a
+    power cut) left beside it: ``.<name>.<pid>.<random>.tmp`` of a process that no longer runs."""
+    path = Path(path)
+    with contextlib.suppress(OSError):
+        for tmp in path.parent.glob(f"{glob_escape(_temp_prefix(path))}*.tmp"):
+            pid = tmp.name[len(_temp_prefix(path)):].split(".", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _writer_alive(int(pid)):
+                tmp.unlink(missing_ok=True)
+
+
+def glob_escape(text: str) -> str:
+    """``text`` with glob's special characters matched literally."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: str = "wb") -> Path:
     """Call ``write(fileobj)`` on a temporary file next to ``path``, fsync, then rename over ``path``.
 
     Signals are deferred meanwhile (:func:`deferred_signals`); an ``OSError`` (full disk, read-only or missing
     folder, a file where the folder should be) becomes a one-line :class:`OutputError` naming ``path``, with the
-    old file, if any, intact and no temporary file left behind.
+    old file, if any, intact and no temporary file left behind (whatever the exception).  The temporary file is
+    ``.<name>.<pid>.<random>.tmp``: one that a ``kill -9`` leaves is removed by the next write of ``path``
+    (:func:`sweep_temporaries`).
     """
     path = Path(path)
     with deferred_signals():
         tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            sweep_temporaries(path)
+            fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=".tmp", dir=path.parent)
             with os.fdopen(fd, mode) as f:
                 write(f)
                 f.flush()
@@ -84,6 +119,35 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Any], None], mode: st
                 raise _output_error(path, e) from e
             raise
     return path
+
+
+@contextlib.contextmanager
+def restored_on_failure(path: str | os.PathLike) -> Iterator[None]:
+    """Put ``path`` back as it was before the block (the old file, or no file) if the block raises: for files
+    written together, such as a results JSON and the table made from it, where a failure of the second must not
+    leave the first new.  The old file is kept as a hard link (no space needed) while the block runs."""
+    path = Path(path)
+    backup = None
+    if path.is_file():
+        backup = path.with_name(f"{_temp_prefix(path)}{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        try:
+            os.link(path, backup)
+        except OSError:
+            backup = None  # a file system without hard links: a failure below removes the new file
+    existed = path.exists()
+    try:
+        yield
+    except BaseException:
+        with deferred_signals(), contextlib.suppress(OSError):
+            if backup is not None:
+                os.replace(backup, path)
+            elif not existed:
+                path.unlink(missing_ok=True)
+        raise
+    finally:
+        if backup is not None:
+            with contextlib.suppress(OSError):
+                backup.unlink(missing_ok=True)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
