@@ -2,7 +2,6 @@
 each from its own digit capsule.
 
     python experiments/multimnist.py --seeds 0                      # reduced config (configs/multimnist.toml)
-    python experiments/multimnist.py --config experiments/configs/multimnist_paper.toml --device cuda
     python experiments/multimnist.py --seeds 0 --resume             # continue an interrupted run
     python experiments/multimnist.py --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
