@@ -115,6 +115,7 @@ def test_no_table_footer_names_a_dirty_commit():
 
 
 _PATH = re.compile(r"(?<![\w/.<-])((?:experiments/configs|checkpoints|results|docs)/[\w./-]*[\w/])")
+_LINK = re.compile(r"\]\(((?:\.\./)?)((?:results|checkpoints|docs|experiments)/[^)#\s]+)\)")
 _NAMED = re.compile(r"(--config|--checkpoint)((?:[ \t]+[^\s`'\"|;#()-][^\s`'\"|;#()]*)+)")
 
 
@@ -123,7 +124,7 @@ def named_paths(text: str) -> set[str]:
     and ``docs/``, and the configs and models named by bare name (``--config mnist_objects`` ->
     ``experiments/configs/mnist_objects.toml``, ``--checkpoint mnist`` -> ``checkpoints/mnist.pt``); templates
     (``<name>``, ``$VAR``, ``…``) and run folders are not files of the repository."""
-    found = {m.rstrip("/.") for m in _PATH.findall(text)}
+    found = {m.rstrip("/.") for m in _PATH.findall(text)} | {path for _, path in _LINK.findall(text)}
     for option, words in _NAMED.findall(text):
         for word in words.split():
             if re.search(r"[<>$…*{]|^\.\.\.$", word) or word.startswith("runs/") or word.endswith(".pt") and \
@@ -139,9 +140,10 @@ def test_named_paths_are_read_as_meant():
     # catches: the path check reading nothing, or reading a template as a file
     text = ("`probcaps run mnist_probe --config mnist_objects --seeds 0` `probcaps evaluate --checkpoint mnist "
             "mnist_seed1 --name x`; results/mnist_probe/mnist.json, results/<experiment>/<name>.json, "
-            "`--checkpoint runs/x/final.pt`, docs/README.md.")
+            "`--checkpoint runs/x/final.pt`, docs/README.md, ![a figure](../results/mnist_probe/mnist_training.png).")
     assert named_paths(text) == {"experiments/configs/mnist_objects.toml", "checkpoints/mnist.pt",
-                                 "checkpoints/mnist_seed1.pt", "results/mnist_probe/mnist.json", "docs/README.md"}
+                                 "checkpoints/mnist_seed1.pt", "results/mnist_probe/mnist.json", "docs/README.md",
+                                 "results/mnist_probe/mnist_training.png"}
 
 
 @pytest.mark.parametrize("doc", DOCUMENTS, ids=lambda p: p.name)
