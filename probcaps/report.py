@@ -216,10 +216,10 @@ _SHIPPED_PATH = re.compile(r"(?:checkpoints|experiments/configs)/([\w.-]+?)\.(?:
 def _change_text(key: str, value) -> str:
     """``key = value`` of a try's change; an argument without its dashes, models and configs by their bare names
     (a try's own models and configs are not kept: its commit has them)."""
-    key = key.removeprefix("--")
+    argument, key = key.startswith("--"), key.removeprefix("--")
     if value is None:
         return f"{key} not given"
-    if value is True:
+    if value is True and argument:  # a flag
         return key
     text = value if isinstance(value, str) else json.dumps(value)
     return f"{key} = " + _SHIPPED_PATH.sub(r"\1", text)
