@@ -28,11 +28,11 @@ test: install
 	$(PY) -m pytest -q
 
 # one training step at batch 128, Pyro vs plain torch, at SCAE's sizes (40 parts, 32 objects) with the encoders of
-# the shipped MNIST recipes; rows go to results/bench_step.json (README table). The recommended encoder
+# the shipped MNIST recipes; rows go to results/speed/bench_step.json (README table). The recommended encoder
 # (configs/mnist.toml's): the CNN with a 10x10 feature map, bf16 convolutions where the CPU has bfloat16 kernels
 # (BF16 below; elsewhere bfloat16 is emulated and several times slower, and the recipe says to turn it off), the
 # object encoder 64 wide. The headline encoder: the same CNN in float32, the object encoder 128 wide (the first full
-# run's, results/mnist_probe.json). Both with compiled compositing and part CNN, as the recipe trains them.
+# run's, results/mnist_probe/mnist_probe.json). Both with compiled compositing and part CNN, as the recipe trains them.
 HEADLINE = --config experiments/configs/mnist.toml --set encoder.set_hidden=128 --set encoder.bf16=false
 BF16 = $(shell $(PY) -c "import torch; print(str(torch.ops.mkldnn._is_mkldnn_bf16_supported()).lower())" 2>/dev/null || echo false)
 RECOMMENDED = --config experiments/configs/mnist.toml --set encoder.bf16=$(BF16)
@@ -41,19 +41,19 @@ RECOMMENDED = --config experiments/configs/mnist.toml --set encoder.bf16=$(BF16)
 bench bench-render bench-vs-torch-scae: export OMP_WAIT_POLICY := PASSIVE
 bench: install
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, recommended encoder" --compile \
-	  $(RECOMMENDED) --json results/bench_step.json
+	  $(RECOMMENDED) --json results/speed/bench_step.json
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, recommended encoder, full-canvas rendering" \
-	  --compile --full-canvas $(RECOMMENDED) --json results/bench_step.json --append
+	  --compile --full-canvas $(RECOMMENDED) --json results/speed/bench_step.json --append
 	$(PY) benchmarks/bench_step.py --threads 2 --label "SCAE sizes, headline encoder" --compile \
-	  $(HEADLINE) --json results/bench_step.json --append
+	  $(HEADLINE) --json results/speed/bench_step.json --append
 
 # the model's rendering + compositing (forward + backward) at SCAE's sizes with a trained model's part poses:
-# footprint windows against the whole canvas (results/bench_render.json)
+# footprint windows against the whole canvas (results/speed/bench_render.json)
 bench-render: install
-	$(PY) benchmarks/bench_render.py --threads 2 --json results/bench_render.json
+	$(PY) benchmarks/bench_render.py --threads 2 --json results/speed/bench_render.json
 
 # one training step at SCAE's sizes against bdsaglam/torch-scae's own model and loss, fresh processes interleaved
-# over rounds (results/bench_vs_torch_scae.json). PEER: a checkout of torch-scae outside this repository, e.g.
+# over rounds (results/speed/bench_vs_torch_scae.json). PEER: a checkout of torch-scae outside this repository, e.g.
 #   git --git-dir=<mirror> archive HEAD | tar -x -C /tmp/torch-scae
 # PEER_SITE: a folder with its imports beyond torch (pip install --no-deps --target /tmp/scae-deps monty pyyaml)
 # PEER_COMMIT: the commit checked out, recorded in the results
@@ -62,19 +62,19 @@ PEER_SITE ?= /tmp/scae-deps
 PEER_COMMIT ?= unknown
 bench-vs-torch-scae: install
 	$(PY) benchmarks/bench_vs_torch_scae.py --peer-path $(PEER) --peer-site $(PEER_SITE) --peer-commit $(PEER_COMMIT) \
-	  --json results/bench_vs_torch_scae.json
+	  --json results/speed/bench_vs_torch_scae.json
 
-# on a GPU machine: each model's training step at paper size and a short MNIST training (results/bench_gpu.json)
+# on a GPU machine: each model's training step at paper size and a short MNIST training (results/speed/bench_gpu.json)
 bench-gpu: install
 	$(PY) benchmarks/bench_gpu.py --device cuda
 
 # one CapsNet training step at batch 128, reduced and paper-size configs
 bench-capsnet: install
-	$(PY) benchmarks/bench_capsnet.py --threads 2 --json results/multimnist_bench.json
+	$(PY) benchmarks/bench_capsnet.py --threads 2 --json results/multimnist/multimnist_bench.json
 
 # the paper's smallNORB matrix-capsule network (A, B, C, D = 64, 8, 16, 16, 32x32, 3 EM iterations) at batch 64
 bench-matrix-capsules: install
-	$(PY) benchmarks/bench_matrix_capsules.py --threads 2 --json results/bench_matrix_capsules.json
+	$(PY) benchmarks/bench_matrix_capsules.py --threads 2 --json results/speed/bench_matrix_capsules.json
 
 # the documentation site (docs/conf.py): the pages of docs/, the tutorials and the API reference from the
 # docstrings, into build/docs; strict: any warning (a broken link, a missing reference) fails the build

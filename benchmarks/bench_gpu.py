@@ -1,6 +1,6 @@
 """One short prepared run for a GPU machine: each model's training step at paper size, and a short MNIST training.
 
-    python benchmarks/bench_gpu.py --device cuda            # writes results/bench_gpu.json and results/bench_gpu.md
+    python benchmarks/bench_gpu.py --device cuda            # writes results/speed/bench_gpu.json and results/bench_gpu.md
 
 Each measurement is a fresh process (so peak memory is its own): the capsule model's step at SCAE's sizes
 (``bench_step.py``, 40 parts, 32 objects, batch 128, the recommended encoder), CapsNet at the paper's size on
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--train-steps", type=positive_int, default=200, help="steps of the short MNIST training")
     p.add_argument("--tiny", action="store_true", help="tiny sizes and synthetic data: a smoke test on any machine")
-    p.add_argument("--json", default=str(ROOT / "results" / "bench_gpu.json"))
+    p.add_argument("--json", default=str(ROOT / "results" / "speed" / "bench_gpu.json"))
     add_common_args(p)
     args = p.parse_args(argv)
     rows = []

@@ -5,7 +5,7 @@ batch 64 (the paper's is 32, 32, 32, 32: ``--A 32 --B 32 --C 32 --D 32``).  Prin
 resident memory of the process (max RSS, which includes the Python interpreter and torch).
 
     python benchmarks/bench_matrix_capsules.py --threads 2
-    python benchmarks/bench_matrix_capsules.py --threads 2 --json results/bench_matrix_capsules.json
+    python benchmarks/bench_matrix_capsules.py --threads 2 --json results/speed/bench_matrix_capsules.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ trained model has a few large parts among many small ones).  ``--poses encoder``
 part encoder at SCAE's sizes instead (every part at its initial scale).  The variants are timed interleaved in
 one run; the median of ``--repeats`` calls is reported, with the ratios.
 
-    python benchmarks/bench_render.py --threads 2 --json results/bench_render.json
+    python benchmarks/bench_render.py --threads 2 --json results/speed/bench_render.json
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ over rounds is reported, with each round's load average.
     git --git-dir=<mirror of bdsaglam/torch-scae> archive HEAD | tar -x -C /tmp/torch-scae
     pip install --no-deps --target /tmp/scae-deps monty pyyaml      # torch-scae's imports beyond torch
     python benchmarks/bench_vs_torch_scae.py --peer-path /tmp/torch-scae --peer-site /tmp/scae-deps \\
-        --peer-commit "$(git --git-dir=<mirror> rev-parse HEAD)" --json results/bench_vs_torch_scae.json
+        --peer-commit "$(git --git-dir=<mirror> rev-parse HEAD)" --json results/speed/bench_vs_torch_scae.json
 """
 
 from __future__ import annotations

@@ -92,6 +92,25 @@ def readme_table(results_dir: Path, name: str = "affnist") -> str | None:
     return "\n".join(lines)
 
 
+#: the probes on other checkpoints: one record each, ``results_dir/ablations/<try>.json``
+#: (:func:`probcaps.report.load_try`), laid out as ``results_dir/ablations.md``
+ABLATIONS = "ablations"
+#: ``(metrics key, column head, scale, digits)`` of the table of tries
+ABLATION_COLUMNS = [("mnist_probe_presence_pose_acc", "MNIST test, presences + poses (%)", 100.0, 1),
+                    ("ood_probe_presence_pose_acc", "affNIST-recipe, presences + poses (%)", 100.0, 1),
+                    ("mnist_probe_presence_acc", "MNIST test, presences (%)", 100.0, 1),
+                    ("ood_probe_presence_acc", "affNIST-recipe, presences (%)", 100.0, 1)]
+
+
+def write_tables(results_dir: Path, name: str) -> list[Path | None]:
+    """Write ``results_dir/<name>.md`` and, when ``results_dir/ablations/`` holds tries, their table
+    ``results_dir/ablations.md``; returns the files written (None: not written)."""
+    from probcaps.report import tries_table, write_table
+
+    return [write_table(results_dir, name, readme_table(results_dir, name)),
+            write_table(results_dir, ABLATIONS, tries_table(results_dir, ABLATION_COLUMNS, "the `affnist_fast` run"))]
+
+
 @one_line_errors("affnist")
 def main(argv=None) -> int:
     p = checkpoint_parser(__doc__)
@@ -107,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--cnn-seeds", type=non_negative_int, nargs="*", default=[0])
     add_run_args(p, EXPERIMENT, name="affnist", out="runs/affnist", out_help="run folder of the CNN baseline")
     args = p.parse_args(argv)
-    if setup_run(args, tables := table_writer(readme_table, args.name)):
+    if setup_run(args, tables := lambda results: write_tables(Path(results), args.name)):
         return 0
     t0 = time.perf_counter()
     progress = not args.quiet

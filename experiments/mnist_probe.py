@@ -63,108 +63,27 @@ def readme_table(metrics: dict, prov: dict) -> str:
     return "\n".join(lines)
 
 
-#: one-seed tries of the headline config with one change each: ``results/mnist_ablations/*.json``, table
-#: ``results/mnist_ablations.md``
-ABLATIONS = "mnist_ablations"
-
-
-def ablations_table(results_dir: Path, headline: str = HEADLINE) -> str | None:
-    """The history of short tries (``results_dir/mnist_ablations/*.json``), each row naming the model and encoder keys
-    where the try differs from the config of the ``headline`` run (``results_dir/<headline>.json``'s provenance),
-    best presence + pose probe first."""
-    results = results_in(results_dir, ABLATIONS)
-    loaded = load_result(results_dir, headline)
-    if not results or loaded is None:
-        return None
-    stored = loaded[1]["configs"]
-
-    def headline_value(section: str, key: str):
-        # a key the headline run predates holds its default (for a removed option: its off value)
-        if key in stored[section]:
-            return stored[section][key]
-        removed = REMOVED_OPTIONS.get(section, {})
-        return removed[key][0] if key in removed else getattr(SCHEMA[section](), key, None)
-
-    lines = ["| change from the headline config | training steps | training wall time (s) | test ELBO per image | "
-             "probe: presences + poses | probe: presences | k-means on presences | objects in use | probe images: "
-             "fit / scored |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    rows = []
-    for _, data in results:
-        m, prov = data["metrics"], data["provenance"]
-        # an option removed since is named with the last commit that had it
-        changes = [f"{section}.{key} = {value}"
-                   + (f" (removed; last at {REMOVED_OPTIONS[section][key][1]})"
-                      if key in REMOVED_OPTIONS.get(section, {}) else "")
-                   for section in ("model", "encoder") for key, value in prov["configs"][section].items()
-                   if key != "seed" and value != headline_value(section, key)]
-        rows.append((m["probe_presence_pose_test_acc"], f"| {'; '.join(changes) or 'none'} | {prov['steps']} | "
-                     f"{prov['wall_time_s']:.0f} | {m['test_elbo_per_image']:.0f} | "
-                     f"{100 * m['probe_presence_pose_test_acc']:.1f}% | {100 * m['probe_presence_test_acc']:.1f}% | "
-                     f"{100 * m['kmeans_presence_test_acc']:.1f}% | {m.get('parents_in_use', '—')} | "
-                     f"{m['n_train']:,} / {m['n_test']:,} |"))
-    lines += [row for _, row in sorted(rows, reverse=True)]
-    lines += ["", "Probe fitted on the first training images and scored on the first test images (the last column: "
-              "how many); one seed each, seed 0 (the headline's seed-to-seed spread is in its table above); the runs "
-              "trained two or three at a time, one thread each. Objects in use: objects on (presence > 0.5) in at "
-              "least 1% of the test images, out of `model.num_parents` (— where the run was scored before this "
-              "column existed)."]
-    return "\n".join(lines)
-
-
-#: the recipes with object codes, by the code's bound, then steps, then objects per image; rows of both
-#: :data:`LEVER_RUNS` and :data:`LAYER_RUNS` (each was read out with the part layer's probes)
-CODE_RUNS = [
-    ("mnist_information_one_object_affine_codes", "… the same with 8-D object codes (deformations ≤ 0.1)"),
-    ("mnist_information_one_object_affine_codes03", "… the same with 8-D object codes (deformations ≤ 0.3)"),
-    ("mnist_information_one_object_affine_codes005", "… the same with 8-D object codes (deformations ≤ 0.05)"),
-    ("mnist_information_one_object_affine_codes_steps5000", "… 8-D object codes (deformations ≤ 0.1), 5,000 steps"),
-    ("mnist_information_one_object_affine_codes_steps10000",
-     "… 8-D object codes (deformations ≤ 0.1), 10,000 steps"),
-    ("mnist_information_two_objects_affine_codes",
-     "… 2 objects per image at 2,500 steps, 8-D object codes (deformations ≤ 0.1)"),
-    ("mnist_information_one_object_affine_codes32",
-     "… 1 object per image at 2,500 steps, 32-D object codes (deformations ≤ 0.1)"),
-    ("mnist_objects_ceiling010",
-     "… 8-D object codes, 10,000 steps (`mnist_objects.toml`), the part-pose ceiling at 0.10"),
+#: the tries that changed the shipped recipes: one record each, ``results_dir/ablations/<try>.json``
+#: (:func:`probcaps.report.load_try`), laid out as ``results_dir/ablations.md``
+ABLATIONS = "ablations"
+#: ``(metrics key, column head, scale, digits)`` of the table of tries
+ABLATION_COLUMNS = [
+    ("kmeans_posterior_counts_test_acc", "k-means, posterior presences (%)", 100.0, 1),
+    ("kmeans_presence_test_acc", "k-means, prior presences (%)", 100.0, 1),
+    ("probe_presence_pose_test_acc", "probe, presences + poses (%)", 100.0, 1),
+    ("probe_presence_test_acc", "probe, presences (%)", 100.0, 1),
+    ("object_class_purity", "class purity", 1.0, 3),
+    ("mean_active_parents", "objects on per image", 1.0, 1),
+    ("test_elbo_per_image", "test ELBO per image", 1.0, 0),
 ]
 
 
-#: the recipes and changes tried for objects that stand for digits, each read out over several seeds:
-#: ``(results name, what it is)``, in the order they were tried (those with codes last, :data:`CODE_RUNS`);
-#: ``results/mnist_levers.md``
-LEVERS = "mnist_levers"
-LEVER_RUNS = [
-    ("mnist_readout", "the recommended recipe: affine object poses (`mnist.toml`)"),
-    ("mnist_readout_dummy03", "the same, a stronger dummy parent (ρ_0 = 0.3)"),
-    ("mnist_steps5000", "the recommended recipe with 5,000 steps"),
-    ("mnist_readout_similarity", "similarity object poses (`mnist_similarity.toml`)"),
-    ("mnist_readout_similarity_k24", "24 similarity objects (`mnist_similarity_k24.toml`)"),
-    ("mnist_similarity_k24_information50", "24 similarity objects, the information term at 50"),
-    ("mnist_information_seeds", "16 similarity objects, the information term at 50 (`mnist_information.toml`)"),
-    ("mnist_information_early", "the same recipe, trained again on a second CPU"),
-    ("mnist_information_parents2", "… with 2 objects per image in the prior"),
-    ("mnist_information_within10", "… with a heavier within-image term (removed)"),
-    ("mnist_information_steps5000", "… with 5,000 steps"),
-    ("mnist_information_patterns10", "… with ten presence patterns (removed)"),
-    ("mnist_information_sigma025", "… with the part-pose ceiling at 0.25"),
-    ("mnist_information_one_object", "… with 1 object per image in the prior and the ceiling at 0.25"),
-    ("mnist_information_one_object_steps5000", "… the same, with 5,000 steps"),
-    ("mnist_information_one_object_steps10000", "… the same, with 10,000 steps"),
-    ("mnist_information_one_object_steps20000", "… the same, with 20,000 steps"),
-    ("mnist_information_one_object_k10", "… the same at 2,500 steps, with 10 objects"),
-    ("mnist_information_one_object_splits", "… the same at 5,000 steps, with four object splits (removed)"),
-    ("mnist_information_one_object_k24", "… the same at 2,500 steps, with 24 objects"),
-    ("mnist_information_one_object_anneal2000",
-     "… 1 object per image at 2,500 steps, the prior's anneal over 2,000 steps"),
-    ("mnist_information_one_object_parts6", "… 1 object per image at 2,500 steps, six parts on per image (removed)"),
-    ("mnist_information_one_object_affine", "… 1 object per image at 2,500 steps, affine object poses"),
-    ("mnist_information_two_objects_affine", "… 2 objects per image at 2,500 steps, affine object poses"),
-    ("mnist_information_one_object_affine_steps20000", "… 1 object per image at 20,000 steps, affine object poses"),
-    ("mnist_information_one_object_affine_sigma015",
-     "… 1 object per image at 2,500 steps, affine object poses, the part-pose ceiling at 0.15"),
-    *CODE_RUNS,
-]
+def ablations_table(results_dir: Path) -> str | None:
+    """The tries of ``results_dir/ablations/*.json``, one row each: what it changed against `mnist.toml`, its
+    seeds, steps, readouts and commit (None when there is none)."""
+    from probcaps.report import tries_table  # beside the shared imports above, which another module takes over
+
+    return tries_table(results_dir, ABLATION_COLUMNS, "`mnist.toml`", ABLATIONS)
 
 
 def seed_cell(runs: list[dict], key: str, scale: float = 100.0, digits: int = 1) -> str:
@@ -181,48 +100,12 @@ def model_sets(results_dir: Path, listed: list[tuple[str, str]]):
             yield name, what, loaded[0].get("per_seed", [loaded[0]]), loaded[1]
 
 
-def levers_table(results_dir: Path) -> str | None:
-    """One row per recipe of :data:`LEVER_RUNS` whose results are in ``results_dir``: the readouts the capsule premise
-    is judged by, mean ± std over that recipe's seeds, beside the targets and SCAE's numbers."""
-    rows, sizes = [], set()
-    for name, what, runs, prov in model_sets(results_dir, LEVER_RUNS):
-        cell = partial(seed_cell, runs)
-        passing = sum(r["kmeans_posterior_counts_test_acc"] >= 0.85 for r in runs)
-        sizes.update((r["n_train"], r["n_test"]) for r in runs)
-        device = str(prov.get("device", "")).removeprefix("cpu: ").split(" (")[0]
-        device = device.replace("(R)", "").replace(" Processor", "")
-        rows.append(f"| {what} | `{name}` | {len(runs)} ({passing}) | {runs[0]['steps']} | "
-                    f"{cell('kmeans_posterior_counts_test_acc')} | {cell('kmeans_presence_test_acc')} | "
-                    f"{cell('probe_presence_counts_test_acc')} | {cell('probe_presence_pose_test_acc')} | "
-                    f"{cell('object_class_purity', 1.0, 3)} | {cell('mean_active_parents', 1.0)} | {device} |")
-    if not rows:
-        return None
-    head = ["| recipe | results | seeds (posterior k-means ≥ 85%) | steps | k-means, posterior presences (%) | "
-            "k-means, prior presences (%) | probe, both presences (%) | probe, presences + poses (%) | "
-            "class purity | objects on per image | CPU |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    tail = ["| target, 3 seeds | | | | ≥ 85 | | ≥ 95 | ≥ 98.8 | | | |",
-            "| SCAE (Kosiorek et al. 2019, Table 1) | | | | 98.7 | 98.7 | 99.0 | | | | |",
-            "",
-            "Mean ± std over each recipe's seeds (in brackets: how many reach 85% on k-means of the posterior "
-            "presences); k-means (10 clusters, Hungarian-matched) and the probes scored on the test images, the probes "
-            "fit on the training images ("
-            + "; ".join(f"{n:,} / {t:,}" for n, t in sorted(sizes)) + "); class purity by expected part counts "
-            "(0.1: no class preference). Each row's command and commit are in its results file and under its own "
-            "table in docs/mnist_probe.md."]
-    return "\n".join(head + rows + tail)
-
-
 #: the models read out with the part layer's probes (``eval.layer_readouts``): ``(results name, what it is)``;
-#: ``results/mnist_layers_by_recipe.md``
+#: ``results_dir/mnist_layers_by_recipe.md``
 LAYERS = "mnist_layers_by_recipe"
 LAYER_RUNS = [
     ("mnist_layers", "the recommended recipe (`mnist.toml`), 2,500 steps"),
-    ("mnist_information_layers", "16 similarity objects, the information term at 50 (`mnist_information.toml`)"),
-    ("mnist_information_one_object_steps20000_seed2_layers", "… 1 object per image, 20,000 steps (seed 2)"),
-    ("mnist_information_one_object_affine_steps20000_layers", "… 1 object per image, 20,000 steps, affine poses"),
-    ("mnist_information_one_object_affine_sigma015", "… the same at 2,500 steps, the part-pose ceiling at 0.15"),
-    *CODE_RUNS,
+    ("mnist_objects", "objects that stand for digits (`mnist_objects.toml`), 10,000 steps"),
 ]
 
 
@@ -253,16 +136,11 @@ def layers_table(results_dir: Path) -> str | None:
 
 
 #: the models read out by a two-layer network's probes beside the linear ones (``eval.nonlinear_probes``):
-#: ``(results name, what it is)``; ``results/mnist_nonlinear_by_recipe.md``
+#: ``(results name, what it is)``; ``results_dir/mnist_nonlinear_by_recipe.md``
 NONLINEAR = "mnist_nonlinear_by_recipe"
 NONLINEAR_RUNS = [
     ("mnist_readout", "the recommended recipe (`mnist.toml`), 2,500 steps"),
-    ("mnist_information_one_object_affine_steps20000_layers",
-     "1 object per image, affine poses, no codes, 20,000 steps"),
-    ("mnist_information_one_object_affine_codes", "1 object per image, affine poses, 8-D codes, 2,500 steps"),
-    ("mnist_information_one_object_affine_codes32", "1 object per image, affine poses, 32-D codes, 2,500 steps"),
     ("mnist_objects", "objects that stand for digits (`mnist_objects.toml`), 10,000 steps"),
-    ("mnist_objects_ceiling010", "the same, the part-pose ceiling at 0.10"),
 ]
 #: ``(metrics key without its probe's prefix, column head)`` of :func:`nonlinear_table`: each with the linear probe
 #: and the network
@@ -294,7 +172,7 @@ def nonlinear_table(results_dir: Path) -> str | None:
 
 
 #: the shipped MNIST recipes, side by side on the readouts the capsule premise is judged by: ``(results name,
-#: column head)``; ``results/mnist_recipes.md``
+#: column head)``; ``results_dir/mnist_recipes.md``
 RECIPES = "mnist_recipes"
 RECIPE_RUNS = [("mnist_readout", "`mnist.toml`"), ("mnist_objects", "`mnist_objects.toml`")]
 #: ``(metrics key, row head, scale, digits, target, SCAE's number)`` of :func:`recipes_table`
@@ -333,23 +211,22 @@ def recipes_table(results_dir: Path) -> str | None:
               + f"; probes fit on the {seeds[0][0]['n_train']:,} training images, probes and k-means scored on the "
               f"{seeds[0][0]['n_test']:,} test images; the targets are for the mean over three seeds; each column's "
               "command, commit and device are in its results file "
-              "(`results/<name>.json`: " + ", ".join(f"`{name}`" for name, _ in RECIPE_RUNS) + ")."]
+              "(`results/mnist_probe/<name>.json`: " + ", ".join(f"`{name}`" for name, _ in RECIPE_RUNS) + ")."]
     return "\n".join(lines)
 
 
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
-    """Write ``results_dir/<name>.md`` and, from the results JSON there, ``results_dir/mnist_ablations.md`` when
-    ``results_dir/mnist_ablations/`` holds tries, ``results_dir/mnist_levers.md`` when a recipe of
-    :data:`LEVER_RUNS` has results, ``results_dir/mnist_layers_by_recipe.md`` when one of :data:`LAYER_RUNS` has,
-    ``results_dir/mnist_nonlinear_by_recipe.md`` when one of :data:`NONLINEAR_RUNS` has, and
-    ``results_dir/mnist_recipes.md`` when a recipe of :data:`RECIPE_RUNS` has; returns the files written (None: not
-    written)."""
+    """Write ``results_dir/<name>.md`` and, from the results there, ``results_dir/ablations.md`` when
+    ``results_dir/ablations/`` holds tries, ``results_dir/mnist_layers_by_recipe.md`` when a model set of
+    :data:`LAYER_RUNS` has results, ``results_dir/mnist_nonlinear_by_recipe.md`` when one of :data:`NONLINEAR_RUNS`
+    has, and ``results_dir/mnist_recipes.md`` when a recipe of :data:`RECIPE_RUNS` has; returns the files written
+    (None: not written)."""
     return [write_table(results_dir, name, readme_table(results_dir, name)),
             write_table(results_dir, ABLATIONS, ablations_table(results_dir)),
-            write_table(results_dir, LEVERS, levers_table(results_dir)),
             write_table(results_dir, LAYERS, layers_table(results_dir)),
             write_table(results_dir, NONLINEAR, nonlinear_table(results_dir)),
             write_table(results_dir, RECIPES, recipes_table(results_dir))]
+
 
 
 @one_line_errors("mnist_probe")

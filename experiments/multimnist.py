@@ -2,7 +2,7 @@
 each from its own digit capsule.
 
     probcaps run multimnist --seeds 0                      # reduced config (configs/multimnist.toml)
-    probcaps run multimnist --config experiments/configs/multimnist_paper.toml --device cuda
+    probcaps run multimnist --config multimnist_paper --device cuda
     probcaps run multimnist --seeds 0 --resume             # continue an interrupted run
     probcaps run multimnist --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 

@@ -43,7 +43,7 @@ from probcaps.inference.train import TrainConfig, start_log, train_loop
 from probcaps.io import read_jsonl
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
-from probcaps.report import fmt_mean_std, provenance_line, results_in, results_table, write_report, write_table
+from probcaps.report import fmt_mean_std, provenance_line, results_table, tries_table, write_report, write_table
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
@@ -470,38 +470,30 @@ def readme_table(m: dict, prov: dict, benchmark: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-#: one-seed tries with other settings: ``results/<this>/*.json``, table ``results/<this>.md``
-NORB_ABLATIONS = "norb_ablations"
+#: the tries that changed the shipped recipe: one record each, ``results_dir/ablations/<try>.json``
+#: (:func:`probcaps.report.load_try`), laid out as ``results_dir/ablations.md``
+ABLATIONS = "ablations"
+#: ``(metrics key, column head, scale, digits)`` of the table of tries
+ABLATION_COLUMNS = [("target_familiar_acc", "matched familiar acc. (%)", 100.0, 1),
+                    ("caps_novel_acc", "novel acc.: capsules (%)", 100.0, 1),
+                    ("cnn_novel_acc", "novel acc.: CNN (%)", 100.0, 1),
+                    ("novel_error_reduction", "novel error reduction (%)", 100.0, 1),
+                    ("novel_error_reduction_interpolated", "the same, interpolated (%)", 100.0, 1)]
 
 
 def ablations_table(results_dir: Path) -> str | None:
-    """The one-seed tries of the novel-viewpoint experiment (``results_dir/norb_ablations/*.json``)."""
-    results = results_in(results_dir, NORB_ABLATIONS)
-    if not results:
-        return None
-    lines = ["| data | capsules A, B, C, D | capsule steps | CNN steps | seed | matched familiar acc. | "
-             "novel acc.: capsules | novel acc.: CNN | novel error reduction | capsule training (min) | command |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for _, data in results:
-        prov, caps = data["provenance"], data["provenance"]["configs"]["caps"]
-        # the records were moved here after their runs: the command names the folder they are in now
-        command = re.sub(r"--results-dir \S+", f"--results-dir results/{NORB_ABLATIONS}", prov.get("command", "?"))
-        lines += [f"| {dataset_label(prov['configs']['data'])} | {caps['A']}, {caps['B']}, {caps['C']}, {caps['D']} | "
-                  f"{r['caps_steps']} | {r['cnn_steps']} | {r['seed']} | {r['target_familiar_acc']:.3f} | "
-                  f"{r['caps_novel_acc']:.3f} | {r['cnn_novel_acc']:.3f} | {100 * r['novel_error_reduction']:+.1f}% | "
-                  f"{r['caps_train_wall_time_s'] / 60:.0f} | `{command}` |" for r in data["metrics"]["per_seed"]]
-    return "\n".join(lines)
+    """The tries of ``results_dir/ablations/*.json``, one row each against `norb_azimuth.toml` (None: none)."""
+    return tries_table(results_dir, ABLATION_COLUMNS, "`norb_azimuth.toml`", ABLATIONS)
 
 
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
-    """Write ``results_dir/<name>.md`` (with the matrix-capsule speed table for the default ``norb_viewpoints``)
-    and the table of tries, ``norb_ablations.md``, beside the ``norb_ablations/`` folder when a run wrote into it or it
-    is there; returns the files written (None: not written)."""
+    """Write ``results_dir/<name>.md`` (with the matrix-capsule speed table, ``bench_matrix_capsules.json`` beside
+    it, where there is one) and the table of tries, ``results_dir/ablations.md``, when ``results_dir/ablations/``
+    holds tries; returns the files written (None: not written)."""
     results_dir = Path(results_dir)
-    history = results_dir.parent if results_dir.name == NORB_ABLATIONS else results_dir
     bench = results_dir / "bench_matrix_capsules.json" if name == "norb_viewpoints" else None
     return [write_table(results_dir, name, readme_table(results_dir, name, benchmark=bench)),
-            write_table(history, NORB_ABLATIONS, ablations_table(history))]
+            write_table(results_dir, ABLATIONS, ablations_table(results_dir))]
 
 
 if __name__ == "__main__":

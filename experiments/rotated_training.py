@@ -140,6 +140,26 @@ def readme_table(m: dict, prov: dict) -> str:
     return "\n".join(lines)
 
 
+#: the tries for objects that specialise (the recipe with one change): one record each,
+#: ``results_dir/ablations/<try>.json`` (:func:`probcaps.report.load_try`), laid out as ``results_dir/ablations.md``
+ABLATIONS = "ablations"
+#: ``(metrics key, column head, scale, digits)`` of the table of tries
+ABLATION_COLUMNS = [("probe_presence_pose_test_acc", "probe, presences + poses (%)", 100.0, 1),
+                    ("probe_presence_test_acc", "probe, presences (%)", 100.0, 1),
+                    ("kmeans_posterior_counts_test_acc", "k-means on part counts (%)", 100.0, 1),
+                    ("parent_class_purity", "class purity, where on", 1.0, 2),
+                    ("mean_active_parents", "objects on per image", 1.0, 1)]
+
+
+def write_tables(results_dir: Path, name: str) -> list[Path | None]:
+    """Write ``results_dir/<name>.md`` and, when ``results_dir/ablations/`` holds tries, their table
+    ``results_dir/ablations.md``; returns the files written (None: not written)."""
+    from probcaps.report import tries_table, write_table
+
+    return [write_table(results_dir, name, readme_table(results_dir, name)),
+            write_table(results_dir, ABLATIONS, tries_table(results_dir, ABLATION_COLUMNS, "`rotated_training.toml`"))]
+
+
 @one_line_errors("rotated_training")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,7 +171,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]
     args.out = args.out or str(Path("runs") / args.name)
-    if setup_run(args, tables := table_writer(readme_table, args.name)):
+    if setup_run(args, tables := lambda results: write_tables(Path(results), args.name)):
         return 0
     t0 = time.perf_counter()
     thetas = sorted(args.thetas)

@@ -40,7 +40,7 @@ from probcaps.metrics import r2_scores
 from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder, TransformingAutoencoderConfig,
                                                       estimate_transform, pose_consistency, transform_components)
 from probcaps.render import warp
-from probcaps.report import fmt_mean_std, load_result, provenance_line, results_in, write_report, write_table
+from probcaps.report import fmt_mean_std, load_result, provenance_line, tries_table, write_report, write_table
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
@@ -436,8 +436,10 @@ def readme_table(results_dir: Path) -> str | None:
             lines += [f"| {mode} | R²({c}), recognition averaged over {tta[0]['test_time_warps']} known warps of each "
                       f"image | {fmt_mean_std([r[f'r2_{c}'] for r in tta], 1.0, 3)} | {r2_target} | — |"
                       for c in tta[0]["components"]]
+            from probcaps.report import command_text  # the launch form the docs show
+
             tta_note = [f"{mode}, averaged over warps: seeds {', '.join(str(r['seed']) for r in tta)}; command: "
-                        f"`{tta_result[1].get('command', '?')}`."]
+                        f"`{command_text(tta_result[1].get('command', '?'))}`."]
         maps = {p: f"rotation ±{rng.get(p + 'rotation_deg')}°, scales 1 ± {rng.get(p + 'scale')}, shear "
                    f"±{rng.get(p + 'shear')}, translation ±{rng.get(p + 'translation_px')} px"
                 for p in ("", "jitter_")}
@@ -456,39 +458,26 @@ def readme_table(results_dir: Path) -> str | None:
     return "\n".join(lines + [""] + footer)
 
 
-#: one-seed tries of the affine mode with other settings: ``results/<this>/*.json``, table ``results/<this>.md``
-TAE_ABLATIONS = "transforming_autoencoder_ablations"
+#: the tries of the affine mode: one record each, ``results_dir/ablations/<try>.json``
+#: (:func:`probcaps.report.load_try`), laid out as ``results_dir/ablations.md``
+ABLATIONS = TAE_ABLATIONS = "ablations"  # (the second name: the one the --tables-only help reads)
+#: ``(metrics key, column head, scale, digits)`` of the table of tries
+ABLATION_COLUMNS = [*((f"r2_{n}", f"R² {n}", 1.0, 2) for n in ("m11", "m12", "tx", "m21", "m22", "ty")),
+                    ("active_capsules_mean", "active capsules", 1.0, 1),
+                    ("recon_mse_window", "reconstruction MSE, 22×22 window", 1.0, 4)]
 
 
 def ablations_table(results_dir: Path) -> str | None:
-    """The tries of the affine transforming auto-encoder (``results_dir/transforming_autoencoder_ablations/*.json``)."""
-    results = results_in(results_dir, TAE_ABLATIONS)
-    if not results:
-        return None
-    names = ["m11", "m12", "tx", "m21", "m22", "ty"]
-    lines = ["| try | seed | steps | " + " | ".join(f"R² {n}" for n in names)
-             + " | active capsules | keypoint spread (px): keypoints / attention centres | command |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- | --- |"]
-    for path, data in results:
-        for r in data["metrics"]["per_seed"]:
-            spread = (f"{r['keypoint_spread_px']:.1f} / {r['attention_centre_spread_px']:.1f}"
-                      if "keypoint_spread_px" in r else "—")
-            lines.append(f"| {path.stem} | {r['seed']} | {r['steps']} | "
-                         + " | ".join(f"{r[f'r2_{n}']:.2f}" for n in names)
-                         + f" | {r['active_capsules_mean']:.1f} | {spread} | "
-                         f"`{data['provenance'].get('command', '?')}` |")
-    lines += ["", "Keypoint spread: for each held-out input image's most present capsule, the mean distance of its "
-              "keypoints from their mean, and the same for the places its keypoints look at (attention centres); "
-              "averaged over the images (— where the try was scored before this was measured)."]
-    return "\n".join(lines)
+    """The tries of ``results_dir/ablations/*.json``, one row each against
+    `transforming_autoencoder_affine.toml` (None: none)."""
+    return tries_table(results_dir, ABLATION_COLUMNS, "`transforming_autoencoder_affine.toml`", ABLATIONS)
 
 
 def write_tables(results_dir: Path) -> list[Path | None]:
     """Write the table of the shipped recipes (``results_dir/transforming_autoencoder.md``) and of the tries
-    (``results_dir/transforming_autoencoder_ablations.md``) from the results JSON there; returns the files written
-    (None: not written)."""
+    (``results_dir/ablations.md``) from the results JSON there; returns the files written (None: not written)."""
     return [write_table(results_dir, NAME, readme_table(results_dir)),
-            write_table(results_dir, TAE_ABLATIONS, ablations_table(results_dir))]
+            write_table(results_dir, ABLATIONS, ablations_table(results_dir))]
 
 
 def _error_note(mode: str, runs: list[dict]) -> list[str]:

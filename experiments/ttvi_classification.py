@@ -104,6 +104,30 @@ def table_text(results_dir: Path, name: str) -> str | None:
     return fair_table(results_dir, name) or readme_table(results_dir, name)
 
 
+#: the other checkpoints, protocols and settings tried: one record each, ``results_dir/ablations/<try>.json``
+#: (:func:`probcaps.report.load_try`), laid out as ``results_dir/ablations.md``
+ABLATIONS = "ablations"
+#: ``(metrics key, column head, scale, digits)`` of the table of tries: probe accuracies on presences + poses
+ABLATION_COLUMNS = [("encoder_presence_pose_acc", "encoder (%)", 100.0, 1),
+                    ("ttvi_objects_presence_pose_acc", "test-time VI, free-form (%)", 100.0, 1),
+                    ("ttvi_reencoded_presence_pose_acc", "test-time VI, re-encoded (%)", 100.0, 1),
+                    ("fair_ttvi_objects_presence_pose_acc", "fair: free-form (%)", 100.0, 1),
+                    ("fair_ttvi_reencoded_presence_pose_acc", "fair: re-encoded (%)", 100.0, 1),
+                    ("fair_ttvi_parts_presence_pose_acc", "fair: parts (%)", 100.0, 1),
+                    ("encoder_presence_acc", "encoder, presences alone (%)", 100.0, 1),
+                    ("ttvi_objects_presence_acc", "test-time VI, free-form, presences alone (%)", 100.0, 1)]
+
+
+def write_tables(results_dir: Path, name: str) -> list[Path | None]:
+    """Write ``results_dir/<name>.md`` (:func:`table_text`) and, when ``results_dir/ablations/`` holds tries, their
+    table ``results_dir/ablations.md``; returns the files written (None: not written)."""
+    from probcaps.report import tries_table, write_table
+
+    return [write_table(results_dir, name, table_text(results_dir, name)),
+            write_table(results_dir, ABLATIONS, tries_table(results_dir, ABLATION_COLUMNS,
+                                                            "the fair protocol's run (`ttvi_classification_fair`)"))]
+
+
 class PartsGuide(FreeFormGuide):
     """Test-time VI of the parts alone: free-form part presence logits ``(B, M)`` and pose locations ``(B, M, 6)``
     for each of ``B`` images; the objects are inferred from the sampled parts by the amortised encoder's set
@@ -168,7 +192,7 @@ def main(argv=None) -> int:
                    help="override a key of the checkpoint's config, e.g. encoder.bf16=false on a CPU without bfloat16")
     add_run_args(p, EXPERIMENT, name="ttvi_classification", out=False)
     args = p.parse_args(argv)
-    if setup_run(args, tables := table_writer(table_text, args.name)):
+    if setup_run(args, tables := lambda results: write_tables(Path(results), args.name)):
         return 0
     progress = not args.quiet
     cfg, system = load_trained(args.checkpoint, device=args.device, overrides=args.set)

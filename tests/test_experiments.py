@@ -114,29 +114,32 @@ def test_checkpoint_export_path_follows_the_run_name(tmp_path, monkeypatch):
     assert checkpoint_out_path("", "trial") is None
 
 
-def test_levers_table_reads_each_recipe_over_its_seeds(tmp_path):
-    # catches: a lever row with a mean or spread not of its own seeds, a miscount of the seeds past 85%, or a row
-    # for a recipe with no results
+def test_ablations_table_lays_out_one_row_per_try(tmp_path):
+    # catches: a try's mean ± std, seeds or commit put in the wrong row or column, a metric it never measured given a
+    # number, a run on a tree with uncommitted changes not marked, or a record without its keys read silently
+    from probcaps.errors import DataError
     from probcaps.experiments import mnist_probe
-    from probcaps.provenance import write_results
 
-    def run(seed, kmeans):
-        return {"seed": seed, "steps": 7, "n_train": 60, "n_test": 20, "kmeans_posterior_counts_test_acc": kmeans,
-                "kmeans_presence_test_acc": 0.5, "probe_presence_counts_test_acc": 0.9,
-                "probe_presence_pose_test_acc": 0.95 + seed / 100, "object_class_purity": 0.3,
-                "mean_active_parents": 4.0}
+    folder = tmp_path / "ablations"
+    folder.mkdir()
 
-    name, what = mnist_probe.LEVER_RUNS[-1]
-    write_results(tmp_path / f"{name}.json", {"per_seed": [run(0, 0.80), run(1, 0.86), run(2, 0.90)]},
-                  {"device": "cpu: Some CPU (2 cores, 1 torch threads)"})
-    assert mnist_probe.levers_table(tmp_path / "none") is None
-    table = mnist_probe.levers_table(tmp_path)
-    rows = [line for line in table.splitlines() if line.startswith(f"| {what} |")]
-    # k-means 80, 86, 90: mean 85.3, sample std 5.0; two seeds of three at 85% or above
-    assert rows == [f"| {what} | `{name}` | 3 (2) | 7 | 85.3 ± 5.0 | 50.0 ± 0.0 | 90.0 ± 0.0 | 96.0 ± 1.0 | "
-                    "0.300 ± 0.000 | 4.0 ± 0.0 | Some CPU |"]
-    assert len([line for line in table.splitlines() if line.startswith("| ")]) == 2 + 1 + 2  # head, one row, anchors
-    assert "(60 / 20)" in table
+    def record(name, metrics, **extra):
+        return {"name": name, "changed": {"model.part_pose_std_max": 0.1, "encoder.bf16": False}, "metrics": metrics,
+                "seeds": [0, 1], "steps": 2500, "commit": "abc1234", "device": "cpu", "command": "x", **extra}
+
+    (folder / "b_try.json").write_text(json.dumps(record("b_try", {
+        "probe_presence_pose_test_acc": {"mean": 0.981, "std": 0.002}, "test_elbo_per_image": 2301.4})))
+    (folder / "a_try.json").write_text(json.dumps(record("a_try", {"kmeans_posterior_counts_test_acc": 0.5},
+                                                         note="uncommitted changes")))
+    assert mnist_probe.ablations_table(tmp_path / "none") is None
+    rows = [line for line in mnist_probe.ablations_table(tmp_path).splitlines() if line.startswith("| `")]
+    assert rows == ["| `a_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | 50.0 | — | — | — | "
+                    "— | — | — | abc1234* |",
+                    "| `b_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | — | — | "
+                    "98.1 ± 0.2 | — | — | — | 2301 | abc1234 |"]
+    (folder / "c_try.json").write_text(json.dumps({"name": "c_try", "metrics": {}}))
+    with pytest.raises(DataError, match=r"c_try\.json: a try's record lacks 'changed'"):
+        mnist_probe.ablations_table(tmp_path)
 
 
 def test_layers_table_reads_seed_summaries_and_single_models(tmp_path):
@@ -152,7 +155,7 @@ def test_layers_table_reads_seed_summaries_and_single_models(tmp_path):
     def run(offset):
         return {key: 0.1 * (i + 1) + offset for i, key in enumerate(keys)}
 
-    (seeds_name, seeds_what), (single_name, single_what) = mnist_probe.LAYER_RUNS[0], mnist_probe.LAYER_RUNS[2]
+    (seeds_name, seeds_what), (single_name, single_what) = mnist_probe.LAYER_RUNS[0], mnist_probe.LAYER_RUNS[1]
     write_results(tmp_path / f"{seeds_name}.json", {"per_seed": [run(0.0), run(0.02)]}, {})
     write_results(tmp_path / f"{single_name}.json", run(0.0), {})
     assert mnist_probe.layers_table(tmp_path / "none") is None
@@ -173,7 +176,7 @@ def test_nonlinear_table_pairs_each_probe_with_its_network(tmp_path):
         return {"mean_active_parents": 2.0, **{key: 0.1 * (i + 1) + offset for i, key in enumerate(keys)
                                                if codes or "code" not in key}}
 
-    (seeds_name, seeds_what), (single_name, single_what) = mnist_probe.NONLINEAR_RUNS[2], mnist_probe.NONLINEAR_RUNS[1]
+    (seeds_name, seeds_what), (single_name, single_what) = mnist_probe.NONLINEAR_RUNS[1], mnist_probe.NONLINEAR_RUNS[0]
     write_results(tmp_path / f"{seeds_name}.json", {"per_seed": [run(0.0), run(0.02)]}, {})
     write_results(tmp_path / f"{single_name}.json", run(0.0, codes=False), {})
     assert mnist_probe.nonlinear_table(tmp_path / "none") is None

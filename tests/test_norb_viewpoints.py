@@ -168,7 +168,7 @@ def test_shipped_norb_config_is_the_config_its_results_were_trained_with(name):
     from probcaps.experiments import norb_viewpoints
 
     shipped = norb_viewpoints.load_config(ROOT / "experiments" / "configs" / f"{name}.toml")
-    trained = json.loads((ROOT / "results" / f"{name}.json").read_text())["provenance"]["configs"]
+    trained = json.loads((ROOT / "results" / "norb_viewpoints" / f"{name}.json").read_text())["provenance"]["configs"]
     for section, values in shipped.items():
         if hasattr(values, "to_dict"):  # keys added since hold their defaults
             stored = {**type(values)().to_dict(), **trained[section]}

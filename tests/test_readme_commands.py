@@ -31,7 +31,7 @@ _ANY_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 _INLINE = re.compile(r"`((?:python3?|probcaps|make|\.venv/bin/python|\.venv/bin/probcaps) [^`\n]*|probcaps|make)`")
 _PLACEHOLDERS = {"...", "…"}
 # the spliced tables record the commands their results came from (history, perhaps under older names): not read
-_TABLE_BLOCK = re.compile(r"<!-- results:([\w.-]+) -->\n.*?<!-- /results:\1 -->", re.S)
+_TABLE_BLOCK = re.compile(r"<!-- results:([\w./-]+) -->\n.*?<!-- /results:\1 -->", re.S)
 
 
 def _prose(doc: Path) -> str:
@@ -282,42 +282,39 @@ def test_recorded_paths_are_relative_to_the_repository(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------- the table files
 
 def _mnist_probe_runs() -> list[str]:
-    """The names of the multi-seed runs of experiments/mnist_probe.py in results/: each aggregate JSON records the
-    command that wrote it and its seeds' metrics (``per_seed``); the per-seed files are readout tables, below."""
+    """The names of the multi-seed runs of experiments/mnist_probe.py in results/mnist_probe/: each aggregate JSON
+    records the command that wrote it and its seeds' metrics (``per_seed``); the readouts are tables of their own."""
     names = []
-    for path in sorted((ROOT / "results").glob("*.json")):
+    for path in sorted((ROOT / "results" / "mnist_probe").glob("*.json")):
         record = json.loads(path.read_text())
-        if not isinstance(record, dict):  # benchmarks write other shapes
-            continue
         prov, metrics = record.get("provenance") or {}, record.get("metrics") or {}
         if str(prov.get("command")).startswith("experiments/mnist_probe.py") and "per_seed" in metrics:
             names.append(path.stem)
     return names
 
 
-#: how each committed table file is rebuilt from the committed results: (entry point, its arguments, tables written)
+#: how each committed table file is rebuilt from the committed results: (entry point, its results folder under
+#: results/, its arguments, the tables it writes there)
 TABLE_SOURCES = [
-    *[("experiments.mnist_probe", ["--name", n],
-       [n, "mnist_ablations", "mnist_levers", "mnist_layers_by_recipe", "mnist_nonlinear_by_recipe", "mnist_recipes"])
+    *[("experiments.mnist_probe", "mnist_probe", ["--name", n],
+       [n, "ablations", "mnist_layers_by_recipe", "mnist_nonlinear_by_recipe", "mnist_recipes"])
       for n in _mnist_probe_runs()],
-    *[("experiments.affnist", ["--name", n], [n]) for n in ("affnist", "affnist_ceiling", "affnist_fast")],
-    *[("experiments.rotated_digits", ["--name", n], [n]) for n in ("rotated_digits", "rotated_digits_fast")],
-    *[("experiments.ttvi_classification", ["--name", p.stem], [p.stem])  # every checkpoint and protocol run
-      for p in sorted((ROOT / "results").glob("ttvi_classification*.json"))],
-    ("experiments.normal_guide", [], ["normal_guide"]),
-    *[("experiments.rotated_training", ["--name", n], [n])
+    *[("experiments.affnist", "affnist", ["--name", n], [n, "ablations"]) for n in ("affnist", "affnist_fast")],
+    *[("experiments.rotated_digits", "rotated_digits", ["--name", n], [n]) for n in ("rotated_digits",
+                                                                                  "rotated_digits_fast")],
+    *[("experiments.ttvi_classification", "ttvi_classification", ["--name", n], [n, "ablations"])
+      for n in ("ttvi_classification", "ttvi_classification_fast", "ttvi_classification_fair")],
+    ("experiments.normal_guide", "normal_guide", [], ["normal_guide"]),
+    *[("experiments.rotated_training", "rotated_training", ["--name", n], [n, "ablations"])
       for n in ("rotated_training", "rotated_training_headline", "rotated_training_objects")],
-    *[("experiments.rotated_training", ["--name", p.stem], [p.stem])  # the tries for objects that specialise
-      for p in sorted((ROOT / "results").glob("specialisation_*.json"))],
-    ("experiments.rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
-    ("experiments.rotated_mnist_cnn_vs_capsnet", ["--config", "experiments/configs/rotated_mnist_full_capsnet.toml"],
-     ["rotated_mnist_full_capsnet"]),
-    ("experiments.multimnist", [], ["multimnist", "multimnist_bench"]),
-    ("experiments.transforming_autoencoder", [], ["transforming_autoencoder", "transforming_autoencoder_ablations"]),
-    *[("experiments.norb_viewpoints", ["--name", n], [n, "norb_ablations"]) for n in
-      ("norb_viewpoints", "norb_viewpoints_asymmetric", "norb_viewpoints_asymmetric_large",
-       "norb_viewpoints_asymmetric_large_bn", "norb_azimuth", "norb_viewpoints_asymmetric_elevation",
-       "norb_elevation", "norb_all_views")],
+    ("experiments.rotated_mnist_cnn_vs_capsnet", "rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
+    ("experiments.rotated_mnist_cnn_vs_capsnet", "rotated_mnist_cnn_vs_capsnet",
+     ["--config", "experiments/configs/rotated_mnist_full_capsnet.toml"], ["rotated_mnist_full_capsnet"]),
+    ("experiments.multimnist", "multimnist", [], ["multimnist", "multimnist_bench"]),
+    ("experiments.transforming_autoencoder", "transforming_autoencoder", [], ["transforming_autoencoder",
+                                                                               "ablations"]),
+    *[("experiments.norb_viewpoints", "norb_viewpoints", ["--name", n], [n, "ablations"])
+      for n in ("norb_azimuth", "norb_elevation", "norb_all_views")],
 ]
 
 
@@ -326,35 +323,39 @@ def test_committed_tables_are_what_their_results_give(tmp_path, monkeypatch):
     # file nothing rebuilds
     monkeypatch.setenv("PROBCAPS_NO_REEXEC", "1")
     results = ROOT / "results"
-    for path in results.iterdir():  # the results, read-only: links in a scratch folder the tables are written to
-        if path.suffix != ".md":
-            (tmp_path / path.name).symlink_to(path)
+    for folder in (p for p in results.iterdir() if p.is_dir()):
+        # the results, read-only: links in a scratch folder the tables are written to
+        (tmp_path / folder.name).mkdir()
+        for path in folder.iterdir():
+            if path.suffix != ".md":
+                (tmp_path / folder.name / path.name).symlink_to(path)
     rebuilt = set()
-    for module, args, tables in TABLE_SOURCES:
+    for module, folder, args, tables in TABLE_SOURCES:
         main = importlib.import_module(f"probcaps.{module}").main
-        assert main(["--tables-only", "--results-dir", str(tmp_path), *args]) == 0, (module, args)
-        rebuilt.update(tables)
+        assert main(["--tables-only", "--results-dir", str(tmp_path / folder), *args]) == 0, (module, args)
+        rebuilt.update(f"{folder}/{t}" for t in tables)
     from probcaps.experiments.common import throughput_table
     from probcaps.report import write_table
 
-    write_table(tmp_path, "ttvi_throughput", throughput_table(tmp_path, "ttvi_throughput"))
+    write_table(tmp_path / "ttvi_classification", "ttvi_throughput",
+                throughput_table(tmp_path / "ttvi_classification", "ttvi_throughput"))
     benchmarks = ("bench_step", "bench_render", "bench_vs_torch_scae", "bench_gpu")
     for bench in benchmarks:
-        write_table(tmp_path, bench, inspect.unwrap(_script_main(ROOT / "benchmarks" / f"{bench}.py")).__globals__[
-            "readme_table"](tmp_path, bench))
-    rebuilt |= {"ttvi_throughput", *benchmarks}
-    # `probcaps evaluate --name <name>` (and each seed of experiments/mnist_probe.py) writes the readout table of a
-    # checkpoint, or of several seeds' checkpoints
+        write_table(tmp_path / "speed", bench, inspect.unwrap(_script_main(ROOT / "benchmarks" / f"{bench}.py"))
+                    .__globals__["readme_table"](tmp_path / "speed", bench))
+    rebuilt |= {"ttvi_classification/ttvi_throughput", *(f"speed/{b}" for b in benchmarks)}
+    # `probcaps evaluate --name <name>` writes the readout table of a checkpoint, or of several seeds' checkpoints
     from probcaps.inference.evaluate import readout_table
 
-    for path in sorted(results.glob("*.md")):
-        source = results / f"{path.stem}.json"
-        if path.stem not in rebuilt and source.is_file() and {"object_class_purity", "per_seed"} & set(json.loads(
+    for path in sorted(results.glob("*/*.md")):
+        name, source = f"{path.parent.name}/{path.stem}", path.with_suffix(".json")
+        if name not in rebuilt and source.is_file() and {"object_class_purity", "per_seed"} & set(json.loads(
                 source.read_text())["metrics"]):
-            write_table(tmp_path, path.stem, readout_table(tmp_path, path.stem))
-            rebuilt.add(path.stem)
-    committed = {p.stem for p in results.glob("*.md")}
+            write_table(tmp_path / path.parent.name, path.stem, readout_table(tmp_path / path.parent.name, path.stem))
+            rebuilt.add(name)
+    committed = {f"{p.parent.name}/{p.stem}" for p in results.glob("*/*.md")}
     assert committed <= rebuilt, f"no rule rebuilds {sorted(committed - rebuilt)} (add it to TABLE_SOURCES)"
     differ = [name for name in sorted(committed) if (tmp_path / f"{name}.md").read_text()
               != (results / f"{name}.md").read_text()]
-    assert not differ, f"results/<name>.md differs from what its results give (rebuild with --tables-only): {differ}"
+    assert not differ, f"results/<experiment>/<name>.md differs from what its results give (rebuild with " \
+        f"--tables-only): {differ}"

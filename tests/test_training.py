@@ -417,23 +417,30 @@ def test_mnist_recipes_are_named_after_their_files_and_the_demo_is_a_diff_on_the
     assert changed == {"data.test_limit", "model.expected_parents", "model.max_affinity", "model.prior_anneal_steps",
                        "encoder.set_hidden", "encoder.bf16", "train.steps", "train.warmup_steps", "train.compile",
                        "eval.probe_train_limit"}
-    trained = json.loads((ROOT / "results" / "mnist.json").read_text())["provenance"]["configs"]
+    trained = json.loads((ROOT / "results" / "mnist_probe" / "mnist.json").read_text())["provenance"]["configs"]
     for section in ("model", "encoder"):  # the recipe is the one its results were trained with
         assert all(trained[section][k] == v for k, v in mnist[section].to_dict().items() if k in trained[section])
 
 
 def test_the_objects_recipe_is_the_config_its_models_were_trained_and_read_with():
-    # catches: mnist_objects.toml (or a base it stands on) drifting from the models behind results/mnist_objects.json,
-    # which were trained as mnist_information.toml with --set changes before the recipe had a file of its own
+    # catches: mnist_objects.toml (or a base it stands on) drifting from the models behind
+    # results/mnist_probe/mnist_objects.json, which were trained as a try (mnist.toml with the recipe's changes, the
+    # record results/mnist_probe/ablations/mnist_information_one_object_affine_codes_steps10000.json) before the
+    # recipe had a file of its own
     configs = ROOT / "experiments" / "configs"
     objects = load_experiment_config(configs / "mnist_objects.toml")
     assert objects["name"] == "mnist_objects"
     recipe = {section: objects[section].to_dict() for section in ("data", "model", "encoder", "train", "eval")}
-    assert json.loads((ROOT / "results" / "mnist_objects.json").read_text())["provenance"]["configs"] == recipe
-    # the models as trained: read out since with the recipe's readouts
-    trained = json.loads((ROOT / "results" / "mnist_information_one_object_affine_codes_steps10000.json").read_text())
-    assert {k: v for k, v in trained["provenance"]["configs"].items() if k != "eval"} == \
-        {k: v for k, v in recipe.items() if k != "eval"}
+    results = ROOT / "results" / "mnist_probe"
+    assert json.loads((results / "mnist_objects.json").read_text())["provenance"]["configs"] == recipe
+    # the models as trained: the recommended recipe's config as its results record it, with the try's changes
+    trained = {f"{section}.{key}": value for section, values in json.loads((results / "mnist.json").read_text())[
+        "provenance"]["configs"].items() for key, value in values.items()}
+    trained.update(json.loads((results / "ablations" / "mnist_information_one_object_affine_codes_steps10000.json")
+                              .read_text())["changed"])
+    wanted = {f"{section}.{key}": value for section, values in recipe.items() if section != "eval"
+              for key, value in values.items() if key != "seed"}
+    assert {key: trained.get(key) for key in wanted} == wanted
 
 
 def test_unknown_config_key_names_key_and_file(tmp_path, tiny_toml):
