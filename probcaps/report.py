@@ -171,6 +171,14 @@ def load_try(path: str | Path) -> dict:
     for key in ("changed", "metrics"):
         if not isinstance(data[key], dict):
             raise DataError(f"{path}: '{key}' is a {type(data[key]).__name__}, not an object")
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for key, value in data["metrics"].items():
+        if not (number(value) or isinstance(value, dict) and set(value) == {"mean", "std"}
+                and all(map(number, value.values()))):
+            raise DataError(f"{path}: metric '{key}' is neither a number nor {{\"mean\", \"std\"}} numbers")
     return data
 
 

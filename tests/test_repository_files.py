@@ -99,6 +99,20 @@ def test_every_try_is_one_small_record():
         assert "per_seed" not in record["metrics"] and path.stat().st_size < 8000, path
 
 
+def test_a_try_record_with_a_malformed_metric_is_named(tmp_path):
+    # catches: a metric that is neither a number nor mean and std ending in a KeyError or TypeError in the table
+    from probcaps.errors import DataError
+    from probcaps.report import TRY_KEYS, load_try
+
+    record = {key: {} for key in TRY_KEYS}
+    for bad in ({"mean": 0.9}, "0.9", True, {"mean": 0.9, "std": None}):
+        (tmp_path / "t.json").write_text(json.dumps({**record, "metrics": {"probe": bad}}))
+        with pytest.raises(DataError, match=r"t\.json: metric 'probe'"):
+            load_try(tmp_path / "t.json")
+    (tmp_path / "t.json").write_text(json.dumps({**record, "metrics": {"probe": {"mean": 0.9, "std": 0.01}, "k": 3}}))
+    assert load_try(tmp_path / "t.json")["metrics"]["k"] == 3
+
+
 @pytest.mark.parametrize("doc", [p for p in DOCUMENTS if p.parent.name == "docs"], ids=lambda p: p.name)
 def test_docs_page_is_short_enough_to_read(doc):
     # catches: a research page growing into a lab notebook
@@ -248,4 +262,4 @@ def test_recorded_commands_are_shown_in_the_one_launch_form():
     line = provenance_line({"device": "cpu", "command": "experiments/affnist.py", "git_commit": "abc1234",
                             "note": "the tree had uncommitted changes"})
     assert line == "device: cpu; command: `probcaps run affnist`; commit abc1234 (the tree had uncommitted changes)."
-    assert json.loads(json.dumps(line))  # one line of text
+    assert "\n" not in line
