@@ -8,9 +8,12 @@ or numpy arrays; bad input raises a ``ValueError`` naming the offending argument
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LinearProbe", "MLPProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels", "kmeans_spread", "most_confused_pair", "template_distinctness",
            "kmeans_accuracy", "classification_summary",

@@ -148,29 +148,32 @@ CARD_READOUTS = [("probe_presence_pose_test_acc", "probe on presences + poses", 
 
 
 def _model_results(path: Path, results_dir: Path, name: str, seed) -> tuple[Path, dict, dict] | None:
-    """``(results file, this model's metrics, the recipe's metrics over its seeds)`` of the checkpoint ``path``:
-    the results file whose provenance lists it among its checkpoints (one entry per seed), else the per-seed file of
-    its run, ``<name>_seed<seed>.json`` (and ``<name>.json`` for the recipe); None where no results file has it."""
-    files = sorted(results_dir.rglob("*.json"))
-    here, listing = f"checkpoints/{path.name}", []
+    """``(results file, this model's metrics, the recipe's metrics over its seeds)`` of the checkpoint ``path`` of
+    the run ``name``: from the first of these that has it — ``<name>_readout.json`` (the model read out as SCAE reads
+    its own), ``<name>.json``, then any results file whose provenance lists the checkpoint — the entry of its
+    ``per_seed`` for this checkpoint (by the provenance's checkpoint list, else by training seed), or the file's
+    metrics where it holds one model's; None where no results file has it."""
+    here = f"checkpoints/{path.name}"
+    files = sorted(results_dir.rglob("*.json"), key=lambda f: (f.name != f"{name}_readout.json",
+                                                               f.name != f"{name}.json", f.name))
     for file in files:
         try:
             data = json.loads(file.read_text(encoding="utf-8"))
-            listed = data["provenance"].get("checkpoints") or []
+            metrics, prov = data["metrics"], data["provenance"]
+            listed = prov.get("checkpoints") or []
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
-        if here in listed and "per_seed" in data["metrics"]:
-            mine = data["metrics"]["per_seed"][listed.index(here)]
-            listing.append((-sum(key in mine for key, _, _ in CARD_READOUTS), len(file.name), file, mine,
-                            data["metrics"]))
-    if listing:  # the read-out with the most of the card's readouts
-        return min(listing, key=lambda entry: entry[:2])[2:]
-    own = [f for f in files if f.name == f"{name}_seed{seed}.json"]
-    recipe = [f for f in files if f.name == f"{name}.json"]
-    if own:
-        mine = json.loads(own[0].read_text(encoding="utf-8"))["metrics"]
-        whole = json.loads(recipe[0].read_text(encoding="utf-8"))["metrics"] if recipe else mine
-        return own[0], mine, whole
+        named = file.stem in (name, f"{name}_readout")
+        if not (named or here in listed):
+            continue
+        if "per_seed" not in metrics:
+            if named:
+                return file, metrics, metrics
+            continue
+        runs = metrics["per_seed"]
+        mine = runs[listed.index(here)] if here in listed else next((r for r in runs if r.get("seed") == seed), None)
+        if mine is not None:
+            return file, mine, metrics
     return None
 
 

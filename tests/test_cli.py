@@ -80,7 +80,7 @@ def test_train_resume_evaluate(tiny_toml, tmp_path, capsys):
                                                           "confusion_kmeans_presence", "confusion_presence",
                                                           "confusion_presence_pose", "objects_by_class",
                                                           "objects_drawn", "presence_by_class", "reconstructions",
-                                                          "templates")]
+                                                          "template_neighbours", "templates")]
     assert all((results / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert "probe_presence_test_acc" in capsys.readouterr().out
 
