@@ -7,7 +7,7 @@ it on the affNIST-recipe stand-in (Tieleman 2013) generated from the 10,000 MNIS
 
 Reported as "affNIST-recipe", never as affNIST (the real set could not be fetched here).  For scale, a supervised
 CNN (``models.cnn_classifier.ConvClassifier``) is trained on the same MNIST placement (40×40, ±6 px).  Writes
-``results/<name>.json`` and ``<name>_examples.png`` (affNIST-recipe inputs and the model's reconstructions).
+``results/affnist/<name>.json`` and ``<name>_examples.png`` (affNIST-recipe inputs and the model's reconstructions).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Train the generative capsule model on MNIST (40x40, SCAE placement) over several seeds and report the linear
 probes and k-means accuracy (paper §5, Table 1; SCAE's anchors).
 
-    probcaps run mnist_probe --seeds 0 1 2                    # the recommended recipe (configs/mnist.toml)
+    probcaps run mnist_probe --seeds 0 1 2                    # the recommended recipe (the mnist recipe)
     probcaps run mnist_probe --seeds 0 --resume               # continue interrupted runs
     probcaps run mnist_probe --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
-Writes ``results/<name>_seed<S>.json`` per seed, ``results/<name>.json`` (per-seed metrics, mean and std), the first
+Writes ``results/mnist_probe/<name>_seed<S>.json`` per seed, ``results/mnist_probe/<name>.json`` (per-seed metrics, mean and std), the first
 seed's figures and its final model without optimiser state, ``checkpoints/<name>.pt`` (for ``probcaps evaluate``);
-``name`` is the config's (``mnist`` for configs/mnist.toml) unless ``--name``.  Runs go to ``runs/<name>/seed<S>``.
+``name`` is the config's (``mnist`` for the mnist recipe) unless ``--name``.  Runs go to ``runs/<name>/seed<S>``.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     add_run_args(p, EXPERIMENT, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
                  resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/<name>.md, "
-                 "RESULTS_DIR/mnist_ablations.md)", checkpoint_out="export the first seed's model here (default: "
+                 "RESULTS_DIR/ablations.md)", checkpoint_out="export the first seed's model here (default: "
                  "checkpoints/<name>.pt, not with --train-only; '' for none)")
     args = p.parse_args(argv)
     args.name = args.name or load_experiment_config(args.config)["name"]

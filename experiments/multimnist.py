@@ -1,13 +1,13 @@
 """MultiMNIST with CapsNet (Sabour, Frosst & Hinton 2017): name both of two overlapping digits and reconstruct
 each from its own digit capsule.
 
-    probcaps run multimnist --seeds 0                      # reduced config (configs/multimnist.toml)
+    probcaps run multimnist --seeds 0                      # reduced config (the multimnist recipe)
     probcaps run multimnist --config multimnist_paper --device cuda
     probcaps run multimnist --seeds 0 --resume             # continue an interrupted run
     probcaps run multimnist --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
 Training pairs are drawn afresh every epoch (:mod:`probcaps.data.multimnist`); the test pairs are fixed.  Writes
-``results/<name>.json`` (set accuracy, at-least-one accuracy, reconstruction error; per seed, mean and std) and
+``results/multimnist/<name>.json`` (set accuracy, at-least-one accuracy, reconstruction error; per seed, mean and std) and
 figures of the first seed: ``<name>_reconstructions.png``, ``<name>_capsules.png``, ``<name>_training.png``.
 """
 
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     return 0
 
 
-#: the tables of the reduced and paper-size runs (``results/multimnist.md``) and of the step benchmark
+#: the tables of the reduced and paper-size runs (``results/multimnist/multimnist.md``) and of the step benchmark
 TABLE, BENCH_TABLE = "multimnist", "multimnist_bench"
 
 
@@ -268,7 +268,7 @@ def write_tables(results_dir) -> list:
 
 
 def readme_table(results_dir: Path) -> str | None:
-    """Markdown table of the reduced (and, if present, paper-size) runs, from ``results/multimnist*.json``."""
+    """Markdown table of the reduced (and, if present, paper-size) runs, from ``results/multimnist/multimnist*.json``."""
     results_dir = Path(results_dir)
     rows = [(label, r) for label, name in (("reduced", "multimnist"), ("paper-size", "multimnist_paper"))
             if (r := load_result(results_dir, name)) is not None]
@@ -301,7 +301,7 @@ def readme_table(results_dir: Path) -> str | None:
 
 
 def bench_table(results_dir: Path) -> str | None:
-    """Markdown table of the CapsNet step benchmark, from ``results/multimnist_bench.json``."""
+    """Markdown table of the CapsNet step benchmark, from ``results/speed/multimnist_bench.json``."""
     bench = results_dir / "multimnist_bench.json"
     if not bench.is_file():
         return None

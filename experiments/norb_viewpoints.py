@@ -1,15 +1,15 @@
 """Novel viewpoints on (synthetic) smallNORB: matrix capsules with EM routing against a CNN, matched on familiar
 viewpoints (Hinton, Sabour & Frosst 2018, section 5.1).
 
-    probcaps run norb_viewpoints --seeds 0 1 2                  # the azimuth split (configs/norb_azimuth.toml)
+    probcaps run norb_viewpoints --seeds 0 1 2                  # the azimuth split (the norb_azimuth recipe)
     probcaps run norb_viewpoints --seeds 0 --resume             # continue interrupted runs
-    probcaps run norb_viewpoints --config experiments/configs/norb_elevation.toml --seeds 0 1 2
+    probcaps run norb_viewpoints --config norb_elevation --seeds 0 1 2
     probcaps run norb_viewpoints --seeds 0 --set data.dataset="smallnorb" --name norb_azimuth_smallnorb
 
 Protocol: both models train on the training instances at the familiar viewpoints only (azimuths {300, .., 40} or
 the 3 lowest elevations), are evaluated every ``train.checkpoint_every`` steps on fixed test subsets at familiar and
 at novel viewpoints (``eval.jsonl`` in the run folder), and are compared at matched familiar accuracy
-(:func:`matched_comparison`).  Writes ``results/<name>.json`` and ``results/<name>_*.png`` (``name`` from the config
+(:func:`matched_comparison`).  Writes ``results/norb_viewpoints/<name>.json`` and ``results/norb_viewpoints/<name>_*.png`` (``name`` from the config
 unless ``--name``); runs go to ``runs/<name>/seed<S>/<model>`` unless ``--out``.
 """
 
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
     p.add_argument("--no-figures", action="store_true", help="write the results JSON only")
     add_run_args(p, EXPERIMENT, out_help="run folders (<out>/seed<S>/<model>; default: runs/<name>)", resume=True, threads=1,
-                 tables="tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/norb_ablations.md when there are tries)")
+                 tables="tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/ablations.md when there are tries)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     name = args.name or cfg["name"]

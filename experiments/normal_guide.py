@@ -4,9 +4,9 @@ from, on the same test images.
 
     probcaps run normal_guide                                   # the committed run
     probcaps run normal_guide --resume                          # continue an interrupted run
-    probcaps ttvi --checkpoint checkpoints/normal_guide.pt --pose-family normal   # test-time VI with it
+    probcaps ttvi --checkpoint normal_guide --pose-family normal   # test-time VI with it
 
-Writes ``results/<name>.json`` (test ELBO and probe accuracies of both, the learned pose scales),
+Writes ``results/normal_guide/<name>.json`` (test ELBO and probe accuracies of both, the learned pose scales),
 ``<name>_training.png`` and the trained model, ``checkpoints/<name>.pt``.  The delta model's "ELBO" gives its poses
 point masses (``log q = 0``): the MAP objective, not a bound on ``log p(x)`` as the Normal guide's is.
 """

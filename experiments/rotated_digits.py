@@ -3,10 +3,10 @@
 
     probcaps run rotated_digits                                    # the committed run (100 digits per angle)
     probcaps run rotated_digits --n-images 20 --steps 50           # quicker
-    probcaps ttvi --checkpoint checkpoints/mnist_probe.pt --rotate 90       # the same optimisation as a command
+    probcaps ttvi --checkpoint mnist_probe --rotate 90       # the same optimisation as a command
 
 Per angle, from the encoder's latents and after test-time VI: the ELBO per image (the same fixed noise before and
-after, ``inference.ttvi.per_image_elbo``) and the reconstruction error per pixel.  Writes ``results/<name>.json``,
+after, ``inference.ttvi.per_image_elbo``) and the reconstruction error per pixel.  Writes ``results/rotated_digits/<name>.json``,
 ``<name>_elbo.png``, ``<name>_mse.png`` and ``<name>_example.png`` (one digit across the angles).
 """
 

@@ -4,11 +4,11 @@ LeNet-5 and a (reduced) CapsNet train on MNIST digits shifted by up to ±2 px (t
 ``RandomAffine(translate=0.0714)``) and are tested on the test digits rotated by each angle (0° to 180°); with
 ``--probcaps-checkpoint``, so is the probabilistic capsule model's linear probe.
 
-    probcaps run rotated_mnist_cnn_vs_capsnet --seeds 0 --probcaps-checkpoint checkpoints/mnist_probe.pt
+    probcaps run rotated_mnist_cnn_vs_capsnet --seeds 0 --probcaps-checkpoint mnist_probe
     probcaps run rotated_mnist_cnn_vs_capsnet --seeds 0 --set data.dataset="synthetic" \\
         --set lenet_train.steps=5 --set capsnet_train.steps=5          # smoke test
 
-Writes ``results/<name>.json`` (accuracy per angle, model and seed), ``<name>_accuracy.png``, ``<name>_examples.png``.
+Writes ``results/rotated_mnist_cnn_vs_capsnet/<name>.json`` (accuracy per angle, model and seed), ``<name>_accuracy.png``, ``<name>_examples.png``.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ probe accuracy; ``finding`` in the JSON tests it (the slope of accuracy against 
 
     probcaps run rotated_training --thetas 0 45 90 180 --seeds 0 1          # the committed run
     probcaps run rotated_training --resume                                   # continue interrupted runs
-    probcaps run rotated_training --config experiments/configs/rotated_training_objects.toml --seeds 0 1 2
+    probcaps run rotated_training --config rotated_training_objects --seeds 0 1 2
                                                        # the same with objects that stand for digits (mnist_objects.toml)
     probcaps run rotated_training --thetas 0 90 --seeds 0 --set train.steps=5 --set data.dataset="synthetic"
 
 Each (theta_max, seed) trains in ``<out>/theta<T>_seed<S>/`` and leaves its ``metrics.json`` there (``--resume``
-picks up where a sweep stopped).  Writes ``results/<name>.json`` and ``<name>.png`` (accuracy against theta_max).
+picks up where a sweep stopped).  Writes ``results/rotated_training/<name>.json`` and ``<name>.png`` (accuracy against theta_max).
 """
 
 from __future__ import annotations

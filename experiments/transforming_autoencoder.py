@@ -2,7 +2,7 @@
 
     probcaps run transforming_autoencoder                          # both recipes, seeds 0 1 2
     probcaps run transforming_autoencoder --seeds 0 \\
-        --config experiments/configs/transforming_autoencoder_translation.toml  # one recipe, one seed
+        --config transforming_autoencoder_translation  # one recipe, one seed
     probcaps run transforming_autoencoder --resume                 # continue / re-evaluate finished runs
     probcaps run transforming_autoencoder --set train.steps=5 --set data.dataset=synthetic   # smoke test
 
@@ -10,8 +10,8 @@ A pair is one MNIST digit warped onto the canvas by a random jitter ``A`` (the i
 target), ``T`` a known transformation from the config's ``[range]``: the network sees the input and ``T`` and must
 output the target.  On held-out pairs (MNIST *test* digits) ``T`` is read back from the capsules of the two images
 alone (:func:`models.transforming_autoencoder.estimate_transform`) and scored by R² per component.  Each config is
-one recipe (mode: ``model.mode``).  Writes ``results/<name>.json`` (``name`` from the config unless ``--name``) and
-the first seed's figures ``results/<name>_{scatter,reconstructions,presence,templates,training,r2_curve}.png``;
+one recipe (mode: ``model.mode``).  Writes ``results/transforming_autoencoder/<name>.json`` (``name`` from the config unless ``--name``) and
+the first seed's figures ``results/transforming_autoencoder/<name>_{scatter,reconstructions,presence,templates,training,r2_curve}.png``;
 runs go to ``runs/<name>/seed<S>`` unless ``--out``.
 """
 
@@ -39,13 +39,14 @@ from probcaps.io import append_jsonl, write_json
 from probcaps.metrics import r2_scores
 from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder, TransformingAutoencoderConfig,
                                                       estimate_transform, pose_consistency, transform_components)
+from probcaps.registry import resolve_config
 from probcaps.render import warp
 from probcaps.report import fmt_mean_std, load_result, provenance_line, tries_table, write_report, write_table
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
 NAME = "transforming_autoencoder"  # the experiment, and the tag of its random streams
-RECIPES = [f"{NAME}_{mode}" for mode in MODES]  # bare names of the packaged recipes
+RECIPES = [resolve_config(f"{NAME}_{mode}") for mode in MODES]  # the packaged recipes, one per mode
 DIGIT_WINDOW = 22  # the numpy reproduction scores its MSE on a 22x22 crop: the same window, centred on the target digit
 
 # anchors from a numpy reproduction (translation only, 28x28 canvas)

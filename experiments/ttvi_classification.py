@@ -1,11 +1,11 @@
 """Classification after test-time VI (paper §2.4: "a modest improvement"): the linear probe, fit on the encoder's
 features of MNIST training images, scored on test latents from the encoder and after test-time VI, read as the
 free-form objects and as the objects re-encoded from the optimised parts (re-encoding keeps the objects in the
-distribution the probe was fit on).  Writes ``results/<name>.json`` and ``<name>_elbo.png`` (the ELBO trace).
+distribution the probe was fit on).  Writes ``results/ttvi_classification/<name>.json`` and ``<name>_elbo.png`` (the ELBO trace).
 
     probcaps run ttvi_classification                        # the committed run (1000 test digits)
     probcaps run ttvi_classification --rotate 45            # on rotated test digits
-    probcaps run ttvi_classification --checkpoint checkpoints/mnist.pt \
+    probcaps run ttvi_classification --checkpoint mnist \
         --name ttvi_classification_fair --threads 1                 # the fair protocol's committed run
     probcaps run ttvi_classification --seeds 0 1 2          # mean ± std over test-time VI seeds
 
