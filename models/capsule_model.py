@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pyro.nn import PyroModule
 from pyro.ops.indexing import Vindex
+from torch.distributions.relaxed_bernoulli import LogitRelaxedBernoulli
 
 from probcaps.config import Section
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
@@ -287,13 +288,16 @@ class CapsuleModel(PyroModule):
                         obs=x.flatten(1).unsqueeze(1))
         return image
 
-    def child_log_joint(self, z1, y1, z0, y0) -> torch.Tensor:
+    def child_log_joint(self, z1, y1, z0, y0, z0_logit: torch.Tensor | None = None) -> torch.Tensor:
         """``(..., M, K+1)`` log P(s_m = k | z1) + log p(z0_m, y0_m | s_m = k, y1) for every candidate parent ``k``
         (the dummy ``k = 0`` first): what the enumeration of ``s`` sums over.  ``z1 (..., K)``, ``y1 (..., K, 6 + D)``,
-        ``z0 (..., M)``, ``y0 (..., M, 6)``; differentiable in all of them."""
+        ``z0 (..., M)``, ``y0 (..., M, 6)``; differentiable in all of them.  ``z0_logit (..., M)``: score each child's
+        presence by the density of its logit (``z0`` must then be its clamped sigmoid), see :meth:`log_joint`."""
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         tau = z0.new_tensor(self.config.temperature)
-        log_z0 = ClampedRelaxedBernoulli(tau, probs=gamma).log_prob(z0.unsqueeze(-1))
+        presence = ClampedRelaxedBernoulli(tau, probs=gamma)
+        log_z0 = (presence.log_prob(z0.unsqueeze(-1)) if z0_logit is None else
+                  LogitRelaxedBernoulli(tau, logits=presence.logits).log_prob(z0_logit.unsqueeze(-1)))
         std = self.child_pose_std(z0.unsqueeze(-1), pose_var_on)                  # (..., M, K+1, 6)
         log_y0 = dist.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
         return selection_logits.log_softmax(-1) + log_z0 + log_y0
@@ -304,15 +308,23 @@ class CapsuleModel(PyroModule):
         return self.child_log_joint(z1, y1, z0, y0).log_softmax(-1)
 
     # ---------------------------------------------------------------- plain-torch reference
-    def log_joint(self, x, z1, y1, z0, y0, expected_parents: float | None = None) -> torch.Tensor:
+    def log_joint(self, x, z1, y1, z0, y0, expected_parents: float | None = None,
+                  presence_logits: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``log p(x, z1, y1, z0, y0)`` per image ``(B,)``, with ``s`` summed out by ``logsumexp`` in plain torch: the
-        density the Pyro model's enumerated ELBO scores, the reference in tests and benchmarks."""
+        density the Pyro model's enumerated ELBO scores, the reference in tests and benchmarks.
+
+        ``presence_logits``: ``(l1 (B, K), l0 (B, M))``, the relaxed presences before the sigmoid, with ``z1``,
+        ``z0`` their clamped sigmoids: the presences are then scored by the (logistic) densities of their logits,
+        the exact density of what the model samples even where the clamp holds a sample at ``RELAXED_CLAMP``
+        (:mod:`probcaps.inference.likelihood`)."""
         cfg = self.config
         x = self._check_images(x)
         tau = x.new_tensor(cfg.temperature)
-        lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs(expected_parents)).log_prob(z1).sum(-1)
+        prior = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs(expected_parents))
+        l1, l0 = (None, None) if presence_logits is None else presence_logits
+        lp = (prior.log_prob(z1) if l1 is None else LogitRelaxedBernoulli(tau, logits=prior.logits).log_prob(l1)).sum(-1)
         lp = lp + dist.Normal(y1.new_zeros(()), self.object_prior_std()).log_prob(y1).sum((-1, -2))
-        lp = lp + torch.logsumexp(self.child_log_joint(z1, y1, z0, y0), -1).sum(-1)      # s summed out
+        lp = lp + torch.logsumexp(self.child_log_joint(z1, y1, z0, y0, l0), -1).sum(-1)  # s summed out
         image, _ = self.render(z0, y0, contributions=False)
         return lp + dist.Normal(image, cfg.pixel_std).log_prob(x).flatten(1).sum(-1)
 

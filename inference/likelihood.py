@@ -1,0 +1,183 @@
+"""Held-out log-likelihood of the capsule model: an importance-sampled bound with the guide as proposal.
+
+With ``K`` samples ``h_k = (z1, y1, z0, y0)_k ~ q(h | x)`` from the guide, and the parents ``s`` summed out exactly
+(:meth:`~probcaps.models.capsule_model.CapsuleModel.log_joint`),
+
+    log p(x) >= L_K(x) = log (1/K) sum_k p(x, h_k) / q(h_k | x),        E[L_1] = ELBO <= E[L_K] <= E[L_2K] <= log p(x)
+
+(Burda et al. 2016); ``E[L_K] -> log p(x)`` as ``K`` grows when ``q`` covers the posterior.  Per image, in nats.
+
+What is bounded, exactly:
+
+- **Presences.** The model and the guide draw a relaxed presence as ``z = clamp(sigmoid(l), ε, 1 − ε)`` with the
+  logit ``l`` logistic (``ε = RELAXED_CLAMP``).  The clamp puts an atom of mass at ``ε`` and ``1 − ε``, which the
+  training ELBO scores by the *density* at the clamp (``presence_density="clamped"``; with the encoder's bounded
+  logits and τ = 0.5, most confident presences land there).  Such a ratio of densities at an atom is not a ratio of
+  probabilities, so that number is not a bound on any likelihood.  ``presence_density="logit"`` (the default) takes
+  the logits ``l`` as the latents instead: both ``p`` and ``q`` have exact logistic densities over them, the clamp is
+  a deterministic map applied downstream in the model, and ``L_K`` is a true lower bound on ``log p(x)`` of the
+  generative process the Pyro model samples.  The two agree on every sample that the clamp does not touch (the
+  sigmoid's Jacobian cancels between ``p`` and ``q``).
+- **Poses.** A :class:`~probcaps.inference.guides.NormalPoseGuide` (or a Normal-pose ``FreeFormGuide`` after
+  test-time VI) has a density over every latent, and ``L_K`` bounds ``log p(x)``.  With point-mass poses
+  (:class:`~probcaps.inference.guides.DeltaGuide`) ``q`` has no density over ``y``; the same estimator then bounds
+  ``log p(x, y0*, y1*)`` — the joint *density* of the image and of the guide's poses, presences and parents
+  integrated out — which is not a likelihood of ``x`` and not comparable to one (it is refused unless
+  ``allow_point_poses=True``).
+
+    bounds = log_likelihood_bound(system.model, system.guide, images, num_samples=100)   # (N,) nats
+    summary = bound_summary(bounds)                                                       # mean, standard error
+"""
+
+from __future__ import annotations
+
+import math
+
+import pyro
+import pyro.distributions as dist
+import torch
+from pyro import poutine
+from pyro.distributions.torch_distribution import TorchDistributionMixin
+from pyro.infer.reparam.reparam import Reparam
+from pyro.poutine.util import site_is_subsample
+from torch.distributions.relaxed_bernoulli import LogitRelaxedBernoulli
+
+from probcaps.data import to_float
+from probcaps.distributions import ClampedRelaxedBernoulli
+from probcaps.inference.ttvi import FreeFormGuide, frozen_and_seeded
+
+__all__ = ["PRESENCE_DENSITIES", "LogitPresenceReparam", "guide_trace", "log_weights", "log_likelihood_bound",
+           "bound_summary", "has_point_poses"]
+
+#: how a relaxed presence is scored: ``"logit"`` the exact density of its logit, ``"clamped"`` the training ELBO's
+#: density at the clamped value (see the module docstring)
+PRESENCE_DENSITIES = ("logit", "clamped")
+PRESENCE_SITES = ("z1", "z0")
+POSE_SITES = ("y1", "y0")
+
+
+class _LogitRelaxedBernoulli(LogitRelaxedBernoulli, TorchDistributionMixin):
+    """torch's logistic distribution of a relaxed Bernoulli's logit, as a Pyro distribution."""
+
+
+class LogitPresenceReparam(Reparam):
+    """Draws a :class:`~probcaps.distributions.ClampedRelaxedBernoulli` site ``name`` through its logit: an auxiliary
+    site ``name_logit`` ``~ LogitRelaxedBernoulli(τ, logits)`` (the same draw as the site's own ``rsample``), and the
+    site itself observed at ``clamp(sigmoid(logit))`` under a point mass, so that a trace's log-densities are those
+    of the logits."""
+
+    def apply(self, msg):
+        fn, event_dim = self._unwrap(msg["fn"])
+        if not isinstance(fn, ClampedRelaxedBernoulli):
+            raise TypeError(f"LogitPresenceReparam: site {msg['name']!r} is a {type(fn).__name__}, not a "
+                            f"ClampedRelaxedBernoulli")
+        logit = pyro.sample(f"{msg['name']}_logit",
+                            self._wrap(_LogitRelaxedBernoulli(fn.temperature, logits=fn.logits), event_dim))
+        value = torch.sigmoid(logit).clamp(fn.eps, 1 - fn.eps)
+        return {"fn": dist.Delta(value, event_dim=event_dim), "value": value, "is_observed": True}
+
+
+def _innermost(fn):
+    while hasattr(fn, "base_dist"):
+        fn = fn.base_dist
+    return fn
+
+
+def guide_trace(guide, x: torch.Tensor, presence_density: str = "logit", expected_parents: float | None = None):
+    """The guide's trace on images ``x`` ``(N, 1, H, W)``: ``poutine.trace`` of one draw of every latent (each a
+    reparameterised sample), with the presence sites drawn through their logits for ``presence_density="logit"``."""
+    if presence_density not in PRESENCE_DENSITIES:
+        raise ValueError(f"presence_density must be one of {', '.join(PRESENCE_DENSITIES)}, got {presence_density!r}")
+    if presence_density == "logit":
+        guide = poutine.reparam(guide, config={name: LogitPresenceReparam() for name in PRESENCE_SITES})
+    return poutine.trace(guide).get_trace(x, expected_parents=expected_parents)
+
+
+def has_point_poses(trace) -> bool:
+    """Whether a guide trace draws the poses from point masses (no density over them)."""
+    return any(isinstance(_innermost(trace.nodes[name]["fn"]), dist.Delta) for name in POSE_SITES)
+
+
+def _repeated(guide, n: int):
+    """The guide for ``n`` copies of its batch stacked sample-major (``x.repeat(n, 1, 1, 1)``): an amortised guide
+    as it is; a per-image ``FreeFormGuide`` with its parameters repeated the same way."""
+    if not isinstance(guide, FreeFormGuide) or n == 1:
+        return guide
+    scales = [None if s is None else s.detach().repeat(n, *(1,) * (s.dim() - 1)) for s in guide.pose_scales()]
+    latents = type(guide.latents())(*(t.repeat(n, *(1,) * (t.dim() - 1)) for t in guide.latents()))
+    return FreeFormGuide(latents, guide.temperature, guide.pose_family, *scales, min_scale=guide.min_scale,
+                         object_pose=guide.object_pose)
+
+
+def log_weights(model, guide, x: torch.Tensor, num_samples: int = 1, presence_density: str = "logit",
+                expected_parents: float | None = None, allow_point_poses: bool = True) -> torch.Tensor:
+    """``(num_samples, B)`` importance log-weights ``log p(x, h_k) − log q(h_k | x)`` of images ``x`` ``(B, 1, H, W)``
+    (floats), all samples in one pass of the guide and the model over ``num_samples * B`` copies; differentiable
+    (reparameterised samples).  ``s`` is summed out exactly; a point-mass pose contributes ``log q = 0``.
+    ``allow_point_poses=False``: refuse a guide with point-mass poses (one line naming the reason)."""
+    x = model._check_images(x)
+    B = x.shape[0]
+    copies = x.repeat(num_samples, 1, 1, 1)
+    trace = guide_trace(_repeated(guide, num_samples), copies, presence_density, expected_parents)
+    if not allow_point_poses and has_point_poses(trace):
+        raise ValueError(f"{type(guide).__name__} has point-mass poses, so q has no density over them and the bound "
+                         f"would be on log p(x, poses), not log p(x); use a NormalPoseGuide (or pass "
+                         f"allow_point_poses=True for that joint bound)")
+    trace.compute_log_prob()
+    # the latent sites: the presences' logits (or the presences), the poses; the clamped presences observed under
+    # a point mass and the plates' subsample sites carry no density
+    log_q = sum(trace.nodes[name]["log_prob"].reshape(len(copies), -1).sum(-1) for name in trace.stochastic_nodes
+                if not site_is_subsample(trace.nodes[name]))
+    z1, y1, z0, y0 = (trace.nodes[name]["value"] for name in ("z1", "y1", "z0", "y0"))
+    logits = ((trace.nodes["z1_logit"]["value"], trace.nodes["z0_logit"]["value"])
+              if presence_density == "logit" else None)
+    log_p = model.log_joint(copies, z1, y1, z0, y0, expected_parents, presence_logits=logits)
+    return (log_p - log_q).reshape(num_samples, B)
+
+
+@torch.no_grad()
+def log_likelihood_bound(model, guide, images: torch.Tensor, num_samples: int = 100, *, batch_size: int = 100,
+                         max_copies: int = 2000, presence_density: str = "logit", allow_point_poses: bool = False,
+                         seed: int | None = 0, device: str | torch.device = "cpu",
+                         expected_parents: float | None = None) -> torch.Tensor:
+    """``(N,)`` the ``num_samples``-sample importance bound ``L_K`` on ``log p(x)`` of each image, in nats.
+
+    Args:
+        model: a :class:`~probcaps.models.capsule_model.CapsuleModel`.
+        guide: the proposal: a :class:`~probcaps.inference.guides.NormalPoseGuide`, or a fitted
+            :class:`~probcaps.inference.ttvi.FreeFormGuide` (Normal poses) after test-time VI, built for exactly
+            ``images``; point-mass poses only with ``allow_point_poses`` (then a bound on ``log p(x, poses)``).
+        images: uint8 ``(N, H, W)`` / ``(N, 1, H, W)``, or floats in ``[0, 1]``.
+        batch_size: images per pass (a ``FreeFormGuide`` takes all of its images in one batch).
+        max_copies: images × samples evaluated at once: the samples of a batch go in chunks of
+            ``max(1, max_copies // batch)`` (memory), their log-weights are pooled before the ``logsumexp``.
+        presence_density: ``"logit"`` (a true bound) or ``"clamped"`` (the training ELBO's densities; see the
+            module docstring).
+        seed: the samples come from the torch RNG seeded with it, the caller's RNG state untouched (None: the
+            global RNG).
+    """
+    if num_samples < 1 or batch_size < 1 or max_copies < 1:
+        raise ValueError(f"log_likelihood_bound: num_samples, batch_size and max_copies must be >= 1, got "
+                         f"{num_samples}, {batch_size}, {max_copies}")
+    x_all = to_float(images) if images.dtype == torch.uint8 else images.float()
+    x_all = x_all.reshape(len(x_all), 1, *x_all.shape[-2:])
+    if isinstance(guide, FreeFormGuide):
+        batch_size = len(x_all)  # its parameters are those of these images, in this order
+    bounds = []
+    with frozen_and_seeded((model, guide), seed, torch.device(device)):
+        for x in x_all.split(batch_size):
+            x = x.to(device)
+            per_pass = max(1, max_copies // len(x))
+            chunks = [log_weights(model, guide, x, min(per_pass, num_samples - start), presence_density,
+                                  expected_parents, allow_point_poses)
+                      for start in range(0, num_samples, per_pass)]
+            bounds.append((torch.logsumexp(torch.cat(chunks), 0) - math.log(num_samples)).cpu())
+    return torch.cat(bounds)
+
+
+def bound_summary(bounds: torch.Tensor) -> dict:
+    """``{"mean", "stderr", "n"}`` of per-image bounds ``(N,)``: their mean (nats per image) and its standard error
+    over the images."""
+    n = len(bounds)
+    b = bounds.double()
+    return {"mean": float(b.mean()), "stderr": float(b.std() / math.sqrt(n)) if n > 1 else float("nan"), "n": n}
