@@ -322,7 +322,8 @@ class CapsuleModel(PyroModule):
         tau = x.new_tensor(cfg.temperature)
         prior = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs(expected_parents))
         l1, l0 = (None, None) if presence_logits is None else presence_logits
-        lp = (prior.log_prob(z1) if l1 is None else LogitRelaxedBernoulli(tau, logits=prior.logits).log_prob(l1)).sum(-1)
+        lp = (prior.log_prob(z1) if l1 is None else
+              LogitRelaxedBernoulli(tau, logits=prior.logits).log_prob(l1)).sum(-1)
         lp = lp + dist.Normal(y1.new_zeros(()), self.object_prior_std()).log_prob(y1).sum((-1, -2))
         lp = lp + torch.logsumexp(self.child_log_joint(z1, y1, z0, y0, l0), -1).sum(-1)  # s summed out
         image, _ = self.render(z0, y0, contributions=False)

@@ -170,7 +170,8 @@ def test_free_form_guide_is_repeated_image_by_image():
     guide = _free_form(model, 3, seed=1)
     guide.part_logits.data = torch.arange(9.0).reshape(3, 3) / 3
     trace = guide_trace(_repeated(guide, 4), x.repeat(4, 1, 1, 1))
-    torch.testing.assert_close(trace.nodes["z0_logit"]["fn"].logits, bound_logits(guide.part_logits.detach()).repeat(4, 1))
+    expected = bound_logits(guide.part_logits.detach()).repeat(4, 1)
+    torch.testing.assert_close(trace.nodes["z0_logit"]["fn"].logits, expected)
     bounds = log_likelihood_bound(model, guide, x, 5, max_copies=4)  # chunks of one sample
     assert bounds.shape == (3,) and torch.isfinite(bounds).all()
 
