@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.distributed import init_from_env
+from probcaps.inference.objectives import training_loss
 from probcaps.inference.train import TrainConfig, TrainState, load_checkpoint, load_module_state, make_elbo, train_loop
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information
 from probcaps.distributions import ClampedRelaxedBernoulli
@@ -167,7 +168,7 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
     if tcfg.jit and cfg["model"].object_information_weight:
         raise ConfigError("train.jit: the JIT ELBO never calls the guide in Python, so it cannot add "
                           "model.object_information_weight's term; set one or the other")
-    elbo = make_elbo(tcfg.jit)
+    loss_fn = training_loss(system, tcfg, make_elbo(tcfg.jit))  # train.objective
     rotation = cfg["data"].train_rotation or None
 
     def batches(epoch: int, start: int):
@@ -178,7 +179,7 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
     metadata = {"name": cfg["name"], "configs": {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
                 "kind": "capsule_model", "guide": system.guide_spec}
     schedule = prior_schedule(cfg["model"])
-    return train_loop(system, lambda x, **scheduled: system.loss(elbo, x, **scheduled), batches, tcfg, out_dir,
+    return train_loop(system, loss_fn, batches, tcfg, out_dir,
                       resume=resume, metadata=metadata, progress=progress,
                       schedules={"expected_parents": schedule} if schedule else None, **loop_options)
 

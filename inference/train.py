@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.config import Section, check_value
+from probcaps.config import COUNT, Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.io import (INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, atomic_torch_save, read_jsonl,
                          truncate_log)
@@ -39,6 +39,7 @@ __all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimi
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
 LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes")
+OBJECTIVES = ("elbo", "iwae")  # train.objective
 
 
 @dataclass
@@ -59,6 +60,10 @@ class TrainConfig(Section):
     # learning-rate multipliers by parameter-name prefix, e.g. {"model.template" = 10.0}: the templates need to
     # travel much further from their initial values than the network weights
     lr_multipliers: dict = field(default_factory=dict)
+    # the capsule model's training objective (probcaps.inference.objectives): "elbo" (TraceEnum_ELBO) or "iwae" (the
+    # importance-weighted bound of Burda et al. 2016 with `particles` samples per image)
+    objective: str = "elbo"
+    particles: int = field(default=1, metadata={"range": COUNT})
 
     def __post_init__(self):
         self.check()
@@ -69,6 +74,8 @@ class TrainConfig(Section):
         for f in fields(self):
             check_value(f, getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default,
                         f"train.{f.name}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train.objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         return self
 
 
