@@ -186,3 +186,32 @@ def test_uint8_images_and_batches_give_the_same_bounds_as_floats():
     summary = bound_summary(a)
     assert summary["n"] == 4 and summary["mean"] == pytest.approx(a.double().mean().item())
     assert summary["stderr"] == pytest.approx(a.double().std().item() / 2)
+
+
+def test_the_command_writes_the_bounds_of_a_normal_pose_checkpoint(tiny_toml, tmp_path, capsys):
+    # catches the command writing numbers it did not measure (every K and density in the JSON, gains paired image
+    # by image) and a delta-pose checkpoint reported as if it had a bound on log p(x)
+    import json
+
+    from probcaps.inference import likelihood
+    from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, train_capsules
+
+    cfg = load_experiment_config(tiny_toml, ["train.steps=1"])
+    train_capsules(cfg, tmp_path / "delta", progress=False)
+    assert likelihood.main(["--checkpoint", str(tmp_path / "delta" / "final.pt"), "--results-dir",
+                            str(tmp_path / "res")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("likelihood: error:") and "point-mass poses" in err and "\n" not in err
+    system = CapsuleSystem(cfg["model"], cfg["encoder"]).use_normal_poses()
+    train_capsules(cfg, tmp_path / "normal", progress=False, system=system)
+    assert likelihood.main(["--checkpoint", str(tmp_path / "normal" / "final.pt"), "--samples", "1", "3",
+                            "--limit", "4", "--ttvi-steps", "2", "--results-dir", str(tmp_path / "res"),
+                            "--name", "tiny", "--quiet"]) == 0
+    m = json.loads((tmp_path / "res" / "tiny.json").read_text())["metrics"]
+    assert set(m["bounds"]) == {"encoder", "ttvi"} and m["n_images"] == 4
+    for by_density in m["bounds"].values():
+        assert set(by_density) == {"logit", "clamped"}
+        for by_k in by_density.values():
+            assert set(by_k) == {"1", "3"} and by_k["1"]["gain"]["mean"] == 0.0
+            assert math.isfinite(by_k["3"]["mean"]) and by_k["3"]["n"] == 4
+    assert (tmp_path / "res" / "tiny.md").read_text().startswith("| guide |")
