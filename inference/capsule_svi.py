@@ -90,7 +90,7 @@ class CapsuleSystem(nn.Module):
         self.model = CapsuleModel(model_cfg, compile=compile)
         self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg, compile=compile,
                                       object_pose=model_cfg.object_pose, object_code_dims=model_cfg.object_code_dims)
-        self.guide = DeltaGuide(self.encoder, model_cfg.temperature)
+        self.guide = DeltaGuide(self.encoder, model_cfg.temperature, model_cfg.presences)
         self.guide_spec = {"family": "delta"}
         if guide and guide.get("family", "delta") != "delta":
             self.use_normal_poses(**{k: v for k, v in guide.items() if k != "family"})

@@ -80,7 +80,8 @@ class LogitPresenceReparam(Reparam):
 
 
 def _innermost(fn):
-    while hasattr(fn, "base_dist"):
+    """The distribution inside ``.to_event`` wrappers."""
+    while isinstance(fn, torch.distributions.Independent):
         fn = fn.base_dist
     return fn
 
@@ -90,8 +91,9 @@ def guide_trace(guide, x: torch.Tensor, presence_density: str = "logit", expecte
     reparameterised sample), with the presence sites drawn through their logits for ``presence_density="logit"``."""
     if presence_density not in PRESENCE_DENSITIES:
         raise ValueError(f"presence_density must be one of {', '.join(PRESENCE_DENSITIES)}, got {presence_density!r}")
-    if presence_density == "logit":
-        guide = poutine.reparam(guide, config={name: LogitPresenceReparam() for name in PRESENCE_SITES})
+    if presence_density == "logit":  # the relaxed presence sites (Bernoulli ones have a mass function already)
+        guide = poutine.reparam(guide, config=lambda msg: LogitPresenceReparam() if msg["name"] in PRESENCE_SITES
+                                and isinstance(_innermost(msg["fn"]), ClampedRelaxedBernoulli) else None)
     return poutine.trace(guide).get_trace(x, expected_parents=expected_parents)
 
 
@@ -112,11 +114,13 @@ def _repeated(guide, n: int):
 
 
 def log_weights(model, guide, x: torch.Tensor, num_samples: int = 1, presence_density: str = "logit",
-                expected_parents: float | None = None, allow_point_poses: bool = True) -> torch.Tensor:
+                expected_parents: float | None = None, allow_point_poses: bool = True, discrete_log_q: bool = False):
     """``(num_samples, B)`` importance log-weights ``log p(x, h_k) − log q(h_k | x)`` of images ``x`` ``(B, 1, H, W)``
     (floats), all samples in one pass of the guide and the model over ``num_samples * B`` copies; differentiable
-    (reparameterised samples).  ``s`` is summed out exactly; a point-mass pose contributes ``log q = 0``.
-    ``allow_point_poses=False``: refuse a guide with point-mass poses (one line naming the reason)."""
+    through the reparameterised samples.  ``s`` is summed out exactly; a point-mass pose contributes ``log q = 0``.
+    ``allow_point_poses=False``: refuse a guide with point-mass poses (one line naming the reason).
+    ``discrete_log_q``: also return ``(num_samples, B)`` the log-probabilities of the samples that are not
+    reparameterised (Bernoulli presences), whose gradient a score-function estimator needs."""
     x = model._check_images(x)
     B = x.shape[0]
     copies = x.repeat(num_samples, 1, 1, 1)
@@ -128,13 +132,17 @@ def log_weights(model, guide, x: torch.Tensor, num_samples: int = 1, presence_de
     trace.compute_log_prob()
     # the latent sites: the presences' logits (or the presences), the poses; the clamped presences observed under
     # a point mass and the plates' subsample sites carry no density
-    log_q = sum(trace.nodes[name]["log_prob"].reshape(len(copies), -1).sum(-1) for name in trace.stochastic_nodes
-                if not site_is_subsample(trace.nodes[name]))
+    latent = [trace.nodes[name] for name in trace.stochastic_nodes if not site_is_subsample(trace.nodes[name])]
+    log_q = sum(site["log_prob"].reshape(len(copies), -1).sum(-1) for site in latent)
     z1, y1, z0, y0 = (trace.nodes[name]["value"] for name in ("z1", "y1", "z0", "y0"))
     logits = ((trace.nodes["z1_logit"]["value"], trace.nodes["z0_logit"]["value"])
-              if presence_density == "logit" else None)
+              if "z1_logit" in trace.nodes else None)
     log_p = model.log_joint(copies, z1, y1, z0, y0, expected_parents, presence_logits=logits)
-    return (log_p - log_q).reshape(num_samples, B)
+    w = (log_p - log_q).reshape(num_samples, B)
+    if not discrete_log_q:
+        return w
+    scored = [site["log_prob"].reshape(len(copies), -1).sum(-1) for site in latent if not site["fn"].has_rsample]
+    return w, sum(scored, torch.zeros_like(log_q)).reshape(num_samples, B)
 
 
 @torch.no_grad()

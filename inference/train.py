@@ -39,7 +39,7 @@ __all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimi
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
 LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes")
-OBJECTIVES = ("elbo", "iwae")  # train.objective
+OBJECTIVES = ("elbo", "iwae", "score_function")  # train.objective
 
 
 @dataclass
@@ -60,8 +60,9 @@ class TrainConfig(Section):
     # learning-rate multipliers by parameter-name prefix, e.g. {"model.template" = 10.0}: the templates need to
     # travel much further from their initial values than the network weights
     lr_multipliers: dict = field(default_factory=dict)
-    # the capsule model's training objective (probcaps.inference.objectives): "elbo" (TraceEnum_ELBO) or "iwae" (the
-    # importance-weighted bound of Burda et al. 2016 with `particles` samples per image)
+    # the capsule model's training objective (probcaps.inference.objectives): "elbo" (TraceEnum_ELBO), "iwae" (the
+    # importance-weighted bound of Burda et al. 2016 with `particles` samples per image) or "score_function" (the
+    # ELBO of `particles` samples, score-function gradients for discrete presences)
     objective: str = "elbo"
     particles: int = field(default=1, metadata={"range": COUNT})
 

@@ -429,8 +429,8 @@ def test_the_objects_recipe_is_the_config_its_models_were_trained_and_read_with(
     assert objects["name"] == "mnist_objects"
     recipe = {section: objects[section].to_dict() for section in ("data", "model", "encoder", "train", "eval")}
     # keys added after the results were written are compared at their defaults (what those runs did)
-    new_train_keys = {"objective": "elbo", "particles": 1}
-    assert {k: recipe["train"].pop(k) for k in new_train_keys} == new_train_keys
+    added = {"train": {"objective": "elbo", "particles": 1}, "model": {"presences": "relaxed"}}
+    assert {s: {k: recipe[s].pop(k) for k in keys} for s, keys in added.items()} == added
     assert json.loads((ROOT / "results" / "mnist_objects.json").read_text())["provenance"]["configs"] == recipe
     # the models as trained: read out since with the recipe's readouts
     trained = json.loads((ROOT / "results" / "mnist_information_one_object_affine_codes_steps10000.json").read_text())
