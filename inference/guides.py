@@ -22,6 +22,7 @@ from probcaps.config import Section
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.encoders import PartEncoder, SetTransformer
 from probcaps.geometry import restrict_pose6
+from probcaps.models.capsule_model import PRESENCE_FAMILIES
 
 __all__ = ["EncoderConfig", "CapsuleEncoder", "Latents", "DeltaGuide", "NormalPoseGuide", "from_delta"]
 
@@ -122,6 +123,8 @@ class DeltaGuide(PyroModule):
 
     def __init__(self, encoder: CapsuleEncoder, temperature: float, presences: str = "relaxed"):
         super().__init__()
+        if presences not in PRESENCE_FAMILIES:
+            raise ValueError(f"DeltaGuide: presences must be one of {', '.join(PRESENCE_FAMILIES)}, got {presences!r}")
         self.encoder, self.temperature, self.presences = encoder, temperature, presences
 
     def presence_distribution(self, logits: torch.Tensor):

@@ -33,116 +33,18 @@ from __future__ import annotations
 
 import math
 
-import pyro
-import pyro.distributions as dist
 import torch
-from pyro import poutine
-from pyro.distributions.torch_distribution import TorchDistributionMixin
-from pyro.infer.reparam.reparam import Reparam
-from pyro.poutine.util import site_is_subsample
-from torch.distributions.relaxed_bernoulli import LogitRelaxedBernoulli
 
 from probcaps.data import to_float
-from probcaps.distributions import ClampedRelaxedBernoulli
+# the importance weights are shared with the training objectives, which the training loop imports
+from probcaps.inference.objectives import (PRESENCE_DENSITIES, LogitPresenceReparam, guide_trace, has_point_poses,
+                                           log_weights)
 from probcaps.inference.ttvi import FreeFormGuide, frozen_and_seeded
 from probcaps.report import provenance_line
 from probcaps.runner import launch, one_line_errors
 
 __all__ = ["PRESENCE_DENSITIES", "LogitPresenceReparam", "guide_trace", "log_weights", "log_likelihood_bound",
            "bound_summary", "has_point_poses"]
-
-#: how a relaxed presence is scored: ``"logit"`` the exact density of its logit, ``"clamped"`` the training ELBO's
-#: density at the clamped value (see the module docstring)
-PRESENCE_DENSITIES = ("logit", "clamped")
-PRESENCE_SITES = ("z1", "z0")
-POSE_SITES = ("y1", "y0")
-
-
-class _LogitRelaxedBernoulli(LogitRelaxedBernoulli, TorchDistributionMixin):
-    """torch's logistic distribution of a relaxed Bernoulli's logit, as a Pyro distribution."""
-
-
-class LogitPresenceReparam(Reparam):
-    """Draws a :class:`~probcaps.distributions.ClampedRelaxedBernoulli` site ``name`` through its logit: an auxiliary
-    site ``name_logit`` ``~ LogitRelaxedBernoulli(τ, logits)`` (the same draw as the site's own ``rsample``), and the
-    site itself observed at ``clamp(sigmoid(logit))`` under a point mass, so that a trace's log-densities are those
-    of the logits."""
-
-    def apply(self, msg):
-        fn, event_dim = self._unwrap(msg["fn"])
-        if not isinstance(fn, ClampedRelaxedBernoulli):
-            raise TypeError(f"LogitPresenceReparam: site {msg['name']!r} is a {type(fn).__name__}, not a "
-                            f"ClampedRelaxedBernoulli")
-        logit = pyro.sample(f"{msg['name']}_logit",
-                            self._wrap(_LogitRelaxedBernoulli(fn.temperature, logits=fn.logits), event_dim))
-        value = torch.sigmoid(logit).clamp(fn.eps, 1 - fn.eps)
-        return {"fn": dist.Delta(value, event_dim=event_dim), "value": value, "is_observed": True}
-
-
-def _innermost(fn):
-    """The distribution inside ``.to_event`` wrappers."""
-    while isinstance(fn, torch.distributions.Independent):
-        fn = fn.base_dist
-    return fn
-
-
-def guide_trace(guide, x: torch.Tensor, presence_density: str = "logit", expected_parents: float | None = None):
-    """The guide's trace on images ``x`` ``(N, 1, H, W)``: ``poutine.trace`` of one draw of every latent (each a
-    reparameterised sample), with the presence sites drawn through their logits for ``presence_density="logit"``."""
-    if presence_density not in PRESENCE_DENSITIES:
-        raise ValueError(f"presence_density must be one of {', '.join(PRESENCE_DENSITIES)}, got {presence_density!r}")
-    if presence_density == "logit":  # the relaxed presence sites (Bernoulli ones have a mass function already)
-        guide = poutine.reparam(guide, config=lambda msg: LogitPresenceReparam() if msg["name"] in PRESENCE_SITES
-                                and isinstance(_innermost(msg["fn"]), ClampedRelaxedBernoulli) else None)
-    return poutine.trace(guide).get_trace(x, expected_parents=expected_parents)
-
-
-def has_point_poses(trace) -> bool:
-    """Whether a guide trace draws the poses from point masses (no density over them)."""
-    return any(isinstance(_innermost(trace.nodes[name]["fn"]), dist.Delta) for name in POSE_SITES)
-
-
-def _repeated(guide, n: int):
-    """The guide for ``n`` copies of its batch stacked sample-major (``x.repeat(n, 1, 1, 1)``): an amortised guide
-    as it is; a per-image ``FreeFormGuide`` with its parameters repeated the same way."""
-    if not isinstance(guide, FreeFormGuide) or n == 1:
-        return guide
-    scales = [None if s is None else s.detach().repeat(n, *(1,) * (s.dim() - 1)) for s in guide.pose_scales()]
-    latents = type(guide.latents())(*(t.repeat(n, *(1,) * (t.dim() - 1)) for t in guide.latents()))
-    return FreeFormGuide(latents, guide.temperature, guide.pose_family, *scales, min_scale=guide.min_scale,
-                         object_pose=guide.object_pose)
-
-
-def log_weights(model, guide, x: torch.Tensor, num_samples: int = 1, presence_density: str = "logit",
-                expected_parents: float | None = None, allow_point_poses: bool = True, discrete_log_q: bool = False):
-    """``(num_samples, B)`` importance log-weights ``log p(x, h_k) − log q(h_k | x)`` of images ``x`` ``(B, 1, H, W)``
-    (floats), all samples in one pass of the guide and the model over ``num_samples * B`` copies; differentiable
-    through the reparameterised samples.  ``s`` is summed out exactly; a point-mass pose contributes ``log q = 0``.
-    ``allow_point_poses=False``: refuse a guide with point-mass poses (one line naming the reason).
-    ``discrete_log_q``: also return ``(num_samples, B)`` the log-probabilities of the samples that are not
-    reparameterised (Bernoulli presences), whose gradient a score-function estimator needs."""
-    x = model._check_images(x)
-    B = x.shape[0]
-    copies = x.repeat(num_samples, 1, 1, 1)
-    trace = guide_trace(_repeated(guide, num_samples), copies, presence_density, expected_parents)
-    if not allow_point_poses and has_point_poses(trace):
-        raise ValueError(f"{type(guide).__name__} has point-mass poses, so q has no density over them and the bound "
-                         f"would be on log p(x, poses), not log p(x); use a NormalPoseGuide (or pass "
-                         f"allow_point_poses=True for that joint bound)")
-    trace.compute_log_prob()
-    # the latent sites: the presences' logits (or the presences), the poses; the clamped presences observed under
-    # a point mass and the plates' subsample sites carry no density
-    latent = [trace.nodes[name] for name in trace.stochastic_nodes if not site_is_subsample(trace.nodes[name])]
-    log_q = sum(site["log_prob"].reshape(len(copies), -1).sum(-1) for site in latent)
-    z1, y1, z0, y0 = (trace.nodes[name]["value"] for name in ("z1", "y1", "z0", "y0"))
-    logits = ((trace.nodes["z1_logit"]["value"], trace.nodes["z0_logit"]["value"])
-              if "z1_logit" in trace.nodes else None)
-    log_p = model.log_joint(copies, z1, y1, z0, y0, expected_parents, presence_logits=logits)
-    w = (log_p - log_q).reshape(num_samples, B)
-    if not discrete_log_q:
-        return w
-    scored = [site["log_prob"].reshape(len(copies), -1).sum(-1) for site in latent if not site["fn"].has_rsample]
-    return w, sum(scored, torch.zeros_like(log_q)).reshape(num_samples, B)
 
 
 @torch.no_grad()

@@ -14,8 +14,8 @@ from pyro.infer import TraceEnum_ELBO
 from probcaps.data import synthetic_digits, to_float
 from probcaps.distributions import bound_logits
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, NormalPoseGuide
-from probcaps.inference.likelihood import (_repeated, bound_summary, guide_trace, log_likelihood_bound,
-                                           log_weights)
+from probcaps.inference.likelihood import bound_summary, guide_trace, log_likelihood_bound, log_weights
+from probcaps.inference.objectives import _repeated
 from probcaps.inference.ttvi import FreeFormGuide
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 

@@ -13,7 +13,7 @@ import torch
 from probcaps.data import synthetic_digits, to_float
 from probcaps.errors import ConfigError
 from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, train_capsules
-from probcaps.inference.guides import EncoderConfig
+from probcaps.inference.guides import DeltaGuide, EncoderConfig
 from probcaps.inference.objectives import iwae_loss, score_function_loss
 from probcaps.inference.train import TrainConfig, make_elbo, read_jsonl
 from probcaps.models.capsule_model import CapsuleModelConfig
@@ -193,6 +193,8 @@ def test_bernoulli_presences_keep_the_relaxed_path_and_refuse_iwae(tiny_toml, tm
     system = _system()
     assert type(system.model.presence_distribution(torch.tensor([0.5]))).__name__ == "ClampedRelaxedBernoulli"
     assert type(_bernoulli_system().guide.presence_distribution(torch.zeros(1))).__name__ == "Bernoulli"
+    with pytest.raises(ValueError, match="presences must be one of relaxed, bernoulli"):
+        DeltaGuide(system.encoder, 0.5, presences="bernouli")
     for objective, message in (("iwae", "needs train.objective = 'score_function'"),
                                ("elbo", "use train.objective = 'score_function'")):
         cfg = load_experiment_config(tiny_toml, ["model.presences=bernoulli", f"train.objective={objective}"])
