@@ -17,7 +17,8 @@ What is bounded, exactly:
   the logits ``l`` as the latents instead: both ``p`` and ``q`` have exact logistic densities over them, the clamp is
   a deterministic map applied downstream in the model, and ``L_K`` is a true lower bound on ``log p(x)`` of the
   generative process the Pyro model samples.  The two agree on every sample that the clamp does not touch (the
-  sigmoid's Jacobian cancels between ``p`` and ``q``).
+  sigmoid's Jacobian cancels between ``p`` and ``q``).  Bernoulli presences (``model.presences = "bernoulli"``)
+  have a mass function, and the bound holds for them as it is.
 - **Poses.** A :class:`~probcaps.inference.guides.NormalPoseGuide` (or a Normal-pose ``FreeFormGuide`` after
   test-time VI) has a density over every latent, and ``L_K`` bounds ``log p(x)``.  With point-mass poses
   (:class:`~probcaps.inference.guides.DeltaGuide`) ``q`` has no density over ``y``; the same estimator then bounds

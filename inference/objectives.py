@@ -83,8 +83,9 @@ def _innermost(fn):
 
 
 def guide_trace(guide, x: torch.Tensor, presence_density: str = "logit", expected_parents: float | None = None):
-    """The guide's trace on images ``x`` ``(N, 1, H, W)``: ``poutine.trace`` of one draw of every latent (each a
-    reparameterised sample), with the presence sites drawn through their logits for ``presence_density="logit"``."""
+    """The guide's trace on images ``x`` ``(N, 1, H, W)``: ``poutine.trace`` of one draw of every latent
+    (reparameterised where the distribution has ``rsample``), with the relaxed presence sites drawn through their
+    logits for ``presence_density="logit"``."""
     if presence_density not in PRESENCE_DENSITIES:
         raise ValueError(f"presence_density must be one of {', '.join(PRESENCE_DENSITIES)}, got {presence_density!r}")
     if presence_density == "logit":  # the relaxed presence sites (Bernoulli ones have a mass function already)
@@ -142,8 +143,6 @@ def log_weights(model, guide, x: torch.Tensor, num_samples: int = 1, presence_de
 
 
 # ------------------------------------------------------------------------------------------------ the objectives
-
-
 
 def iwae_loss(model, guide, x: torch.Tensor, particles: int, expected_parents: float | None = None,
               presence_density: str = "clamped") -> torch.Tensor:
