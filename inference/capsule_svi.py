@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.distributed import init_from_env
 from probcaps.checkpoints import load_checkpoint, load_module_state
+from probcaps.inference.objectives import training_loss
 from probcaps.inference.train import TrainConfig, TrainState, make_elbo, train_loop
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information
 from probcaps.distributions import ClampedRelaxedBernoulli
@@ -99,7 +100,7 @@ class CapsuleSystem(nn.Module):
         self.model = CapsuleModel(model_cfg, compile=compile)
         self.encoder = CapsuleEncoder(model_cfg.num_parts, model_cfg.num_parents, encoder_cfg, compile=compile,
                                       object_pose=model_cfg.object_pose, object_code_dims=model_cfg.object_code_dims)
-        self.guide = DeltaGuide(self.encoder, model_cfg.temperature)
+        self.guide = DeltaGuide(self.encoder, model_cfg.temperature, model_cfg.presences)
         self.guide_spec = {"family": "delta"}
         if guide and guide.get("family", "delta") != "delta":
             self.use_normal_poses(**{k: v for k, v in guide.items() if k != "family"})
@@ -177,7 +178,7 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
     if tcfg.jit and cfg["model"].object_information_weight:
         raise ConfigError("train.jit: the JIT ELBO never calls the guide in Python, so it cannot add "
                           "model.object_information_weight's term; set one or the other")
-    elbo = make_elbo(tcfg.jit)
+    loss_fn = training_loss(system, tcfg, make_elbo(tcfg.jit))  # train.objective
     rotation = cfg["data"].train_rotation or None
 
     def batches(epoch: int, start: int):
@@ -188,7 +189,7 @@ def train_capsules(cfg: dict, out_dir: str | Path, *, resume: bool = False, devi
     metadata = {"name": cfg["name"], "configs": {k: v.to_dict() for k, v in cfg.items() if hasattr(v, "to_dict")},
                 "kind": "capsule_model", "guide": system.guide_spec}
     schedule = prior_schedule(cfg["model"])
-    return train_loop(system, lambda x, **scheduled: system.loss(elbo, x, **scheduled), batches, tcfg, out_dir,
+    return train_loop(system, loss_fn, batches, tcfg, out_dir,
                       resume=resume, metadata=metadata, progress=progress,
                       schedules={"expected_parents": schedule} if schedule else None, **loop_options)
 

@@ -22,6 +22,7 @@ from probcaps.config import Section
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.encoders import PartEncoder, SetTransformer
 from probcaps.geometry import restrict_pose6
+from probcaps.models.capsule_model import PRESENCE_FAMILIES
 
 __all__ = ["EncoderConfig", "CapsuleEncoder", "Latents", "DeltaGuide", "NormalPoseGuide", "from_delta"]
 
@@ -117,11 +118,20 @@ class CapsuleEncoder(nn.Module):
 
 
 class DeltaGuide(PyroModule):
-    """Amortised guide with delta (MAP) poses and concrete presences."""
+    """Amortised guide with delta (MAP) poses and concrete presences (``presences="bernoulli"``: Bernoulli ones, for
+    a model with ``model.presences = "bernoulli"``)."""
 
-    def __init__(self, encoder: CapsuleEncoder, temperature: float):
+    def __init__(self, encoder: CapsuleEncoder, temperature: float, presences: str = "relaxed"):
         super().__init__()
-        self.encoder, self.temperature = encoder, temperature
+        if presences not in PRESENCE_FAMILIES:
+            raise ValueError(f"DeltaGuide: presences must be one of {', '.join(PRESENCE_FAMILIES)}, got {presences!r}")
+        self.encoder, self.temperature, self.presences = encoder, temperature, presences
+
+    def presence_distribution(self, logits: torch.Tensor):
+        """The variational family of the presences: concrete at ``temperature``, or Bernoulli with the same bounded
+        logits."""
+        relaxed = ClampedRelaxedBernoulli(logits.new_tensor(self.temperature), logits=logits)
+        return relaxed if self.presences == "relaxed" else dist.Bernoulli(logits=relaxed.logits)
 
     def pose_distribution(self, loc: torch.Tensor, name: str):
         """The variational family of the poses ``name`` (here a point mass)."""
@@ -132,15 +142,14 @@ class DeltaGuide(PyroModule):
         unused here.  Returns ``(z1 (B, K), y1 (B, K, 6 + D), z0 (B, M), y0 (B, M, 6))``."""
         if x.dim() == 3:
             x = x.unsqueeze(1)
-        tau = x.new_tensor(self.temperature)
         part_logits, part_poses = self.encoder.encode_parts(x)
         data = pyro.plate("data", x.shape[0], dim=-2)
         with data, pyro.plate("children", part_logits.shape[-1], dim=-1):
-            z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, logits=part_logits))
+            z0 = pyro.sample("z0", self.presence_distribution(part_logits))
             y0 = pyro.sample("y0", self.pose_distribution(part_poses, "y0"))
         parent_logits, parent_poses = self.encoder.encode_parents(y0, z0)
         with data, pyro.plate("parents", parent_logits.shape[-1], dim=-1):
-            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, logits=parent_logits))
+            z1 = pyro.sample("z1", self.presence_distribution(parent_logits))
             y1 = pyro.sample("y1", self.pose_distribution(parent_poses, "y1"))
         return z1, y1, z0, y0
 
@@ -155,8 +164,8 @@ class NormalPoseGuide(DeltaGuide):
     """
 
     def __init__(self, encoder: CapsuleEncoder, temperature: float, init_scale: float = 0.02,
-                 min_scale: float = 1e-3):
-        super().__init__(encoder, temperature)
+                 min_scale: float = 1e-3, presences: str = "relaxed"):
+        super().__init__(encoder, temperature, presences)
         if not init_scale > min_scale >= 0:
             raise ValueError(f"NormalPoseGuide: need init_scale > min_scale >= 0, got init_scale={init_scale}, "
                              f"min_scale={min_scale}")
@@ -179,4 +188,5 @@ def from_delta(guide: DeltaGuide, init_scale: float = 0.02, min_scale: float = 1
     (``init_scale`` everywhere).  The encoder module is *shared* (a ``CapsuleSystem`` whose ``encoder`` is the same
     object stays consistent), or with ``copy_encoder=True`` deep-copied, leaving ``guide`` untouched by training."""
     encoder = copy.deepcopy(guide.encoder) if copy_encoder else guide.encoder
-    return NormalPoseGuide(encoder, guide.temperature, init_scale=init_scale, min_scale=min_scale)
+    return NormalPoseGuide(encoder, guide.temperature, init_scale=init_scale, min_scale=min_scale,
+                           presences=guide.presences)

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.config import Section, check_value
+from probcaps.config import COUNT, Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.checkpoints import (checkpoint_step, first_non_finite, load_checkpoint, load_module_state,
                                   optimiser_tensors, rng_state, save_checkpoint, set_rng_state, to_plain)
@@ -49,6 +49,7 @@ LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_tim
 RESUMABLE_TRAIN_KEYS = ("steps", "lr", "warmup_steps", "final_lr_fraction", "weight_decay", "grad_clip", "log_every",
                         "checkpoint_every", "validate", "jit", "compile")
 RESUMABLE_METADATA = ("name", "configs.eval.*", *(f"configs.train.{k}" for k in RESUMABLE_TRAIN_KEYS))
+OBJECTIVES = ("elbo", "iwae", "score_function")  # train.objective
 
 
 @dataclass
@@ -69,6 +70,11 @@ class TrainConfig(Section):
     # learning-rate multipliers by parameter-name prefix, e.g. {"model.template" = 10.0}: the templates need to
     # travel much further from their initial values than the network weights
     lr_multipliers: dict = field(default_factory=dict)
+    # the capsule model's training objective (probcaps.inference.objectives): "elbo" (TraceEnum_ELBO), "iwae" (the
+    # importance-weighted bound of Burda et al. 2016 with `particles` samples per image) or "score_function" (the
+    # ELBO of `particles` samples, score-function gradients for discrete presences)
+    objective: str = "elbo"
+    particles: int = field(default=1, metadata={"range": COUNT})
 
     def __post_init__(self):
         self.check()
@@ -79,6 +85,8 @@ class TrainConfig(Section):
         for f in fields(self):
             check_value(f, getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default,
                         f"train.{f.name}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train.objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         return self
 
 

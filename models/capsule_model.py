@@ -29,13 +29,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pyro.nn import PyroModule
 from pyro.ops.indexing import Vindex
+from torch.distributions.relaxed_bernoulli import LogitRelaxedBernoulli
 
 from probcaps.config import Section
 from probcaps.distributions import ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.geometry import POSE_GROUPS, compose_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.render import render_over
 
-__all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent", "object_information"]
+__all__ = ["CapsuleModelConfig", "CapsuleModel", "select_parent", "object_information", "PRESENCE_FAMILIES"]
+
+PRESENCE_FAMILIES = ("relaxed", "bernoulli")  # model.presences
 
 
 @dataclass
@@ -79,9 +82,14 @@ class CapsuleModelConfig(Section):
     # 2019, §2.2) at a prior cost; 0: fixed offsets (the paper's model)
     object_code_dims: int = 0
     code_deformation_std: float = 0.1  # the largest prior std of a deformation coordinate, U_km's row lengths
+    # the presences' distribution: "relaxed" (concrete at `temperature`, reparameterised: the paper's) or "bernoulli"
+    # (discrete, the model before the relaxation; its ELBO's guide gradients are score-function ones, docs/inference.md)
+    presences: str = "relaxed"
     seed: int = 0                  # parameter initialisation
 
     def validate(self) -> None:
+        if self.presences not in PRESENCE_FAMILIES:
+            raise ValueError(f"model.presences must be one of {', '.join(PRESENCE_FAMILIES)}, got {self.presences!r}")
         if self.object_pose not in POSE_GROUPS:
             raise ValueError(f"model.object_pose must be one of {', '.join(POSE_GROUPS)}, got {self.object_pose!r}")
         if self.object_code_dims < 0 or self.code_deformation_std <= 0:
@@ -163,6 +171,12 @@ class CapsuleModel(PyroModule):
         if cfg.prior_anneal_steps < 0 or (cfg.prior_anneal_steps and cfg.expected_parents_start <= 0):
             raise ValueError("CapsuleModelConfig: prior_anneal_steps must be >= 0 and needs expected_parents_start > 0,"
                              f" got {cfg.prior_anneal_steps} and {cfg.expected_parents_start}")
+
+    def presence_distribution(self, probs: torch.Tensor):
+        """The distribution of a presence of probability ``probs`` (``model.presences``): a
+        :class:`ClampedRelaxedBernoulli` at the config's temperature, or a Bernoulli with the same bounded logits."""
+        relaxed = ClampedRelaxedBernoulli(probs.new_tensor(self.config.temperature), probs=probs)
+        return relaxed if self.config.presences == "relaxed" else dist.Bernoulli(logits=relaxed.logits)
 
     # ---------------------------------------------------------------- parameters in their natural units
     def templates(self) -> torch.Tensor:
@@ -273,17 +287,16 @@ class CapsuleModel(PyroModule):
         cfg = self.config
         x = self._check_images(x)
         B, K, M = x.shape[0], cfg.num_parents, cfg.num_parts
-        tau = x.new_tensor(cfg.temperature)
         data = pyro.plate("data", B, dim=-2)
         prior_probs = self.parent_prior_probs(expected_parents).expand(B, K)
         with data, pyro.plate("parents", K, dim=-1):
-            z1 = pyro.sample("z1", ClampedRelaxedBernoulli(tau, probs=prior_probs))
+            z1 = pyro.sample("z1", self.presence_distribution(prior_probs))
             y1 = pyro.sample("y1", dist.Normal(x.new_zeros(()), self.object_prior_std()).expand([B, K, cfg.object_dims])
                              .to_event(1))
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         with data, pyro.plate("children", M, dim=-1):
             s = pyro.sample("s", dist.Categorical(logits=selection_logits), infer={"enumerate": "parallel"})
-            z0 = pyro.sample("z0", ClampedRelaxedBernoulli(tau, probs=select_parent(gamma, s)))
+            z0 = pyro.sample("z0", self.presence_distribution(select_parent(gamma, s)))
             std = self.child_pose_std(z0, select_parent(pose_var_on, s, event_dims=1))
             y0 = pyro.sample("y0", dist.Normal(select_parent(pose_mean, s, event_dims=1), std).to_event(1))
         image, _ = self.render(z0, y0, contributions=False)
@@ -292,13 +305,16 @@ class CapsuleModel(PyroModule):
                         obs=x.flatten(1).unsqueeze(1))
         return image
 
-    def child_log_joint(self, z1, y1, z0, y0) -> torch.Tensor:
+    def child_log_joint(self, z1, y1, z0, y0, z0_logit: torch.Tensor | None = None) -> torch.Tensor:
         """``(..., M, K+1)`` log P(s_m = k | z1) + log p(z0_m, y0_m | s_m = k, y1) for every candidate parent ``k``
         (the dummy ``k = 0`` first): what the enumeration of ``s`` sums over.  ``z1 (..., K)``, ``y1 (..., K, 6 + D)``,
-        ``z0 (..., M)``, ``y0 (..., M, 6)``; differentiable in all of them."""
+        ``z0 (..., M)``, ``y0 (..., M, 6)``; differentiable in all of them.  ``z0_logit (..., M)``: score each child's
+        presence by the density of its logit (``z0`` must then be its clamped sigmoid), see :meth:`log_joint`."""
         selection_logits, gamma, pose_mean, pose_var_on = self.child_tables(z1, y1)
         tau = z0.new_tensor(self.config.temperature)
-        log_z0 = ClampedRelaxedBernoulli(tau, probs=gamma).log_prob(z0.unsqueeze(-1))
+        presence = self.presence_distribution(gamma)
+        log_z0 = (presence.log_prob(z0.unsqueeze(-1)) if z0_logit is None else
+                  LogitRelaxedBernoulli(tau, logits=presence.logits).log_prob(z0_logit.unsqueeze(-1)))
         std = self.child_pose_std(z0.unsqueeze(-1), pose_var_on)                  # (..., M, K+1, 6)
         log_y0 = dist.Normal(pose_mean, std).log_prob(y0.unsqueeze(-2)).sum(-1)
         return selection_logits.log_softmax(-1) + log_z0 + log_y0
@@ -309,15 +325,24 @@ class CapsuleModel(PyroModule):
         return self.child_log_joint(z1, y1, z0, y0).log_softmax(-1)
 
     # ---------------------------------------------------------------- plain-torch reference
-    def log_joint(self, x, z1, y1, z0, y0, expected_parents: float | None = None) -> torch.Tensor:
+    def log_joint(self, x, z1, y1, z0, y0, expected_parents: float | None = None,
+                  presence_logits: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``log p(x, z1, y1, z0, y0)`` per image ``(B,)``, with ``s`` summed out by ``logsumexp`` in plain torch: the
-        density the Pyro model's enumerated ELBO scores, the reference in tests and benchmarks."""
+        density the Pyro model's enumerated ELBO scores, the reference in tests and benchmarks.
+
+        ``presence_logits``: ``(l1 (B, K), l0 (B, M))``, the relaxed presences before the sigmoid, with ``z1``,
+        ``z0`` their clamped sigmoids: the presences are then scored by the (logistic) densities of their logits,
+        the exact density of what the model samples even where the clamp holds a sample at ``RELAXED_CLAMP``
+        (:mod:`probcaps.inference.likelihood`)."""
         cfg = self.config
         x = self._check_images(x)
         tau = x.new_tensor(cfg.temperature)
-        lp = ClampedRelaxedBernoulli(tau, probs=self.parent_prior_probs(expected_parents)).log_prob(z1).sum(-1)
+        prior = self.presence_distribution(self.parent_prior_probs(expected_parents))
+        l1, l0 = (None, None) if presence_logits is None else presence_logits
+        lp = (prior.log_prob(z1) if l1 is None else
+              LogitRelaxedBernoulli(tau, logits=prior.logits).log_prob(l1)).sum(-1)
         lp = lp + dist.Normal(y1.new_zeros(()), self.object_prior_std()).log_prob(y1).sum((-1, -2))
-        lp = lp + torch.logsumexp(self.child_log_joint(z1, y1, z0, y0), -1).sum(-1)      # s summed out
+        lp = lp + torch.logsumexp(self.child_log_joint(z1, y1, z0, y0, l0), -1).sum(-1)  # s summed out
         image, _ = self.render(z0, y0, contributions=False)
         return lp + dist.Normal(image, cfg.pixel_std).log_prob(x).flatten(1).sum(-1)
 
