@@ -206,6 +206,8 @@ EXAMPLES = [
                        "--checkpoint-out", str(c.tmp / "normal.pt"), "--quiet"],
             writes=["normal_guide.json"], tables=["normal_guide"],
             tables_argv=lambda c: ["--tables-only", "--results-dir", str(c.results)]),
+    # needs a Normal-pose model: its tiny run is tests/test_likelihood.py's command test
+    Example("heldout_likelihood", "experiments.heldout_likelihood", lambda c: ["--help"]),
     Example("rotated_training", "experiments.rotated_training",
             lambda c: ["--thetas", "0", "90", "--seeds", "0", "--out", str(c.tmp / "runs"), "--results-dir",
                        str(c.results), "--quiet", *sets(TINY40)],

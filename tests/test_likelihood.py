@@ -193,7 +193,7 @@ def test_the_command_writes_the_bounds_of_a_normal_pose_checkpoint(tiny_toml, tm
     # by image) and a delta-pose checkpoint reported as if it had a bound on log p(x)
     import json
 
-    from probcaps.inference import likelihood
+    from probcaps.experiments import heldout_likelihood as likelihood
     from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, train_capsules
 
     cfg = load_experiment_config(tiny_toml, ["train.steps=1"])
@@ -201,7 +201,7 @@ def test_the_command_writes_the_bounds_of_a_normal_pose_checkpoint(tiny_toml, tm
     assert likelihood.main(["--checkpoint", str(tmp_path / "delta" / "final.pt"), "--results-dir",
                             str(tmp_path / "res")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("likelihood: error:") and "point-mass poses" in err and "\n" not in err
+    assert err.startswith("heldout_likelihood: error:") and "point-mass poses" in err and "\n" not in err
     system = CapsuleSystem(cfg["model"], cfg["encoder"]).use_normal_poses()
     train_capsules(cfg, tmp_path / "normal", progress=False, system=system)
     assert likelihood.main(["--checkpoint", str(tmp_path / "normal" / "final.pt"), "--samples", "1", "3",
