@@ -467,7 +467,8 @@ class _Run:
                 "train_config": self.cfg.to_dict(), "metadata": self.metadata or {},
                 "callback_pending": callback_pending,
                 "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
-                "lr_changes": list(self.lr_changes), "config_changes": list(self.config_changes), "world_size": self.world.size, "rng_per_rank": rngs}
+                "lr_changes": list(self.lr_changes), "config_changes": list(self.config_changes),
+                "world_size": self.world.size, "rng_per_rank": rngs}
         if (bad := first_non_finite(snap["module"]) or first_non_finite(optimiser_tensors(snap["optimiser"]))):
             raise self._diverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write {path}")
         save_checkpoint(snap, path)

@@ -278,6 +278,8 @@ def load_sections(path: str | Path | None, schema: dict[str, type], overrides: l
             raise ConfigError(f"{label}: '{name}' must be a string" if cls is str
                               else f"{label}: '{name}' must be a [section]")
         out[name] = value if cls is str else _validated(_build(cls, value or {}, where), where)
+    if isinstance(out.get("name"), str):  # a recipe's name names its results files and run folder
+        check_file_name(out["name"], f"{label}: name")
     return out
 
 
