@@ -73,8 +73,10 @@ def _refusal(path: Path, e: Exception) -> CheckpointError:
     """One line for a file whose pickle names a class or function beyond plain data."""
     found = re.search(r"GLOBAL ([\w.]+)", str(e))
     what = f" ({found.group(1)})" if found else ""
+    older = (" (a checkpoint of an older probcaps, which pickled numpy's RNG state: resume it with the probcaps "
+             "that wrote it, or retrain)" if found and found.group(1).startswith("numpy") else "")
     return CheckpointError(f"{path}: refused to load: it holds an object other than {CONTENTS}{what}; loading it "
-                           f"could run code")
+                           f"could run code{older}")
 
 
 def read_plain(path: str | os.PathLike, map_location="cpu", mmap: bool = False) -> Any:

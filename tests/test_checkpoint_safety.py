@@ -276,3 +276,15 @@ def test_thread_counts_beyond_the_machine_are_one_line():
         threads_arg("10000")
     with pytest.raises(argparse.ArgumentTypeError, match="integer"):
         threads_arg("many")
+
+
+def test_a_checkpoint_in_the_old_pickled_format_is_refused_with_a_hint(trained, tmp_path, capsys):
+    # catches: a checkpoint whose numpy RNG state is a pickled array (the format before weights-only loading)
+    # failing with the unpickler's multi-line message, or being read with weights_only=False
+    run = _copy_run(trained, tmp_path)
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    ckpt["rng"]["numpy"] = np.random.get_state()
+    torch.save(ckpt, run / "checkpoint.pt")
+    assert cli.main(["train", "--config", str(trained / "tiny.toml"), "--out", str(run), "--steps", "4", "--resume",
+                     "--quiet"]) == 2
+    one_line(capsys, run / "checkpoint.pt", "numpy", "older probcaps")
