@@ -374,13 +374,24 @@ class _Run:
 
     def _resume(self) -> bool:
         ckpt = load_checkpoint(self.ckpt_path)
+        if missing := [k for k in ("optimiser", "scheduler", "state", "rng") if k not in ckpt]:
+            raise CheckpointError(f"{self.ckpt_path}: not a checkpoint a run can continue from (no {missing[0]!r}: "
+                                  f"an exported model?); nothing was changed")
+        try:
+            return self._restore(ckpt)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a damaged or foreign file
+            raise CheckpointError(f"{self.ckpt_path}: its training state cannot be restored ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+    def _restore(self, ckpt: dict) -> bool:
+        """Resume from the checkpoint ``ckpt``; returns whether it still owes its ``on_checkpoint`` call."""
         world_size = int(ckpt.get("world_size", 1))
         if world_size != self.world.size:
             raise CheckpointError(f"{self.ckpt_path}: written by a run of {world_size} process(es); resume it with "
                                   f"{world_size} (torchrun --nproc_per_node={world_size}), not {self.world.size}, "
                                   f"or the random draws would differ")
         self.config_changes = list(ckpt.get("config_changes", []))
-        self._check_config_unchanged(ckpt)
+        notes = self._check_config_unchanged(ckpt)
         load_module_state(self.module, ckpt["module"], self.ckpt_path)
         if (bad := first_non_finite(optimiser_tensors(ckpt["optimiser"]))) is not None:
             raise CheckpointError(f"{self.ckpt_path}: '{bad}' holds NaN or Inf values")
@@ -398,14 +409,17 @@ class _Run:
         self._apply_config_lr(new_base)
         if self.is_main:
             truncate_log(self.log_path, self.state.step)
+            for note in notes:
+                print(note, file=sys.stderr)
         pending = ckpt.get("callback_pending", False)
         self.callback_done_at = -1 if pending else self.state.step
         return pending
 
-    def _check_config_unchanged(self, ckpt: dict) -> None:
+    def _check_config_unchanged(self, ckpt: dict) -> list[str]:
         """Refuse a resume whose config would train another model than the checkpoint's (one line naming every
-        changed key); record and print the train keys that may change (:data:`RESUMABLE_TRAIN_KEYS`).  A key the
-        checkpoint lacks (one added to the package since) counts as unchanged."""
+        changed key); record the train keys that may change (:data:`RESUMABLE_TRAIN_KEYS`), and return a line
+        for each to print once the run has resumed.  A key the checkpoint lacks (one added to the package since)
+        counts as unchanged."""
         stored = {**{f"train.{k}": v for k, v in _flat(ckpt.get("train_config", {})).items()},
                   **{f"metadata.{k}": v for k, v in _flat(ckpt.get("metadata", {})).items()}}
         current = {**{f"train.{k}": v for k, v in _flat(self.cfg.to_dict()).items()},
@@ -422,11 +436,11 @@ class _Run:
                               f"model from this checkpoint's state (resume with the run's own config, or train "
                               f"into a new folder)")
         step = int(ckpt["state"]["step"])
+        notes = []
         for key in (k for k in changed if k.startswith("train.") and k != "train.lr"):  # lr: _apply_config_lr
             self.config_changes.append({"step": step, "key": key, "from": stored[key], "to": current[key]})
-            if self.is_main:
-                print(f"resuming at step {step}: {key} changed from {stored[key]!r} to {current[key]!r}",
-                      file=sys.stderr)
+            notes.append(f"resuming at step {step}: {key} changed from {stored[key]!r} to {current[key]!r}")
+        return notes
 
     def _apply_config_lr(self, new_base: list[float]) -> None:
         """Learning rates from this run's config (``train.lr``, the schedule, weight decay), not the checkpoint's:
