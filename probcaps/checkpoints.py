@@ -40,8 +40,10 @@ def to_plain(obj: Any, where: str = "checkpoint") -> Any:
     """``obj`` as tensors and plain data: numpy arrays become tensors, numpy scalars Python numbers, dataclasses
     (config sections) dicts, paths strings.  Anything else is a ``TypeError`` naming where it sits
     (``checkpoint['metadata']['x']``): a checkpoint that ``weights_only`` could not read back is never written."""
-    if isinstance(obj, _SCALARS) or torch.is_tensor(obj) or isinstance(obj, (torch.dtype, torch.Size)):
+    if type(obj) in _SCALARS or torch.is_tensor(obj) or isinstance(obj, (torch.dtype, torch.Size)):
         return obj
+    if isinstance(obj, (bool, int, float, str)):  # a subclass (an IntEnum such as a signal) would pickle its class
+        return next(kind(obj) for kind in (bool, int, float, str) if isinstance(obj, kind))
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(obj))
     if isinstance(obj, np.generic):
