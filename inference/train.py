@@ -30,14 +30,15 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.config import Section, check_value
+from probcaps.config import FLOAT32_MAX, Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.checkpoints import (checkpoint_step, first_non_finite, load_checkpoint, load_module_state,
                                   optimiser_tensors, rng_state, save_checkpoint, set_rng_state, to_plain)
 from probcaps.io import INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, read_jsonl, truncate_log
 from probcaps.inference import distributed
 
-__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log"]
+__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log",
+           "check_adam_lr"]
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
 LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes", "config_changes")
@@ -79,6 +80,9 @@ class TrainConfig(Section):
         for f in fields(self):
             check_value(f, getattr(self, f.name), f.default_factory() if f.default is MISSING else f.default,
                         f"train.{f.name}")
+        # what no single key's range says: every parameter group's rate keeps Adam's steps within float32
+        check_adam_lr(self.lr * max(self.lr_multipliers.values(), default=1.0),
+                      "train.lr" + (" (times its largest train.lr_multipliers)" if self.lr_multipliers else ""))
         return self
 
 
@@ -195,6 +199,23 @@ def _param_groups(module: nn.Module, cfg: TrainConfig) -> list[dict]:
             mult = next((m for prefix, m in cfg.lr_multipliers.items() if name.startswith(prefix)), 1.0)
             groups.setdefault(float(mult), []).append(p)
     return [{"params": ps, "lr": cfg.lr * m} for m, ps in sorted(groups.items())]
+
+
+#: Adam's first step is ``lr / (1 - beta1)``, ten times the learning rate: larger rates overflow float32 inside it.
+ADAM_MAX_LR = FLOAT32_MAX / 10
+
+
+def adam_lr_problem(lr: float) -> str | None:
+    """Why Adam cannot take steps at the learning rate ``lr`` in float32, or None."""
+    return None if lr <= ADAM_MAX_LR else f"must be at most {ADAM_MAX_LR:.4g} (Adam's first step, ten times it, " \
+                                          f"must fit float32), got {lr:g}"
+
+
+def check_adam_lr(lr: float, where: str) -> float:
+    """``lr``, or a one-line ConfigError naming ``where`` when :func:`adam_lr_problem` finds one."""
+    if problem := adam_lr_problem(lr):
+        raise ConfigError(f"{where}: {problem}")
+    return lr
 
 
 def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:

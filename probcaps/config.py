@@ -219,7 +219,11 @@ def _build(cls, values: dict, where: str):
         if key not in fields:
             raise ConfigError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
     kwargs = {k: check_value(fields[k], v, getattr(defaults, k), f"{where}.{k}") for k, v in values.items()}
-    return dataclasses.replace(defaults, **kwargs)
+    try:
+        return dataclasses.replace(defaults, **kwargs)
+    except ConfigError as e:  # a section's own check across its keys (``__post_init__``): name the file too
+        label = where.rpartition(": ")[0]
+        raise ConfigError(f"{label}: {e}" if label else str(e)) from None
 
 
 def _validated(section, where: str):

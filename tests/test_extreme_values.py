@@ -57,6 +57,22 @@ def test_a_huge_finite_learning_rate_ends_in_one_line(lr, tiny, tmp_path, capsys
     assert code == 2 and ("NaN" in err or "nan" in err)
 
 
+def test_a_learning_rate_adam_cannot_step_in_float32_is_refused(tiny, tmp_path, capsys):
+    # catches: Adam's first step (ten times the rate) overflowing float32: "value cannot be converted to type
+    # float without overflow" from inside the optimiser, in training and in test-time VI
+    assert cli.main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--quiet",
+                     "--set", "train.lr=3e38"]) == 2
+    one_line_or_clean(2, capsys.readouterr().err, str(tiny), "train.lr")
+    assert cli.main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--quiet", "--set",
+                     "train.lr=1e37", "--set", 'train.lr_multipliers={"model.template"=10.0}']) == 2
+    one_line_or_clean(2, capsys.readouterr().err, "train.lr_multipliers")
+    assert cli.main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--steps", "1", "--quiet"]) == 0
+    assert cli.main(["ttvi", "--checkpoint", str(tmp_path / "run" / "final.pt"), "--limit", "2", "--steps", "2",
+                     "--lr", "3e38", "--out", str(tmp_path / "t.json"), "--quiet"]) == 2
+    one_line_or_clean(2, capsys.readouterr().err, "--lr")
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_stds_beyond_float32_are_refused_and_large_ones_train(tiny, tmp_path, capsys):
     # catches: model.parent_pose_std = 1e308 passing the range table and overflowing float32 inside the model
     code = cli.main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--quiet",

@@ -123,6 +123,8 @@ WHOLE_CASES = [
     ("a canvas too small", lambda c: (c["metadata"]["configs"]["data"].update(canvas_size=20),
                                       c["metadata"]["configs"]["model"].update(canvas_size=20)), "data.canvas_size"),
     ("canvases that differ", lambda c: c["metadata"]["configs"]["model"].update(canvas_size=40), "model.canvas_size"),
+    ("a learning rate Adam cannot step in float32", lambda c: c["metadata"]["configs"]["train"].update(lr=3e38),
+     "train.lr"),
     ("more parts than template pixels", lambda c: c["metadata"]["configs"]["model"].update(num_parts=26),
      "model.template_size"),
 ]
