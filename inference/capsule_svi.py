@@ -24,8 +24,9 @@ from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import CheckpointError, ConfigError
 
-__all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "check_across_sections", "stored_config", "load_images", "prior_schedule",
-           "CapsuleSystem", "train_capsules", "load_trained", "encode_dataset", "probe_features"]
+__all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "check_across_sections", "stored_config",
+           "load_images", "prior_schedule", "CapsuleSystem", "train_capsules", "load_trained", "encode_dataset",
+           "probe_features"]
 
 SCHEMA = {"name": str, "data": DataConfig, "model": CapsuleModelConfig, "encoder": EncoderConfig, "train": TrainConfig,
           "eval": EvalConfig}

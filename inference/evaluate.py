@@ -24,7 +24,7 @@ from probcaps.errors import CheckpointError
 from probcaps.io import restored_on_failure
 from probcaps.render import warp
 from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
-from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
+from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, stored_config
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
 from probcaps.checkpoints import load_checkpoint
@@ -443,7 +443,7 @@ def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "resu
     check_file_name(name, "--name")
     seen = {}  # every checkpoint read before anything is written; one file per seed
     for path in checkpoints:
-        seed = load_checkpoint(path)["train_config"].get("seed")
+        seed = stored_config(load_checkpoint(path), path)["train"].seed
         if seed in seen:
             raise CheckpointError(f"{path}: trained with seed {seed}, like {seen[seed]}; give one checkpoint per seed")
         seen[seed] = path

@@ -30,14 +30,15 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.config import COUNT, Section, check_value
+from probcaps.config import COUNT, FLOAT32_MAX, Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
 from probcaps.checkpoints import (checkpoint_step, first_non_finite, load_checkpoint, load_module_state,
                                   optimiser_tensors, rng_state, save_checkpoint, set_rng_state, to_plain)
 from probcaps.io import INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, read_jsonl, truncate_log
 from probcaps.inference import distributed
 
-__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log"]
+__all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log",
+           "check_adam_lr"]
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
 LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes", "config_changes")
@@ -87,6 +88,9 @@ class TrainConfig(Section):
                         f"train.{f.name}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        # what no single key's range says: every parameter group's rate keeps Adam's steps within float32
+        check_adam_lr(self.lr * max(self.lr_multipliers.values(), default=1.0),
+                      "train.lr" + (" (times its largest train.lr_multipliers)" if self.lr_multipliers else ""))
         return self
 
 
@@ -203,6 +207,23 @@ def _param_groups(module: nn.Module, cfg: TrainConfig) -> list[dict]:
             mult = next((m for prefix, m in cfg.lr_multipliers.items() if name.startswith(prefix)), 1.0)
             groups.setdefault(float(mult), []).append(p)
     return [{"params": ps, "lr": cfg.lr * m} for m, ps in sorted(groups.items())]
+
+
+#: Adam's first step is ``lr / (1 - beta1)``, ten times the learning rate: larger rates overflow float32 inside it.
+ADAM_MAX_LR = FLOAT32_MAX / 10
+
+
+def adam_lr_problem(lr: float) -> str | None:
+    """Why Adam cannot take steps at the learning rate ``lr`` in float32, or None."""
+    return None if lr <= ADAM_MAX_LR else f"must be at most {ADAM_MAX_LR:.4g} (Adam's first step, ten times it, " \
+                                          f"must fit float32), got {lr:g}"
+
+
+def check_adam_lr(lr: float, where: str) -> float:
+    """``lr``, or a one-line ConfigError naming ``where`` when :func:`adam_lr_problem` finds one."""
+    if problem := adam_lr_problem(lr):
+        raise ConfigError(f"{where}: {problem}")
+    return lr
 
 
 def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
@@ -382,13 +403,24 @@ class _Run:
 
     def _resume(self) -> bool:
         ckpt = load_checkpoint(self.ckpt_path)
+        if missing := [k for k in ("optimiser", "scheduler", "state", "rng") if k not in ckpt]:
+            raise CheckpointError(f"{self.ckpt_path}: not a checkpoint a run can continue from (no {missing[0]!r}: "
+                                  f"an exported model?); nothing was changed")
+        try:
+            return self._restore(ckpt)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # a damaged or foreign file
+            raise CheckpointError(f"{self.ckpt_path}: its training state cannot be restored ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+    def _restore(self, ckpt: dict) -> bool:
+        """Resume from the checkpoint ``ckpt``; returns whether it still owes its ``on_checkpoint`` call."""
         world_size = int(ckpt.get("world_size", 1))
         if world_size != self.world.size:
             raise CheckpointError(f"{self.ckpt_path}: written by a run of {world_size} process(es); resume it with "
                                   f"{world_size} (torchrun --nproc_per_node={world_size}), not {self.world.size}, "
                                   f"or the random draws would differ")
         self.config_changes = list(ckpt.get("config_changes", []))
-        self._check_config_unchanged(ckpt)
+        notes = self._check_config_unchanged(ckpt)
         load_module_state(self.module, ckpt["module"], self.ckpt_path)
         if (bad := first_non_finite(optimiser_tensors(ckpt["optimiser"]))) is not None:
             raise CheckpointError(f"{self.ckpt_path}: '{bad}' holds NaN or Inf values")
@@ -406,14 +438,17 @@ class _Run:
         self._apply_config_lr(new_base)
         if self.is_main:
             truncate_log(self.log_path, self.state.step)
+            for note in notes:
+                print(note, file=sys.stderr)
         pending = ckpt.get("callback_pending", False)
         self.callback_done_at = -1 if pending else self.state.step
         return pending
 
-    def _check_config_unchanged(self, ckpt: dict) -> None:
+    def _check_config_unchanged(self, ckpt: dict) -> list[str]:
         """Refuse a resume whose config would train another model than the checkpoint's (one line naming every
-        changed key); record and print the train keys that may change (:data:`RESUMABLE_TRAIN_KEYS`).  A key the
-        checkpoint lacks (one added to the package since) counts as unchanged."""
+        changed key); record the train keys that may change (:data:`RESUMABLE_TRAIN_KEYS`), and return a line
+        for each to print once the run has resumed.  A key the checkpoint lacks (one added to the package since)
+        counts as unchanged."""
         stored = {**{f"train.{k}": v for k, v in _flat(ckpt.get("train_config", {})).items()},
                   **{f"metadata.{k}": v for k, v in _flat(ckpt.get("metadata", {})).items()}}
         current = {**{f"train.{k}": v for k, v in _flat(self.cfg.to_dict()).items()},
@@ -430,11 +465,11 @@ class _Run:
                               f"model from this checkpoint's state (resume with the run's own config, or train "
                               f"into a new folder)")
         step = int(ckpt["state"]["step"])
+        notes = []
         for key in (k for k in changed if k.startswith("train.") and k != "train.lr"):  # lr: _apply_config_lr
             self.config_changes.append({"step": step, "key": key, "from": stored[key], "to": current[key]})
-            if self.is_main:
-                print(f"resuming at step {step}: {key} changed from {stored[key]!r} to {current[key]!r}",
-                      file=sys.stderr)
+            notes.append(f"resuming at step {step}: {key} changed from {stored[key]!r} to {current[key]!r}")
+        return notes
 
     def _apply_config_lr(self, new_base: list[float]) -> None:
         """Learning rates from this run's config (``train.lr``, the schedule, weight decay), not the checkpoint's:
@@ -475,7 +510,8 @@ class _Run:
                 "train_config": self.cfg.to_dict(), "metadata": self.metadata or {},
                 "callback_pending": callback_pending,
                 "log_window": {"steps": self.window["steps"], "sums": dict(self.window["sums"])},
-                "lr_changes": list(self.lr_changes), "config_changes": list(self.config_changes), "world_size": self.world.size, "rng_per_rank": rngs}
+                "lr_changes": list(self.lr_changes), "config_changes": list(self.config_changes),
+                "world_size": self.world.size, "rng_per_rank": rngs}
         if (bad := first_non_finite(snap["module"]) or first_non_finite(optimiser_tensors(snap["optimiser"]))):
             raise self._diverged(f"step {self.state.step}: '{bad}' holds NaN or Inf values; refused to write {path}")
         save_checkpoint(snap, path)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import DeltaGuide, Latents, NormalPoseGuide
-from probcaps.inference.train import make_elbo
+from probcaps.inference.train import check_adam_lr, make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.errors import TrainingDiverged
 from probcaps.geometry import restrict_pose6
@@ -204,6 +204,7 @@ def fit_guide(model, guide, params, x: torch.Tensor, steps: int, lr: float, bar=
     """Adam on ``params`` (the guide's per-image variational parameters) for ``steps`` steps of the enumerated ELBO
     of ``model`` on images ``x`` ``(B, 1, H, W)``; returns the ELBO per image after each step.  A non-finite loss is
     a one-line :class:`~probcaps.errors.TrainingDiverged` naming ``what`` and the step."""
+    check_adam_lr(lr, "--lr")
     elbo, opt, trace = make_elbo(max_plate_nesting=2), torch.optim.Adam(params, lr=lr), []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)

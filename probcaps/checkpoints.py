@@ -40,8 +40,10 @@ def to_plain(obj: Any, where: str = "checkpoint") -> Any:
     """``obj`` as tensors and plain data: numpy arrays become tensors, numpy scalars Python numbers, dataclasses
     (config sections) dicts, paths strings.  Anything else is a ``TypeError`` naming where it sits
     (``checkpoint['metadata']['x']``): a checkpoint that ``weights_only`` could not read back is never written."""
-    if isinstance(obj, _SCALARS) or torch.is_tensor(obj) or isinstance(obj, (torch.dtype, torch.Size)):
+    if type(obj) in _SCALARS or torch.is_tensor(obj) or isinstance(obj, (torch.dtype, torch.Size)):
         return obj
+    if isinstance(obj, (bool, int, float, str)):  # a subclass (an IntEnum such as a signal) would pickle its class
+        return next(kind(obj) for kind in (bool, int, float, str) if isinstance(obj, kind))
     if isinstance(obj, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(obj))
     if isinstance(obj, np.generic):
@@ -73,8 +75,10 @@ def _refusal(path: Path, e: Exception) -> CheckpointError:
     """One line for a file whose pickle names a class or function beyond plain data."""
     found = re.search(r"GLOBAL ([\w.]+)", str(e))
     what = f" ({found.group(1)})" if found else ""
+    older = (" (a checkpoint of an older probcaps, which pickled numpy's RNG state: resume it with the probcaps "
+             "that wrote it, or retrain)" if found and found.group(1).startswith("numpy") else "")
     return CheckpointError(f"{path}: refused to load: it holds an object other than {CONTENTS}{what}; loading it "
-                           f"could run code")
+                           f"could run code{older}")
 
 
 def read_plain(path: str | os.PathLike, map_location="cpu", mmap: bool = False) -> Any:

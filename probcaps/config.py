@@ -85,7 +85,7 @@ class EvalConfig(Section):
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key (or each element of a numeric list) may take: ``low <= v <= high`` (``low < v``
-    when ``low_open``), always finite.  ``element``: the type of a list's elements where the default cannot say
+    when ``low_open``), always finite, and for a float within float32's range (the models compute in float32).  ``element``: the type of a list's elements where the default cannot say
     (an empty default) or says too little (integer angles that may be fractional)."""
 
     low: float = -math.inf
@@ -219,7 +219,11 @@ def _build(cls, values: dict, where: str):
         if key not in fields:
             raise ConfigError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
     kwargs = {k: check_value(fields[k], v, getattr(defaults, k), f"{where}.{k}") for k, v in values.items()}
-    return dataclasses.replace(defaults, **kwargs)
+    try:
+        return dataclasses.replace(defaults, **kwargs)
+    except ConfigError as e:  # a section's own check across its keys (``__post_init__``): name the file too
+        label = where.rpartition(": ")[0]
+        raise ConfigError(f"{label}: {e}" if label else str(e)) from None
 
 
 def _validated(section, where: str):
@@ -278,6 +282,8 @@ def load_sections(path: str | Path | None, schema: dict[str, type], overrides: l
             raise ConfigError(f"{label}: '{name}' must be a string" if cls is str
                               else f"{label}: '{name}' must be a [section]")
         out[name] = value if cls is str else _validated(_build(cls, value or {}, where), where)
+    if isinstance(out.get("name"), str):  # a recipe's name names its results files and run folder
+        check_file_name(out["name"], f"{label}: name")
     return out
 
 

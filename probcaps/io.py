@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 
 from probcaps.errors import DataError, ProbcapsError
 
-__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "sweep_temporaries", "restored_on_failure", "write_json", "append_jsonl",
-           "deferred_signals", "read_jsonl", "truncate_log", "RunLock"]
+__all__ = ["OutputError", "RunFolderBusy", "atomic_write", "sweep_temporaries", "restored_on_failure", "write_json",
+           "append_jsonl", "deferred_signals", "read_jsonl", "truncate_log", "RunLock"]
 
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # held back during a write as well: a closed terminal (SIGHUP) ends the program after the write, not inside it

@@ -279,3 +279,34 @@ def test_thread_counts_beyond_the_machine_are_one_line():
         threads_arg("10000")
     with pytest.raises(argparse.ArgumentTypeError, match="integer"):
         threads_arg("many")
+
+
+def test_a_checkpoint_in_the_old_pickled_format_is_refused_with_a_hint(trained, tmp_path, capsys):
+    # catches: a checkpoint whose numpy RNG state is a pickled array (the format before weights-only loading)
+    # failing with the unpickler's multi-line message, or being read with weights_only=False
+    run = _copy_run(trained, tmp_path)
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    ckpt["rng"]["numpy"] = np.random.get_state()
+    torch.save(ckpt, run / "checkpoint.pt")
+    assert cli.main(["train", "--config", str(trained / "tiny.toml"), "--out", str(run), "--steps", "4", "--resume",
+                     "--quiet"]) == 2
+    one_line(capsys, run / "checkpoint.pt", "numpy", "older probcaps")
+
+
+@pytest.mark.parametrize("damage", ["no optimiser", "optimiser of the wrong kind", "rng of the wrong kind"])
+def test_resuming_from_a_damaged_checkpoint_is_one_line(damage, trained, tmp_path, capsys):
+    # catches: a checkpoint.pt without the training state (an exported model copied there) or with a damaged one
+    # failing with a KeyError or TypeError traceback
+    run = _copy_run(trained, tmp_path)
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    if damage == "no optimiser":
+        del ckpt["optimiser"]
+    elif damage == "optimiser of the wrong kind":
+        ckpt["optimiser"] = {"state": {0: {"exp_avg": 3}}, "param_groups": "x"}
+    else:
+        ckpt["rng"] = {"torch": "not a state"}
+    torch.save(ckpt, run / "checkpoint.pt")
+    assert cli.main(["train", "--config", str(trained / "tiny.toml"), "--out", str(run), "--steps", "4", "--resume",
+                     "--quiet"]) == 2
+    one_line(capsys, run / "checkpoint.pt")
+    assert (run / "final.pt").is_file()

@@ -57,6 +57,22 @@ def test_a_huge_finite_learning_rate_ends_in_one_line(lr, tiny, tmp_path, capsys
     assert code == 2 and ("NaN" in err or "nan" in err)
 
 
+def test_a_learning_rate_adam_cannot_step_in_float32_is_refused(tiny, tmp_path, capsys):
+    # catches: Adam's first step (ten times the rate) overflowing float32: "value cannot be converted to type
+    # float without overflow" from inside the optimiser, in training and in test-time VI
+    assert cli.main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--quiet",
+                     "--set", "train.lr=3e38"]) == 2
+    one_line_or_clean(2, capsys.readouterr().err, str(tiny), "train.lr")
+    assert cli.main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--quiet", "--set",
+                     "train.lr=1e37", "--set", 'train.lr_multipliers={"model.template"=10.0}']) == 2
+    one_line_or_clean(2, capsys.readouterr().err, "train.lr_multipliers")
+    assert cli.main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--steps", "1", "--quiet"]) == 0
+    assert cli.main(["ttvi", "--checkpoint", str(tmp_path / "run" / "final.pt"), "--limit", "2", "--steps", "2",
+                     "--lr", "3e38", "--out", str(tmp_path / "t.json"), "--quiet"]) == 2
+    one_line_or_clean(2, capsys.readouterr().err, "--lr")
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_stds_beyond_float32_are_refused_and_large_ones_train(tiny, tmp_path, capsys):
     # catches: model.parent_pose_std = 1e308 passing the range table and overflowing float32 inside the model
     code = cli.main(["train", "--config", str(tiny), "--out", str(tmp_path / "run"), "--quiet",
@@ -271,3 +287,52 @@ def test_threads_and_names_validators_refuse_in_one_line():
         check_threads(10_000)
     with pytest.raises(ConfigError, match="--name"):
         check_file_name("../x", "--name")
+
+
+def _peer_worker(rank, port, out_dir, conn):
+    import io
+    from contextlib import redirect_stderr
+
+    from test_distributed import _train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    err, code = io.StringIO(), 0
+    try:
+        with redirect_stderr(err):
+            _train(out_dir, stop=(1, 4, signal.SIGKILL))  # rank 1 is killed inside step 4
+    except ProbcapsError as e:
+        err.write(f"error: {e}\n")
+        code = 2
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        err.write("Traceback\n" + "".join(traceback.format_exception(e)))
+        code = 1
+    conn.send((code, err.getvalue()))
+    os._exit(code)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_kill_9_of_one_rank_is_one_line_on_the_other(tmp_path):
+    # catches: the surviving process printing gloo's "Connection closed by peer" traceback
+    import multiprocessing
+
+    from test_distributed import _free_port
+
+    ctx = multiprocessing.get_context("fork")
+    port, (recv, send) = _free_port(), ctx.Pipe(duplex=False)
+    procs = [ctx.Process(target=_peer_worker, args=(r, port, tmp_path / "run", send)) for r in range(2)]
+    for p in procs:
+        p.start()
+    ready = recv.poll(90)
+    for p in procs:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+    assert ready, "the surviving process hung"
+    code, err = recv.recv()
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert code == 2 and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: process 0 of 2: another process of the run stopped"), err
