@@ -10,6 +10,7 @@ score is reported on the guide's (prior) presences, on the posterior ones, on bo
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
 
-__all__ = ["evaluate_checkpoint", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
+__all__ = ["evaluate_checkpoint", "compute_evaluation", "write_evaluation", "Evaluation", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
            "parts_in_parent_frame", "part_pose_explained", "object_drawings", "plot_object_drawings",
            "layer_features", "part_features", "READOUTS", "LAYER_READOUTS", "NONLINEAR_PROBES", "REPORTED_KMEANS",
@@ -298,25 +299,32 @@ def readout_features(latents: Latents, counts: torch.Tensor) -> dict[str, tuple[
     return features
 
 
-def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
-                        data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
-                        figures: bool | None = None, seed_suffix: bool = False, eval_config=None) -> dict:
-    """Probe and k-means accuracies on every readout of :data:`READOUTS`, the objects' class purity, per-class
-    accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a checkpoint.
+@dataclass
+class Evaluation:
+    """What :func:`compute_evaluation` measured of one trained model, and what :func:`write_evaluation` needs to
+    draw its figures: the metrics, the run (``seed``, ``steps``, ``train_wall_time_s``) and the test set's latents."""
 
-    Probes are fit on the training features and scored on both splits; k-means (10 clusters, matched by the
-    Hungarian algorithm) is fit on each split.  Writes ``results_dir/<name>.json`` (metrics + provenance) and, with
-    figures, ``<name>_*.png`` (under ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
-    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` for :data:`REPORTED_PROBES`,
-    ``kmeans_<readout>_test_report`` for :data:`REPORTED_KMEANS`, ``object_class_purity[_presence]``,
-    ``dominant_object_test_acc`` (:func:`~probcaps.metrics.dominant_object_accuracy` of the posterior part counts),
-    ``object_information``: the mutual information (nats) between a training image and the object that explains
-    one of its parts, of the posterior part counts of all the training images, which uses no label, ...)
-    and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
-    ``<name>_seed<the training seed>``.  ``eval_config``: the evaluation's settings (an ``EvalConfig``, before
-    ``overrides``) in place of those the model was trained with: a recipe's readouts, changed since, apply to its
-    trained models.
-    """
+    name: str
+    checkpoint: str
+    metrics: dict
+    run: dict
+    cfg: dict
+    system: object
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+    test_latents: Latents
+    test_counts: torch.Tensor
+    test_presence: torch.Tensor
+    reports: dict
+    neighbours: dict
+    device: str
+    started: float
+
+
+def compute_evaluation(checkpoint: str | Path, name: str | None = None, data_dir=None, device: str = "cpu",
+                       overrides: list[str] = (), progress: bool = True, seed_suffix: bool = False,
+                       eval_config=None) -> Evaluation:
+    """Every readout of a checkpoint (see :func:`evaluate_checkpoint`), measured and returned, nothing written."""
     t0 = time.perf_counter()
     if name is not None:
         check_file_name(name, "--name")
@@ -392,6 +400,18 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     metrics["n_train"], metrics["n_test"] = len(train_images), len(test_images)
     state = cfg.get("train_state", {})
     run = {"seed": seed, "steps": state.get("step"), "train_wall_time_s": state.get("wall_time_s")}
+    return Evaluation(name, str(checkpoint), metrics, run, cfg, system, test_images, test_labels, test_lat, test_counts,
+                      test_presence, reports, neighbours, device, t0)
+
+
+def write_evaluation(ev: Evaluation, results_dir: str | Path = "results", figures: bool | None = None) -> dict:
+    """Write what :func:`compute_evaluation` measured: ``results_dir/<name>.json`` (metrics + provenance) and its
+    table, both or neither, and with ``figures`` (default: the eval config's) ``<name>_*.png``; under ``torchrun``
+    rank 0 alone writes.  Returns the metrics and the run."""
+    name, metrics, run, cfg, system, device = ev.name, ev.metrics, ev.run, ev.cfg, ev.system, ev.device
+    test_images, test_labels, test_lat, test_counts = ev.test_images, ev.test_labels, ev.test_latents, ev.test_counts
+    test_presence, reports, neighbours, ecfg = ev.test_presence, ev.reports, ev.neighbours, cfg["eval"]
+    seed, state, checkpoint, t0 = run["seed"], cfg.get("train_state", {}), ev.checkpoint, ev.started
     if init_from_env().rank > 0:  # under torchrun: every process computes, rank 0 alone writes
         return metrics | run
     results_dir = Path(results_dir)
@@ -430,6 +450,31 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
         write_results(results_dir / f"{name}.json", metrics, prov)
         write_table(results_dir, name, readout_table(results_dir, name))
     return metrics | run
+
+
+
+def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
+                        data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
+                        figures: bool | None = None, seed_suffix: bool = False, eval_config=None) -> dict:
+    """Probe and k-means accuracies on every readout of :data:`READOUTS`, the objects' class purity, per-class
+    accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a checkpoint.
+
+    Probes are fit on the training features and scored on both splits; k-means (10 clusters, matched by the
+    Hungarian algorithm) is fit on each split.  :func:`compute_evaluation` measures, then :func:`write_evaluation`
+    writes ``results_dir/<name>.json`` (metrics + provenance) and, with figures, ``<name>_*.png`` (under
+    ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
+    ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` for :data:`REPORTED_PROBES`,
+    ``kmeans_<readout>_test_report`` for :data:`REPORTED_KMEANS`, ``object_class_purity[_presence]``,
+    ``dominant_object_test_acc`` (:func:`~probcaps.metrics.dominant_object_accuracy` of the posterior part counts),
+    ``object_information``: the mutual information (nats) between a training image and the object that explains
+    one of its parts, of the posterior part counts of all the training images, which uses no label, ...)
+    and the run's ``seed``, ``steps`` and ``train_wall_time_s``.  ``seed_suffix``: the files are
+    ``<name>_seed<the training seed>``.  ``eval_config``: the evaluation's settings (an ``EvalConfig``, before
+    ``overrides``) in place of those the model was trained with: a recipe's readouts, changed since, apply to its
+    trained models.
+    """
+    return write_evaluation(compute_evaluation(checkpoint, name, data_dir, device, overrides, progress, seed_suffix,
+                                               eval_config), results_dir, figures)
 
 
 def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "results", device: str = "cpu",
