@@ -46,7 +46,9 @@ def command_line(argv: list[str] | None = None) -> str:
     if not argv:
         return ""
     program = Path(argv[0])
-    cli = program.name == "probcaps" or (program.name == "__main__.py" and program.parent.name == "probcaps")
+    # `probcaps run X` names the experiment's own parser "probcaps run X"; its arguments still begin "run X"
+    cli = program.name == "probcaps" or (program.name == "__main__.py" and program.parent.name == "probcaps") \
+        or argv[0].startswith("probcaps run ")
     head = "probcaps" if cli else repo_relative(argv[0])
     return " ".join([head, *(shlex.quote(repo_relative(a)) for a in argv[1:])])
 

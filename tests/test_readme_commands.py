@@ -269,6 +269,8 @@ def test_recorded_paths_are_relative_to_the_repository(tmp_path, monkeypatch):
     assert command_line([f"{here}/probcaps/__main__.py", "train", "--out", f"{here}/runs/x", "--set", "a=b c"]) == \
         "probcaps train --out runs/x --set 'a=b c'"
     assert command_line([f"{here}/experiments/affnist.py", "--limit", "3"]) == "experiments/affnist.py --limit 3"
+    # under `probcaps run X` the experiment's parser is named "probcaps run X" and its arguments begin "run X"
+    assert command_line(["probcaps run affnist", "run", "affnist", "--limit", "3"]) == "probcaps run affnist --limit 3"
     monkeypatch.setattr(sys, "argv", [f"{here}/experiments/affnist.py", "--checkpoint", f"{here}/checkpoints/m.pt"])
     prov = provenance(checkpoint=f"{here}/checkpoints/m.pt")
     assert prov["command"] == "experiments/affnist.py --checkpoint checkpoints/m.pt"
