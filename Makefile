@@ -24,7 +24,9 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/probcaps demo
 
+# lint and import order first (ruff, configured in pyproject.toml), then the suite
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 # one training step at batch 128, Pyro vs plain torch, at SCAE's sizes (40 parts, 32 objects) with the encoders of

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import torch  # noqa: E402
 
-from probcaps.models.capsnet import CapsNet  # noqa: E402
 from probcaps.io import write_json  # noqa: E402
+from probcaps.models.capsnet import CapsNet  # noqa: E402
 from probcaps.provenance import device_description  # noqa: E402
 
 CONFIGS = {
@@ -91,8 +91,9 @@ def main(argv=None) -> int:
         model = CapsNet(cfg["model"]).to(args.device)
         times = time_step(model, args.batch, args.repeats, args.device)
         med = statistics.median(times)
-        row = {"config": name + (f", {args.label}" if args.label else ""), "batch": args.batch, "step_s": med, "step_s_min": min(times),
-               "images_per_s": args.batch / med, "peak_memory_mb": peak_memory_mb(args.device),
+        row = {"config": name + (f", {args.label}" if args.label else ""), "batch": args.batch, "step_s": med,
+               "step_s_min": min(times), "images_per_s": args.batch / med,
+               "peak_memory_mb": peak_memory_mb(args.device),
                "threads": torch.get_num_threads(), "device": args.device,
                "device_description": device_description(args.device), "model": cfg["model"].to_dict(),
                "num_primary_capsules": cfg["model"].num_primary,

@@ -1,6 +1,6 @@
 """One short prepared run for a GPU machine: each model's training step at paper size, and a short MNIST training.
 
-    python benchmarks/bench_gpu.py --device cuda            # writes results/speed/bench_gpu.json and results/bench_gpu.md
+    python benchmarks/bench_gpu.py --device cuda    # writes results/speed/bench_gpu.json and results/speed/bench_gpu.md
 
 Each measurement is a fresh process (so peak memory is its own): the capsule model's step at SCAE's sizes
 (``bench_step.py``, 40 parts, 32 objects, batch 128, the recommended encoder), CapsNet at the paper's size on
@@ -18,10 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from probcaps.runner import add_common_args, launch, one_line_errors, positive_int
 from probcaps.io import read_jsonl, write_json
 from probcaps.provenance import command_line, device_description
 from probcaps.report import write_table
+from probcaps.runner import add_common_args, launch, one_line_errors, positive_int
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
                      "images_per_s": log[-1]["items_per_s"], "peak_memory_mb": None})
     result = {"device": device_description(args.device), "rows": rows, "command": command_line()}
     write_json(args.json, result)
-    write_table(Path(args.json).parent, Path(args.json).stem, readme_table(Path(args.json).parent, Path(args.json).stem))
+    out = Path(args.json)
+    write_table(out.parent, out.stem, readme_table(out.parent, out.stem))
     for r in rows:
         print(f"  {r['model']:80s} {r['images_per_s']:8.1f} images/s  peak memory {r['peak_memory_mb'] or '—'} MB")
     return 0

@@ -16,15 +16,13 @@ import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import torch
 
-import torch  # noqa: E402
-
-from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss  # noqa: E402
-from probcaps.runner import positive_int  # noqa: E402
-from probcaps.io import write_json  # noqa: E402
-from probcaps.provenance import device_description  # noqa: E402
+from probcaps.io import write_json
+from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss
+from probcaps.provenance import device_description
+from probcaps.runner import positive_int
 
 
 def main(argv=None) -> int:

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from probcaps import render
 from probcaps.geometry import pose6_to_matrix
 from probcaps.io import write_json
-from probcaps.report import write_table
 from probcaps.provenance import device_description
-from probcaps import render
 from probcaps.render import footprints, render_over, window_sides
+from probcaps.report import write_table
 
 
 def trained_poses(checkpoint: str, batch: int, parts: int, generator: torch.Generator) -> torch.Tensor:
@@ -143,7 +143,8 @@ def main(argv=None) -> int:
           f"(images {'agree' if agree else 'DISAGREE'}); load average {result['load_average'][0]:.2f}")
     if args.json:
         write_json(args.json, result)
-        write_table(Path(args.json).parent, Path(args.json).stem, readme_table(Path(args.json).parent, Path(args.json).stem))
+        out = Path(args.json)
+        write_table(out.parent, out.stem, readme_table(out.parent, out.stem))
     return 0 if agree else 1
 
 

@@ -19,15 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+import pyro
+import torch
 
-import pyro  # noqa: E402
-import torch  # noqa: E402
-
-from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config  # noqa: E402
-from probcaps.inference.train import make_elbo, make_optimiser  # noqa: E402
-from probcaps.io import write_json  # noqa: E402
-from probcaps.provenance import device_description  # noqa: E402
-from probcaps.report import write_table  # noqa: E402
+from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config
+from probcaps.inference.train import make_elbo, make_optimiser
+from probcaps.io import write_json
+from probcaps.provenance import device_description
+from probcaps.report import write_table
 
 
 def readme_table(results_dir: Path, name: str = "bench_step") -> str | None:
@@ -138,7 +137,8 @@ def main(argv=None) -> int:
     print(f"    pyro TraceEnum_ELBO  {result['pyro_step_ms']:.1f} ms  ({result['pyro_images_per_s']:.0f} images/s)")
     print(f"    plain torch ELBO     {result['torch_step_ms']:.1f} ms")
     print(f"    ratio pyro / torch   {result['ratio_pyro_over_torch']:.3f}")
-    print(f"  peak memory            {peak_mb:.0f} MB ({'CUDA allocated' if args.device.startswith('cuda') else 'max RSS'})")
+    measured = "CUDA allocated" if args.device.startswith("cuda") else "max RSS"
+    print(f"  peak memory            {peak_mb:.0f} MB ({measured})")
     if args.json:
         path = Path(args.json)
         rows = json.loads(path.read_text()) if args.append and path.is_file() else []

@@ -135,7 +135,8 @@ def readme_table(results_dir, name: str = "bench_vs_torch_scae") -> str | None:
 
 def table(r: dict) -> str:
     """The README table of one ``bench_vs_torch_scae.py`` result."""
-    lines = ["| model | images/s | step (ms) | peak memory (MB) | speed vs torch-scae |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| model | images/s | step (ms) | peak memory (MB) | speed vs torch-scae |",
+             "| --- | --- | --- | --- | --- |"]
     for name, s in r["summary"].items():
         lines.append(f"| {name} | {s['images_per_s']:.0f} | {s['step_ms']:.0f} | {s['peak_memory_mb']:.0f} | "
                      f"{s['speedup_over_torch_scae']:.2f}× |")
@@ -259,7 +260,8 @@ def main(argv=None) -> int:
             "command": portable_command(sys.argv),
         }
         write_json(args.json, result)
-        write_table(Path(args.json).parent, Path(args.json).stem, readme_table(Path(args.json).parent, Path(args.json).stem))
+        out = Path(args.json)
+        write_table(out.parent, out.stem, readme_table(out.parent, out.stem))
     return 0
 
 

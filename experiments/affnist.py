@@ -18,18 +18,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from probcaps import plotting
+from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat
+from probcaps.errors import ProbcapsError
+from probcaps.experiments.common import FEATURES, checkpoint_parser, reconstruct
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.supervised import accuracy, train_classifier
 from probcaps.inference.train import TrainConfig
 from probcaps.inference.ttvi import reencode_parents, ttvi_batches
-from probcaps.models.cnn_classifier import ConvClassifier
-from probcaps import plotting
-from probcaps.data.affnist import AFFNIST_RECIPE, affnist_recipe_test, load_affnist_mat
-from probcaps.runner import add_run_args, non_negative_int, setup_run, table_writer, positive_int, launch, one_line_errors
-from probcaps.errors import ProbcapsError
-from probcaps.experiments.common import FEATURES, checkpoint_parser, reconstruct
 from probcaps.metrics import LinearProbe
+from probcaps.models.cnn_classifier import ConvClassifier
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report
+from probcaps.runner import (
+    add_run_args,
+    launch,
+    non_negative_int,
+    one_line_errors,
+    positive_int,
+    setup_run,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 

@@ -22,8 +22,16 @@ from probcaps.inference.likelihood import PRESENCE_DENSITIES, bound_summary, log
 from probcaps.inference.ttvi import FreeFormGuide, run_ttvi
 from probcaps.provenance import provenance, write_results
 from probcaps.report import provenance_line, write_table
-from probcaps.runner import (add_common_args, checkpoint_arg, file_name_arg, finite_positive_float, launch,
-                             non_negative_int, one_line_errors, positive_int)
+from probcaps.runner import (
+    add_common_args,
+    checkpoint_arg,
+    file_name_arg,
+    finite_positive_float,
+    launch,
+    non_negative_int,
+    one_line_errors,
+    positive_int,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 

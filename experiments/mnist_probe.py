@@ -5,9 +5,10 @@ probes and k-means accuracy (paper §5, Table 1; SCAE's anchors).
     probcaps run mnist_probe --seeds 0 --resume               # continue interrupted runs
     probcaps run mnist_probe --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
-Writes ``results/mnist_probe/<name>_seed<S>.json`` per seed, ``results/mnist_probe/<name>.json`` (per-seed metrics, mean and std), the first
-seed's figures and its final model without optimiser state, ``checkpoints/<name>.pt`` (for ``probcaps evaluate``);
-``name`` is the config's (``mnist`` for the mnist recipe) unless ``--name``.  Runs go to ``runs/<name>/seed<S>``.
+Writes ``results/mnist_probe/<name>_seed<S>.json`` per seed, ``results/mnist_probe/<name>.json`` (per-seed metrics,
+mean and std), the first seed's figures and its final model without optimiser state, ``checkpoints/<name>.pt`` (for
+``probcaps evaluate``); ``name`` is the config's (``mnist`` for the mnist recipe) unless ``--name``.  Runs go to
+``runs/<name>/seed<S>``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,33 @@ import json
 from functools import partial
 from pathlib import Path
 
-from probcaps.inference.capsule_svi import REMOVED_OPTIONS, SCHEMA, load_experiment_config
+from probcaps.experiments.common import (
+    checkpoint_out_path,
+    export_checkpoint,
+    plot_training_curves,
+    results_without_model,
+    train_run,
+)
+from probcaps.inference.capsule_svi import load_experiment_config
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.evaluate import SCAE_PUBLISHED, evaluate_checkpoint
-from probcaps.experiments.common import checkpoint_out_path, export_checkpoint, plot_training_curves, results_without_model, train_run
-from probcaps.runner import add_config_args, config_dicts, seed_summary, add_run_args, setup_run, launch, one_line_errors
-from probcaps.report import (fmt_mean_std, load_result, provenance_line, results_in, results_table, write_report,
-                             write_table)
+from probcaps.report import (
+    fmt_mean_std,
+    load_result,
+    provenance_line,
+    results_table,
+    write_report,
+    write_table,
+)
+from probcaps.runner import (
+    add_config_args,
+    add_run_args,
+    config_dicts,
+    launch,
+    one_line_errors,
+    seed_summary,
+    setup_run,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 

@@ -7,7 +7,8 @@ each from its own digit capsule.
     probcaps run multimnist --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
 Training pairs are drawn afresh every epoch (:mod:`probcaps.data.multimnist`); the test pairs are fixed.  Writes
-``results/multimnist/<name>.json`` (set accuracy, at-least-one accuracy, reconstruction error; per seed, mean and std) and
+``results/multimnist/<name>.json`` (set accuracy, at-least-one accuracy, reconstruction error; per seed, mean and
+std) and
 figures of the first seed: ``<name>_reconstructions.png``, ``<name>_capsules.png``, ``<name>_training.png``.
 """
 
@@ -24,17 +25,24 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.runner import (add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
-                          setup_run)
+from probcaps.checkpoints import load_final, run_finished
 from probcaps.config import DigitCanvas, Section, load_sections
 from probcaps.data import load_digits
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
 from probcaps.errors import ConfigError
-from probcaps.checkpoints import load_final, run_finished
 from probcaps.inference.train import TrainConfig, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report, write_table
+from probcaps.runner import (
+    add_config_args,
+    add_run_args,
+    config_dicts,
+    launch,
+    one_line_errors,
+    seed_summary,
+    setup_run,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
@@ -268,7 +276,8 @@ def write_tables(results_dir) -> list:
 
 
 def readme_table(results_dir: Path) -> str | None:
-    """Markdown table of the reduced (and, if present, paper-size) runs, from ``results/multimnist/multimnist*.json``."""
+    """Markdown table of the reduced (and, if present, paper-size) runs, from
+    ``results/multimnist/multimnist*.json``."""
     results_dir = Path(results_dir)
     rows = [(label, r) for label, name in (("reduced", "multimnist"), ("paper-size", "multimnist_paper"))
             if (r := load_result(results_dir, name)) is not None]

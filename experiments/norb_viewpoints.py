@@ -9,7 +9,8 @@ viewpoints (Hinton, Sabour & Frosst 2018, section 5.1).
 Protocol: both models train on the training instances at the familiar viewpoints only (azimuths {300, .., 40} or
 the 3 lowest elevations), are evaluated every ``train.checkpoint_every`` steps on fixed test subsets at familiar and
 at novel viewpoints (``eval.jsonl`` in the run folder), and are compared at matched familiar accuracy
-(:func:`matched_comparison`).  Writes ``results/norb_viewpoints/<name>.json`` and ``results/norb_viewpoints/<name>_*.png`` (``name`` from the config
+(:func:`matched_comparison`).  Writes ``results/norb_viewpoints/<name>.json`` and
+``results/norb_viewpoints/<name>_*.png`` (``name`` from the config
 unless ``--name``); runs go to ``runs/<name>/seed<S>/<model>`` unless ``--out``.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -29,21 +29,28 @@ import torch
 import torch.nn.functional as F
 
 from probcaps import plotting
-from probcaps.runner import add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary, setup_run
+from probcaps.checkpoints import load_final, run_finished
 from probcaps.config import Section, load_sections
 from probcaps.data.loaders import iterate_batches, num_batches, seeded_generator
 from probcaps.data.smallnorb import NORB_CLASSES, NorbSet, crop32, load_smallnorb, viewpoint_split
 from probcaps.data.synthetic_norb import VARIANTS, synthetic_norb
 from probcaps.data.transforms import standardise_per_image
 from probcaps.errors import ConfigError
-from probcaps.io import append_jsonl
 from probcaps.inference.supervised import predict
-from probcaps.checkpoints import load_final, run_finished
 from probcaps.inference.train import TrainConfig, start_log, train_loop
-from probcaps.io import read_jsonl
+from probcaps.io import append_jsonl, read_jsonl
 from probcaps.models.matrix_capsules import MatrixCapsConfig, MatrixCapsNet, spread_loss, spread_margin
 from probcaps.models.norb_cnn import NorbCNN, NorbCNNConfig
 from probcaps.report import fmt_mean_std, provenance_line, results_table, tries_table, write_report, write_table
+from probcaps.runner import (
+    add_config_args,
+    add_run_args,
+    config_dicts,
+    launch,
+    one_line_errors,
+    seed_summary,
+    setup_run,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
@@ -315,7 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call reports)")
     p.add_argument("--no-figures", action="store_true", help="write the results JSON only")
-    add_run_args(p, EXPERIMENT, out_help="run folders (<out>/seed<S>/<model>; default: runs/<name>)", resume=True, threads=1,
+    add_run_args(p, EXPERIMENT, out_help="run folders (<out>/seed<S>/<model>; default: runs/<name>)", resume=True,
+                 threads=1,
                  tables="tables (RESULTS_DIR/<name>.md, and RESULTS_DIR/ablations.md when there are tries)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
@@ -422,9 +430,9 @@ def readme_table(m: dict, prov: dict, benchmark: Path | None = None) -> str:
     """The README table of ``results_dir/<name>.json`` (and of the speed benchmark's JSON ``benchmark`` when it is
     there); for the all-views reference, each model's accuracy at the end of training on the same test subsets."""
     runs = m["per_seed"]
-    col = lambda key: fmt_mean_std([r[key] for r in runs], scale=100.0)  # noqa: E731
+    col = lambda key: fmt_mean_std([r[key] for r in runs], scale=100.0)
     label = dataset_label(prov.get("configs", {}).get("data", {"dataset": m["dataset"]}))
-    pair = lambda key: f"{col(f'caps_{key}')} | {col(f'cnn_{key}')}"  # noqa: E731
+    pair = lambda key: f"{col(f'caps_{key}')} | {col(f'cnn_{key}')}"
     if m.get("train_views") == "all":
         familiar, novel = (("azimuths 300–40", "azimuths 60–280") if m["split"] == "azimuth"
                            else ("the 3 lowest elevations", "the 6 highest elevations"))

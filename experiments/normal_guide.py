@@ -17,16 +17,29 @@ from pathlib import Path
 
 import torch
 
-from probcaps.experiments.common import (checkpoint_out_path, checkpoint_parser, export_checkpoint,
-                                        plot_training_curves, train_run)
+from probcaps.errors import ProbcapsError
+from probcaps.experiments.common import (
+    checkpoint_out_path,
+    checkpoint_parser,
+    export_checkpoint,
+    plot_training_curves,
+    train_run,
+)
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import test_elbo
 from probcaps.inference.train import TrainConfig
-from probcaps.runner import (add_run_args, finite_positive_float, setup_run, table_writer, non_negative_int,
-                          positive_int, launch, one_line_errors)
-from probcaps.errors import ProbcapsError
 from probcaps.metrics import LinearProbe
 from probcaps.report import provenance_line, results_table, write_report
+from probcaps.runner import (
+    add_run_args,
+    finite_positive_float,
+    launch,
+    non_negative_int,
+    one_line_errors,
+    positive_int,
+    setup_run,
+    table_writer,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 

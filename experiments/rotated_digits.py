@@ -6,7 +6,8 @@
     probcaps ttvi --checkpoint mnist_probe --rotate 90       # the same optimisation as a command
 
 Per angle, from the encoder's latents and after test-time VI: the ELBO per image (the same fixed noise before and
-after, ``inference.ttvi.per_image_elbo``) and the reconstruction error per pixel.  Writes ``results/rotated_digits/<name>.json``,
+after, ``inference.ttvi.per_image_elbo``) and the reconstruction error per pixel.  Writes
+``results/rotated_digits/<name>.json``,
 ``<name>_elbo.png``, ``<name>_mse.png`` and ``<name>_example.png`` (one digit across the angles).
 """
 
@@ -18,8 +19,6 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.runner import (add_run_args, add_ttvi_args, finite_float, launch, non_negative_int, one_line_errors,
-                          positive_int, setup_run, table_writer)
 from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
 from probcaps.experiments.common import checkpoint_parser, reconstruct
@@ -28,6 +27,17 @@ from probcaps.inference.evaluate import reconstruction_error
 from probcaps.inference.guides import Latents
 from probcaps.inference.ttvi import ttvi_batches
 from probcaps.report import provenance_line, results_table, write_report
+from probcaps.runner import (
+    add_run_args,
+    add_ttvi_args,
+    finite_float,
+    launch,
+    non_negative_int,
+    one_line_errors,
+    positive_int,
+    setup_run,
+    table_writer,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 

@@ -8,7 +8,8 @@ LeNet-5 and a (reduced) CapsNet train on MNIST digits shifted by up to ±2 px (t
     probcaps run rotated_mnist_cnn_vs_capsnet --seeds 0 --set data.dataset="synthetic" \\
         --set lenet_train.steps=5 --set capsnet_train.steps=5          # smoke test
 
-Writes ``results/rotated_mnist_cnn_vs_capsnet/<name>.json`` (accuracy per angle, model and seed), ``<name>_accuracy.png``, ``<name>_examples.png``.
+Writes ``results/rotated_mnist_cnn_vs_capsnet/<name>.json`` (accuracy per angle, model and seed),
+``<name>_accuracy.png``, ``<name>_examples.png``.
 """
 
 from __future__ import annotations
@@ -24,18 +25,27 @@ import torch
 import torch.nn.functional as F
 
 from probcaps import plotting
-from probcaps.runner import (checkpoint_arg, add_config_args, add_run_args, config_dicts, launch, one_line_errors, seed_summary,
-                          setup_run, table_writer)
+from probcaps.checkpoints import load_final, run_finished
 from probcaps.config import DigitData, Section, load_sections
 from probcaps.data import iterate_batches, load_digits, place_on_canvas, random_offsets, rotate, to_float
 from probcaps.data.loaders import seeded_generator
 from probcaps.errors import ConfigError
 from probcaps.inference.supervised import predict
-from probcaps.checkpoints import load_final, run_finished
 from probcaps.inference.train import TrainConfig, train_loop
 from probcaps.models.capsnet import CapsNet, CapsNetConfig
 from probcaps.models.lenet import LeNet5
 from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
+from probcaps.runner import (
+    add_config_args,
+    add_run_args,
+    checkpoint_arg,
+    config_dicts,
+    launch,
+    one_line_errors,
+    seed_summary,
+    setup_run,
+    table_writer,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
@@ -116,8 +126,8 @@ def probe_curve(checkpoint: Path, test_digits: torch.Tensor, test_labels: torch.
     """Linear-probe accuracy of the probabilistic capsule model on the rotated digits, per angle: the probes (object
     presences + poses, and presences alone) are fit on unrotated training digits placed as the model was trained;
     each rotated test digit is placed at its own SCAE offset on the model's canvas."""
-    from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
     from probcaps.data import placed_mnist
+    from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
     from probcaps.metrics import LinearProbe
 
     pcfg, system = load_trained(checkpoint, device=device)

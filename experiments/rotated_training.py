@@ -7,11 +7,12 @@ probe accuracy; ``finding`` in the JSON tests it (the slope of accuracy against 
     probcaps run rotated_training --thetas 0 45 90 180 --seeds 0 1          # the committed run
     probcaps run rotated_training --resume                                   # continue interrupted runs
     probcaps run rotated_training --config rotated_training_objects --seeds 0 1 2
-                                                       # the same with objects that stand for digits (mnist_objects.toml)
+                                                      # the same with objects that stand for digits (mnist_objects)
     probcaps run rotated_training --thetas 0 90 --seeds 0 --set train.steps=5 --set data.dataset="synthetic"
 
 Each (theta_max, seed) trains in ``<out>/theta<T>_seed<S>/`` and leaves its ``metrics.json`` there (``--resume``
-picks up where a sweep stopped).  Writes ``results/rotated_training/<name>.json`` and ``<name>.png`` (accuracy against theta_max).
+picks up where a sweep stopped).  Writes ``results/rotated_training/<name>.json`` and ``<name>.png`` (accuracy
+against theta_max).
 """
 
 from __future__ import annotations
@@ -25,15 +26,28 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.runner import (add_config_args, add_run_args, config_dicts, finite_non_negative_float, launch,
-                          one_line_errors, seed_summary, setup_run, table_writer)
-from probcaps.inference.capsule_svi import (encode_dataset, load_experiment_config, load_images, load_trained,
-                                            probe_features)
-from probcaps.inference.evaluate import posterior_part_counts
 from probcaps.experiments.common import FEATURES, train_run
+from probcaps.inference.capsule_svi import (
+    encode_dataset,
+    load_experiment_config,
+    load_images,
+    load_trained,
+    probe_features,
+)
+from probcaps.inference.evaluate import posterior_part_counts
 from probcaps.io import write_json
 from probcaps.metrics import LinearProbe, class_purity, kmeans_accuracy
 from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
+from probcaps.runner import (
+    add_config_args,
+    add_run_args,
+    config_dicts,
+    finite_non_negative_float,
+    launch,
+    one_line_errors,
+    seed_summary,
+    setup_run,
+)
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 

@@ -10,8 +10,9 @@ A pair is one MNIST digit warped onto the canvas by a random jitter ``A`` (the i
 target), ``T`` a known transformation from the config's ``[range]``: the network sees the input and ``T`` and must
 output the target.  On held-out pairs (MNIST *test* digits) ``T`` is read back from the capsules of the two images
 alone (:func:`models.transforming_autoencoder.estimate_transform`) and scored by R² per component.  Each config is
-one recipe (mode: ``model.mode``).  Writes ``results/transforming_autoencoder/<name>.json`` (``name`` from the config unless ``--name``) and
-the first seed's figures ``results/transforming_autoencoder/<name>_{scatter,reconstructions,presence,templates,training,r2_curve}.png``;
+one recipe (mode: ``model.mode``).  Writes ``results/transforming_autoencoder/<name>.json`` (``name`` from the
+config unless ``--name``) and the first seed's figures ``results/transforming_autoencoder/<name>_*.png`` (scatter,
+reconstructions, presence, templates, training, r2_curve);
 runs go to ``runs/<name>/seed<S>`` unless ``--out``.
 """
 
@@ -28,20 +29,27 @@ import numpy as np
 import torch
 
 from probcaps import plotting
-from probcaps.runner import add_config_args, add_run_args, launch, one_line_errors, seed_summary, setup_run
+from probcaps.checkpoints import load_final, run_finished
 from probcaps.config import DigitData, load_sections
-from probcaps.data import iterate_batches, load_digits as data_digits, seeded_generator
+from probcaps.data import iterate_batches, seeded_generator
+from probcaps.data import load_digits as data_digits
 from probcaps.errors import ConfigError
 from probcaps.geometry import affine_matrix, compose, degrees, invert, pixels_to_normalised
-from probcaps.checkpoints import load_final, run_finished
 from probcaps.inference.train import TrainConfig, start_log, train_loop
 from probcaps.io import append_jsonl, write_json
 from probcaps.metrics import r2_scores
-from probcaps.models.transforming_autoencoder import (MODES, TransformingAutoencoder, TransformingAutoencoderConfig,
-                                                      estimate_transform, pose_consistency, transform_components)
+from probcaps.models.transforming_autoencoder import (
+    MODES,
+    TransformingAutoencoder,
+    TransformingAutoencoderConfig,
+    estimate_transform,
+    pose_consistency,
+    transform_components,
+)
 from probcaps.registry import resolve_config
 from probcaps.render import warp
 from probcaps.report import fmt_mean_std, load_result, provenance_line, tries_table, write_report, write_table
+from probcaps.runner import add_config_args, add_run_args, launch, one_line_errors, seed_summary, setup_run
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
@@ -343,7 +351,7 @@ def write_figures(model: TransformingAutoencoder, arrays: dict, results_dir: Pat
                                     f"{mode}: transformation read from the two images' capsules (held-out pairs)",
                                     scores=[float(v) for v in r2_scores(res["pred"], res["true"])])
     n = min(10, res["recon"].shape[0])
-    grey = lambda x: x[:n, 0, ..., None].expand(-1, -1, -1, 3).numpy()  # noqa: E731 - (n, H, W, 3)
+    grey = lambda x: x[:n, 0, ..., None].expand(-1, -1, -1, 3).numpy()
     grid = np.stack([grey(pairs["input"].cpu()), grey(pairs["target"].cpu()), grey(res["recon"].clamp(0, 1)),
                      plotting.colour_parts(res["contrib"][:n, :, 0])])
     plotting.plot_image_grid(grid, results_dir / f"{prefix}_reconstructions.png",

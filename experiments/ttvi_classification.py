@@ -1,7 +1,8 @@
 """Classification after test-time VI (paper §2.4: "a modest improvement"): the linear probe, fit on the encoder's
 features of MNIST training images, scored on test latents from the encoder and after test-time VI, read as the
 free-form objects and as the objects re-encoded from the optimised parts (re-encoding keeps the objects in the
-distribution the probe was fit on).  Writes ``results/ttvi_classification/<name>.json`` and ``<name>_elbo.png`` (the ELBO trace).
+distribution the probe was fit on).  Writes ``results/ttvi_classification/<name>.json`` and ``<name>_elbo.png``
+(the ELBO trace).
 
     probcaps run ttvi_classification                        # the committed run (1000 test digits)
     probcaps run ttvi_classification --rotate 45            # on rotated test digits
@@ -25,18 +26,33 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from probcaps import plotting
+from probcaps.data import rotate, to_float
+from probcaps.experiments.common import checkpoint_parser
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import posterior_part_counts, readout_features
 from probcaps.inference.guides import Latents
-from probcaps.inference.ttvi import (FreeFormGuide, fit_guide, frozen_and_seeded, reencode_parents, run_chunks,
-                                     ttvi_batches)
-from probcaps import plotting
-from probcaps.data import rotate, to_float
-from probcaps.runner import (add_run_args, add_ttvi_args, setup_run, table_writer, finite_float, non_negative_int,
-                          positive_int, launch, one_line_errors, seed_summary)
-from probcaps.experiments.common import checkpoint_parser
+from probcaps.inference.ttvi import (
+    FreeFormGuide,
+    fit_guide,
+    frozen_and_seeded,
+    reencode_parents,
+    run_chunks,
+    ttvi_batches,
+)
 from probcaps.metrics import LinearProbe
 from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
+from probcaps.runner import (
+    add_run_args,
+    add_ttvi_args,
+    finite_float,
+    launch,
+    non_negative_int,
+    one_line_errors,
+    positive_int,
+    seed_summary,
+    setup_run,
+)
 
 LATENTS = {"encoder": "encoder", "ttvi_objects": "test-time VI, free-form objects",
            "ttvi_reencoded": "test-time VI parts, objects re-encoded"}

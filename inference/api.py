@@ -28,11 +28,11 @@ import torch
 from pyro import poutine
 from pyro.poutine.util import site_is_subsample
 
+from probcaps.data import to_float
 from probcaps.inference.capsule_svi import CapsuleSystem, encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import object_drawings, parent_log_posterior, plot_object_drawings
 from probcaps.inference.guides import Latents
 from probcaps.inference.ttvi import POSE_FAMILIES, TTVIResult, frozen_and_seeded, ttvi_batches
-from probcaps.data import to_float
 from probcaps.registry import resolve_checkpoint
 
 __all__ = ["load", "TrainedCapsuleModel", "Capsules", "ObjectDrawings"]
@@ -182,7 +182,8 @@ class TrainedCapsuleModel:
             hint = " (uint8 images: probcaps.data.to_float(images))" if images.dtype == torch.uint8 else ""
             raise ValueError(f"{expected}, got dtype {images.dtype}{hint}")
         if images.dim() != 4 or images.shape[1:] != (1, H, H) or not len(images):
-            hint = " (add the channel: images.unsqueeze(1))" if images.shape[-2:] == (H, H) and images.dim() == 3 else ""
+            missing_channel = images.shape[-2:] == (H, H) and images.dim() == 3
+            hint = " (add the channel: images.unsqueeze(1))" if missing_channel else ""
             raise ValueError(f"{expected}, got shape {tuple(images.shape)}{hint}")
         low, high = images.aminmax()
         if not (low >= 0 and high <= 1):  # NaN fails both
@@ -251,7 +252,8 @@ class TrainedCapsuleModel:
         """The capsules of ``images`` ``(N, 1, H, W)`` refined by free-form test-time VI
         (:func:`~probcaps.inference.ttvi.ttvi_batches`): each image's own variational parameters, started at the
         encoder's output, optimised on the ELBO for ``steps`` Adam steps of learning rate ``lr`` (``None``:
-        :func:`~probcaps.inference.ttvi.run_ttvi`'s) with the model frozen, ``batch_size`` images at a time.  ``pose_family``: ``"delta"`` (point poses) or ``"normal"``;
+        :func:`~probcaps.inference.ttvi.run_ttvi`'s) with the model frozen, ``batch_size`` images at a time.
+        ``pose_family``: ``"delta"`` (point poses) or ``"normal"``;
         ``seed``: the optimisation's samples (``None``: the global RNG).  The returned capsules carry the run in
         :attr:`Capsules.ttvi` (``ttvi.elbo_start`` / ``ttvi.elbo_end``: each image's ELBO before and after)."""
         x = self._images(images)

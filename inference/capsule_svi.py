@@ -11,18 +11,25 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
-from probcaps.inference.distributed import init_from_env
 from probcaps.checkpoints import load_checkpoint, load_module_state
+from probcaps.config import (
+    DataConfig,
+    EvalConfig,
+    check_file_name,
+    check_sections,
+    load_sections,
+    parse_override,
+    replace_checked,
+)
+from probcaps.data import iterate_batches, place_on_canvas, placed_mnist, random_offsets, synthetic_digits
+from probcaps.data.loaders import seeded_generator
+from probcaps.distributions import ClampedRelaxedBernoulli
+from probcaps.errors import CheckpointError, ConfigError
+from probcaps.inference.distributed import init_from_env
+from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, Latents, from_delta
 from probcaps.inference.objectives import training_loss
 from probcaps.inference.train import TrainConfig, TrainState, make_elbo, train_loop
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information
-from probcaps.distributions import ClampedRelaxedBernoulli
-from probcaps.config import (DataConfig, EvalConfig, check_file_name, check_sections, load_sections, parse_override,
-                             replace_checked)
-from probcaps.data import iterate_batches, placed_mnist, place_on_canvas, random_offsets, synthetic_digits
-from probcaps.data.loaders import seeded_generator
-from probcaps.errors import CheckpointError, ConfigError
 
 __all__ = ["SCHEMA", "REMOVED_OPTIONS", "load_experiment_config", "check_across_sections", "stored_config",
            "load_images", "prior_schedule", "CapsuleSystem", "train_capsules", "load_trained", "encode_dataset",

@@ -18,26 +18,36 @@ import torch
 import torch.nn.functional as F
 
 from probcaps import plotting
+from probcaps.checkpoints import load_checkpoint
+from probcaps.config import check_file_name
 from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
-from probcaps.config import check_file_name
 from probcaps.errors import CheckpointError
-from probcaps.io import restored_on_failure
-from probcaps.render import warp
 from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, stored_config
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
-from probcaps.checkpoints import load_checkpoint
 from probcaps.inference.train import make_elbo
-from probcaps.metrics import (LinearProbe, MLPProbe, class_purity, classification_summary, dominant_object_accuracy,
-                              kmeans_labels, kmeans_spread, mean_by_class, most_confused_pair,
-                              template_distinctness)
+from probcaps.io import restored_on_failure
+from probcaps.metrics import (
+    LinearProbe,
+    MLPProbe,
+    class_purity,
+    classification_summary,
+    dominant_object_accuracy,
+    kmeans_labels,
+    kmeans_spread,
+    mean_by_class,
+    most_confused_pair,
+    template_distinctness,
+)
 from probcaps.models.capsule_model import object_information
 from probcaps.provenance import provenance, write_results
+from probcaps.render import warp
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_table
 
-__all__ = ["evaluate_checkpoint", "compute_evaluation", "write_evaluation", "Evaluation", "save_figures", "test_elbo", "reconstruction_error", "parent_log_posterior",
+__all__ = ["evaluate_checkpoint", "compute_evaluation", "write_evaluation", "Evaluation", "save_figures", "test_elbo",
+           "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
            "parts_in_parent_frame", "part_pose_explained", "object_drawings", "plot_object_drawings",
            "layer_features", "part_features", "READOUTS", "LAYER_READOUTS", "NONLINEAR_PROBES", "REPORTED_KMEANS",

@@ -37,9 +37,15 @@ import math
 import torch
 
 from probcaps.data import to_float
+
 # the importance weights are shared with the training objectives, which the training loop imports
-from probcaps.inference.objectives import (PRESENCE_DENSITIES, LogitPresenceReparam, guide_trace, has_point_poses,
-                                           log_weights)
+from probcaps.inference.objectives import (
+    PRESENCE_DENSITIES,
+    LogitPresenceReparam,
+    guide_trace,
+    has_point_poses,
+    log_weights,
+)
 from probcaps.inference.ttvi import FreeFormGuide, frozen_and_seeded
 
 __all__ = ["PRESENCE_DENSITIES", "LogitPresenceReparam", "guide_trace", "log_weights", "log_likelihood_bound",

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from probcaps.inference.train import TrainConfig, TrainState, train_loop
 from probcaps.data import iterate_batches
+from probcaps.inference.train import TrainConfig, TrainState, train_loop
 
 __all__ = ["train_classifier", "predict", "accuracy"]
 

@@ -30,12 +30,21 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+from probcaps.checkpoints import (
+    checkpoint_step,
+    first_non_finite,
+    load_checkpoint,
+    load_module_state,
+    optimiser_tensors,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    to_plain,
+)
 from probcaps.config import COUNT, FLOAT32_MAX, Section, check_value
 from probcaps.errors import CheckpointError, ConfigError, DataError, TrainingDiverged
-from probcaps.checkpoints import (checkpoint_step, first_non_finite, load_checkpoint, load_module_state,
-                                  optimiser_tensors, rng_state, save_checkpoint, set_rng_state, to_plain)
-from probcaps.io import INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, read_jsonl, truncate_log
 from probcaps.inference import distributed
+from probcaps.io import INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, truncate_log
 
 __all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log",
            "check_adam_lr"]

@@ -22,12 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from probcaps.inference.distributed import init_from_env
-from probcaps.inference.guides import DeltaGuide, Latents, NormalPoseGuide
-from probcaps.inference.train import check_adam_lr, make_elbo
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli, inverse_softplus
 from probcaps.errors import TrainingDiverged
 from probcaps.geometry import restrict_pose6
+from probcaps.inference.distributed import init_from_env
+from probcaps.inference.guides import DeltaGuide, Latents, NormalPoseGuide
+from probcaps.inference.train import check_adam_lr, make_elbo
 
 __all__ = ["POSE_FAMILIES", "TTVIResult", "FreeFormGuide", "per_image_elbo", "fit_guide", "run_ttvi",
            "frozen_and_seeded", "run_chunks", "ttvi_batches", "reencode_parents"]

@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from probcaps.config import Section
-from probcaps.models.routing import linear_dynamic_routing, squash
 from probcaps.decoders import MaskedCapsuleDecoder
+from probcaps.models.routing import linear_dynamic_routing, squash
 
 __all__ = ["CapsNetConfig", "CapsNetOutput", "CapsNet", "margin_loss", "top_k_classes", "set_accuracy"]
 

@@ -350,7 +350,7 @@ def em_routing_conv(M: torch.Tensor, W: torch.Tensor, log_a_in: torch.Tensor, be
     M, W, log_a_in, beta_v, beta_a = (t.to(dtype) for t in (M, W, log_a_in, beta_v, beta_a))
     above = _max_exponent(dtype) / 8
     rescaled = bool((_scale_exponent(M, above) != 0).any() or (_scale_exponent(W.reshape(1, -1), above) != 0).any())
-    route = lambda *xs: _em_routing_conv(*xs, cfg, normalise)  # noqa: E731
+    route = lambda *xs: _em_routing_conv(*xs, cfg, normalise)
     if dtype == torch.float32 and rescaled and _needs_grad(M, W, log_a_in, beta_v, beta_a):
         outputs = _WideBackward.apply(route, M, W, log_a_in, beta_v, beta_a)
     else:

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 from probcaps.config import Range
 from probcaps.encoders import PartEncoder
-from probcaps.geometry import (compose, constrained_pose, invert, matrix_to_pose6, pose6_to_matrix,
-                               translation_matrix)
+from probcaps.geometry import compose, constrained_pose, invert, matrix_to_pose6, pose6_to_matrix, translation_matrix
 from probcaps.render import render_templates, warp
 
 __all__ = ["MODES", "COMBINES", "RECOGNITIONS", "TransformingAutoencoderConfig", "TransformingAutoencoder",

@@ -93,7 +93,7 @@ def read_plain(path: str | os.PathLike, map_location="cpu", mmap: bool = False) 
         if "GLOBAL" in str(e) or "unsupported global" in str(e).lower():  # a class or function: could run code
             raise _refusal(path, e) from None
         raise CheckpointError(f"{path}: not a readable checkpoint (damaged, or not written by torch.save)") from None
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a corrupt file
+    except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
 
@@ -138,7 +138,7 @@ def checkpoint_step(path: str | os.PathLike) -> str:
     try:
         step = read_plain(path, mmap=True)["state"]["step"]
         return str(int(step))
-    except Exception:  # noqa: BLE001 - only for a message
+    except Exception:
         return "unknown"
 
 

@@ -27,9 +27,23 @@ from pathlib import Path
 
 from probcaps.errors import ProbcapsError
 from probcaps.registry import experiments
-from probcaps.runner import (add_common_args, add_ttvi_args, checkpoint_arg, config_arg, file_name_arg, finite_float,
-                             finite_non_negative_float, finite_positive_float, folder_arg, non_negative_int,
-                             one_line_errors, output_file_arg, positive_int, reexec_with_allocator_settings, setup_run)
+from probcaps.runner import (
+    add_common_args,
+    add_ttvi_args,
+    checkpoint_arg,
+    config_arg,
+    file_name_arg,
+    finite_float,
+    finite_non_negative_float,
+    finite_positive_float,
+    folder_arg,
+    non_negative_int,
+    one_line_errors,
+    output_file_arg,
+    positive_int,
+    reexec_with_allocator_settings,
+    setup_run,
+)
 
 
 def version() -> str:

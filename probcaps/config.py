@@ -85,8 +85,9 @@ class EvalConfig(Section):
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key (or each element of a numeric list) may take: ``low <= v <= high`` (``low < v``
-    when ``low_open``), always finite, and for a float within float32's range (the models compute in float32).  ``element``: the type of a list's elements where the default cannot say
-    (an empty default) or says too little (integer angles that may be fractional)."""
+    when ``low_open``), always finite, and for a float within float32's range (the models compute in float32).
+    ``element``: the type of a list's elements where the default cannot say (an empty default) or says too little
+    (integer angles that may be fractional)."""
 
     low: float = -math.inf
     high: float = math.inf

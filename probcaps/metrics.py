@@ -15,8 +15,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LinearProbe", "MLPProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels", "kmeans_spread", "most_confused_pair", "template_distinctness",
-           "kmeans_accuracy", "classification_summary",
+__all__ = ["LinearProbe", "MLPProbe", "probe_accuracy", "hungarian_labels", "hungarian_accuracy", "kmeans_labels",
+           "kmeans_spread", "most_confused_pair", "template_distinctness", "kmeans_accuracy", "classification_summary",
            "mean_by_class", "object_class_shares", "class_purity", "dominant_object_accuracy", "r2_scores", "r2_score",
            "reconstruction_mse"]
 

@@ -163,7 +163,8 @@ def plot_reconstructions(inputs: Any, recons: Any, path: str | os.PathLike, part
     if object_colours is not None:
         objects_rgb = _to_numpy(object_colours, "object_colours")
         if objects_rgb.ndim != 4 or objects_rgb.shape[-1] != 3 or part_colours is None:
-            raise ValueError(f"object_colours must have shape (N, H, W, 3) and come with part_colours, got {objects_rgb.shape}")
+            raise ValueError(f"object_colours must have shape (N, H, W, 3) and come with part_colours, got "
+                             f"{objects_rgb.shape}")
         _check_len(objects_rgb, len(X), "object_colours", f"inputs has {len(X)}")
         rows.append(objects_rgb)
     # inputs and reconstructions share the fixed [0, 1] grey scale of _show when in range: comparable intensities

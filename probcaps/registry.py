@@ -43,7 +43,8 @@ def is_bare_name(text: str | os.PathLike) -> bool:
 
 
 def first_sentence(text: str, width: int = 110) -> str:
-    """The first sentence of ``text`` (up to a full stop before a capital), cut to ``width`` characters: a line of a listing."""
+    """The first sentence of ``text`` (up to a full stop before a capital), cut to ``width`` characters: a line of
+    a listing."""
     sentence = re.split(r"\.\s+(?=[A-Z`])", " ".join(text.split()))[0].rstrip(".")  # not at "et al. 2020"
     return sentence if len(sentence) <= width else sentence[:width - 1].rstrip() + "…"
 
@@ -192,7 +193,8 @@ def describe_checkpoint(path: str | os.PathLike, results_dir: str | os.PathLike 
             "steps": state.get("step"), "batch_size": train.get("batch_size"),
             "wall_time_min": round(state["wall_time_s"] / 60, 1) if "wall_time_s" in state else None,
             "data": f"{data.get('dataset')} training images ({data.get('train_limit') or 'all'}), "
-                    f"{data.get('canvas_size')}×{data.get('canvas_size')} canvas, shifts up to ±{data.get('max_shift')} px",
+                    f"{data.get('canvas_size')}×{data.get('canvas_size')} canvas, "
+                    f"shifts up to ±{data.get('max_shift')} px",
             "objects": model.get("num_parents"), "parts": model.get("num_parts")}
     found = _model_results(path, Path(results_dir), name, seed)
     if found:

@@ -18,8 +18,9 @@ from probcaps.errors import ProbcapsError
 from probcaps.provenance import pinned_commit
 
 __all__ = ["MALLOC_ENV", "reexec_with_allocator_settings", "os_error_message", "one_line_errors", "launch",
-           "positive_int", "non_negative_int", "finite_float", "finite_positive_float", "finite_non_negative_float", "threads_arg",
-           "device_arg", "folder_arg", "file_name_arg", "output_file_arg", "config_arg", "checkpoint_arg", "add_common_args",
+           "positive_int", "non_negative_int", "finite_float", "finite_positive_float", "finite_non_negative_float",
+           "threads_arg", "device_arg", "folder_arg", "file_name_arg", "output_file_arg", "config_arg",
+           "checkpoint_arg", "add_common_args",
            "add_config_args", "add_run_args", "add_ttvi_args", "table_writer", "setup_run", "seed_summary",
            "config_dicts"]
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import REAL_DATA_ROOT, requires_real_mnist
 from pyro import poutine
 
 import probcaps
@@ -19,7 +20,6 @@ from probcaps.inference.capsule_svi import probe_features
 from probcaps.inference.train import make_elbo
 from probcaps.inference.ttvi import ttvi_batches
 from probcaps.registry import resolve_checkpoint, shipped_model_dir
-from conftest import REAL_DATA_ROOT, requires_real_mnist
 
 N = 8
 
@@ -200,4 +200,4 @@ def test_import_probcaps_loads_neither_torch_nor_pyro_and_lists_the_api():
     assert probcaps.load is api.load and probcaps.TrainedCapsuleModel is api.TrainedCapsuleModel
     assert set(probcaps.__all__) == set(api.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        probcaps.nope  # noqa: B018
+        probcaps.nope

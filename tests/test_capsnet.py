@@ -11,10 +11,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from probcaps.models.routing import capsule_predictions, dynamic_routing, linear_dynamic_routing, squash  # noqa: E402
+from probcaps.decoders import MaskedCapsuleDecoder  # noqa: E402
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, margin_loss, set_accuracy, top_k_classes  # noqa: E402
 from probcaps.models.lenet import LeNet5  # noqa: E402
-from probcaps.decoders import MaskedCapsuleDecoder  # noqa: E402
+from probcaps.models.routing import capsule_predictions, dynamic_routing, linear_dynamic_routing, squash  # noqa: E402
 
 TINY_CAPS = dict(conv1_channels=8, primary_capsules=4, primary_dim=4, digit_dim=6, decoder_hidden=[16, 16],
                  weight_init_std=0.1)

@@ -18,10 +18,10 @@ from pyro import poutine
 from pyro.infer import TraceEnum_ELBO
 from pyro.ops.indexing import Vindex
 
-from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig
-from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information, select_parent
 from probcaps.data import synthetic_digits, to_float
 from probcaps.distributions import RELAXED_CLAMP, ClampedRelaxedBernoulli
+from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig
+from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig, object_information, select_parent
 
 K, M, T, S = 2, 3, 5, 12
 DT = torch.float64
@@ -367,7 +367,7 @@ def test_select_parent_equals_vindex(B, M_, event):
     # B = K + 1 a sampled (B, 1) s can equal arange(K+1) and must still be gathered per image
     ev = (6,) * event
     for table in (torch.randn(M_, K + 1, *ev), torch.randn(B, M_, K + 1, *ev)):
-        index = lambda s: (Ellipsis, s) + (slice(None),) * event  # noqa: E731
+        index = lambda s: (Ellipsis, s) + (slice(None),) * event
         enum_s = torch.arange(K + 1).view(K + 1, 1, 1)
         assert torch.equal(select_parent(table, enum_s, event), Vindex(table)[index(enum_s)])
         for sampled in (torch.randint(0, K + 1, (B, M_)), torch.arange(B).remainder(K + 1).view(B, 1).expand(B, M_)):

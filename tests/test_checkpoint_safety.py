@@ -20,10 +20,9 @@ import pytest
 import torch
 
 from probcaps import cli
-from probcaps.checkpoints import (load_checkpoint, read_plain, rng_state, save_checkpoint, set_rng_state,
-                                  to_plain)
+from probcaps.checkpoints import load_checkpoint, read_plain, rng_state, save_checkpoint, set_rng_state, to_plain
 from probcaps.config import check_file_name, check_threads, file_name_arg, threads_arg
-from probcaps.errors import CheckpointError, ConfigError
+from probcaps.errors import ConfigError
 from probcaps.io import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]

@@ -196,7 +196,8 @@ def test_report_command(tmp_path, capsys):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "mnist.md").write_text("| new | table |\n")
     assert main(["report", "--results-dir", str(tmp_path / "results"), "--readme", str(readme)]) == 0
-    assert readme.read_text() == "# x\nkeep me\n<!-- results:mnist -->\n| new | table |\n<!-- /results:mnist -->\ntail\n"
+    assert readme.read_text() == ("# x\nkeep me\n<!-- results:mnist -->\n| new | table |\n<!-- /results:mnist -->"
+                                  "\ntail\n")
 
 
 def test_python_m_probcaps_help():

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from test_guides_ttvi import _images, _system
 
+from probcaps.checkpoints import load_checkpoint
 from probcaps.cli import main
 from probcaps.errors import CheckpointError
 from probcaps.inference.capsule_svi import encode_dataset
 from probcaps.inference.distributed import World, init_from_env
-from probcaps.checkpoints import load_checkpoint
 from probcaps.inference.train import TrainConfig, read_jsonl, train_loop
 from probcaps.inference.ttvi import ttvi_batches
-from test_guides_ttvi import _images, _system
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
@@ -91,7 +91,7 @@ def _worker(rank, world, port, out_dir, fn, kwargs):
     except CheckpointError as e:
         print(e)
         code = 2
-    except BaseException:  # noqa: BLE001 - reported through the exit code
+    except BaseException:
         import traceback
 
         traceback.print_exc()

@@ -11,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-import sphinx  # noqa: F401 - the test extra installs it: missing, the suite fails rather than skips
 import myst_parser  # noqa: F401
+import pytest
+import sphinx  # noqa: F401 - the test extra installs it: missing, the suite fails rather than skips
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -65,7 +64,7 @@ def test_every_experiment_page_and_the_tutorials_are_in_the_site(site):
     assert all(f'href="{page}.html"' in index for page in pages - {"index"}), index
     tutorials = (site / "tutorials" / "index.html").read_text()
     for name in ("generative_model", "trained_model", "training"):
-        assert f"PROBCAPS_TUTORIAL_TINY" in tutorials and name.replace("_", " ").split()[0] in tutorials
+        assert "PROBCAPS_TUTORIAL_TINY" in tutorials and name.replace("_", " ").split()[0] in tutorials
 
 
 @pytest.mark.slow

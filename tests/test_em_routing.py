@@ -7,10 +7,24 @@ import math
 import pytest
 import torch
 
-from probcaps.models.em_routing import (EMConfig, conv_votes_cache, em_routing, em_routing_conv, pose_transform_matrix,
-                                  votes_cache)
-from probcaps.models.matrix_capsules import (ClassCaps, ConvCaps, MatrixCapsConfig, MatrixCapsNet, _patch_index,
-                                    patch_normaliser, spread_loss, spread_margin)
+from probcaps.models.em_routing import (
+    EMConfig,
+    conv_votes_cache,
+    em_routing,
+    em_routing_conv,
+    pose_transform_matrix,
+    votes_cache,
+)
+from probcaps.models.matrix_capsules import (
+    ClassCaps,
+    ConvCaps,
+    MatrixCapsConfig,
+    MatrixCapsNet,
+    _patch_index,
+    patch_normaliser,
+    spread_loss,
+    spread_margin,
+)
 
 
 def _routing_inputs(N=3, J=2, I=5, dtype=torch.double, seed=0):

@@ -12,13 +12,28 @@ import torch
 
 from probcaps.distributions import RELAXED_CLAMP
 from probcaps.inference.evaluate import (
-    LAYER_READOUTS, NONLINEAR_PROBES, READOUTS, REPORTED_KMEANS, REPORTED_PROBES, evaluate_checkpoint, information_rows,
-    parent_log_posterior, part_pose_explained, parts_in_parent_frame, posterior_part_counts, posterior_presences,
+    LAYER_READOUTS,
+    NONLINEAR_PROBES,
+    READOUTS,
+    REPORTED_KMEANS,
+    REPORTED_PROBES,
+    evaluate_checkpoint,
+    information_rows,
+    parent_log_posterior,
+    part_pose_explained,
+    parts_in_parent_frame,
+    posterior_part_counts,
+    posterior_presences,
     readout_features,
 )
 from probcaps.inference.guides import Latents
-from probcaps.metrics import (class_purity, classification_summary, dominant_object_accuracy, mean_by_class,
-                              object_class_shares)
+from probcaps.metrics import (
+    class_purity,
+    classification_summary,
+    dominant_object_accuracy,
+    mean_by_class,
+    object_class_shares,
+)
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 from probcaps.plotting import plot_confusion_matrix, plot_objects_by_class
 
@@ -53,7 +68,7 @@ def _brute_force_counts(model, latents):
     conditioning the model on it and the latents, normalised over all ``(K+1)^M`` assignments."""
     B, M = latents.part_logits.shape
     K = latents.parent_logits.shape[1]
-    clamp = lambda t: torch.sigmoid(t).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)  # noqa: E731
+    clamp = lambda t: torch.sigmoid(t).clamp(RELAXED_CLAMP, 1 - RELAXED_CLAMP)
     values = {"z1": clamp(latents.parent_logits), "y1": latents.parent_poses, "z0": clamp(latents.part_logits),
               "y0": latents.part_poses}
     x = torch.zeros(B, 1, 12, 12, dtype=torch.float64)
@@ -311,8 +326,13 @@ def test_information_rows_rank_the_seeds_and_correlate_by_hand():
 def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_clean, seed, codes):
     # catches: a readout, split or per-class report missing from the results, or figures not written; with object
     # codes, a "presences + poses" readout that reads the codes too
-    from probcaps.inference.capsule_svi import (encode_dataset, load_experiment_config, load_images, load_trained,
-                                                train_capsules)
+    from probcaps.inference.capsule_svi import (
+        encode_dataset,
+        load_experiment_config,
+        load_images,
+        load_trained,
+        train_capsules,
+    )
 
     cfg = load_experiment_config(tiny_toml, ["train.steps=2", f"model.object_code_dims={codes}"])
     train_capsules(cfg, tmp_path / "run", progress=False)

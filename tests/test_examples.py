@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import TINY40 as TINY40_COMMON, train_tiny40
+from conftest import TINY40 as TINY40_COMMON
+from conftest import train_tiny40
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,7 +146,8 @@ def _report_argv(ctx):
 
 
 def _check_report(ctx):
-    assert (ctx.tmp / "README.md").read_text() == "x\n<!-- results:example -->\n| a | table |\n<!-- /results:example -->\ny\n"
+    expected = "x\n<!-- results:example -->\n| a | table |\n<!-- /results:example -->\ny\n"
+    assert (ctx.tmp / "README.md").read_text() == expected
 
 
 def _tae_recipe() -> str:

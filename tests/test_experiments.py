@@ -133,8 +133,8 @@ def test_ablations_table_lays_out_one_row_per_try(tmp_path):
                                                          note="uncommitted changes")))
     assert mnist_probe.ablations_table(tmp_path / "none") is None
     rows = [line for line in mnist_probe.ablations_table(tmp_path).splitlines() if line.startswith("| `")]
-    assert rows == ["| `a_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | 50.0 | — | — | — | "
-                    "— | — | — | abc1234* |",
+    assert rows == ["| `a_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | 50.0 | — | — | "
+                    "— | — | — | — | abc1234* |",
                     "| `b_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | — | — | "
                     "98.1 ± 0.2 | — | — | — | 2301 | abc1234 |"]
     (folder / "c_try.json").write_text(json.dumps({"name": "c_try", "metrics": {}}))

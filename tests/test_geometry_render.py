@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from probcaps import render
-
 from probcaps.geometry import (
     affine_matrix,
     compose,
@@ -26,8 +25,16 @@ from probcaps.geometry import (
     rotation_matrix,
     translation_matrix,
 )
-from probcaps.render import (alpha_over, composite_over, footprints, render_over, render_templates, sampling_grid,
-                             warp, window_sides)
+from probcaps.render import (
+    alpha_over,
+    composite_over,
+    footprints,
+    render_over,
+    render_templates,
+    sampling_grid,
+    warp,
+    window_sides,
+)
 
 DT = torch.float64
 
@@ -131,7 +138,8 @@ def test_invert_min_abs_det_keeps_singular_maps_finite_and_regular_ones_exact():
     safe = invert(flat, min_abs_det=1e-6)
     assert torch.isfinite(safe).all()
     # the floored determinant keeps its sign (-1e-6): entries e / det and a / det
-    assert torch.isclose(safe[1, 0, 0], torch.tensor(1e-14, dtype=DT)) and torch.isclose(safe[1, 1, 1], torch.tensor(-1e-14, dtype=DT))
+    assert torch.isclose(safe[1, 0, 0], torch.tensor(1e-14, dtype=DT))
+    assert torch.isclose(safe[1, 1, 1], torch.tensor(-1e-14, dtype=DT))
     assert safe[0, 0, 2] == 0 and safe[0, 1, 2] == 0
 
 
@@ -151,7 +159,7 @@ def test_warp_of_a_singular_pose_is_blank_with_finite_gradients():
 
 def test_affine_matrix_known_values():
     # catches: cos/sin swapped, rotation direction flipped, scales applied to rows instead of columns, shear misplaced
-    t = lambda v: torch.tensor(v, dtype=DT)  # noqa: E731
+    t = lambda v: torch.tensor(v, dtype=DT)
     R = affine_matrix(t(1.0), t(1.0), t(math.pi / 2), t(0.0), t(0.0), t(0.0))
     assert torch.allclose(R, t([[0.0, -1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]), atol=1e-15)
     # S(2, 3) first, then R(90°): x-axis -> (0, 2), y-axis -> (-3, 0); translation in the last column

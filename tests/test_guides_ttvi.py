@@ -13,11 +13,11 @@ import torch
 from pyro import poutine
 from pyro.infer import TraceEnum_ELBO
 
+from probcaps.data import synthetic_digits, to_float
+from probcaps.geometry import restrict_pose6
 from probcaps.inference.guides import CapsuleEncoder, DeltaGuide, EncoderConfig, NormalPoseGuide, from_delta
 from probcaps.inference.ttvi import FreeFormGuide, _concrete_sample, per_image_elbo, run_ttvi, ttvi_batches
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
-from probcaps.data import synthetic_digits, to_float
-from probcaps.geometry import restrict_pose6
 
 K, M, T, S = 2, 3, 5, 12
 ENC = dict(channels=[8, 8], strides=[2, 2], set_hidden=16, set_heads=2, set_inducing=4, set_blocks=1, parent_code=8,

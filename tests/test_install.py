@@ -11,7 +11,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from conftest import REAL_DATA_ROOT, requires_real_mnist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +86,8 @@ def test_an_installed_package_trains_evaluates_and_lists_from_an_empty_folder(in
     missing = _run(installed, work, "draw-objects", "--checkpoint", "mnist", "--limit", "8", env=cache)
     last = missing.stderr.strip().splitlines()[-1]  # argparse's usage, then its one error line
     assert missing.returncode == 2 and "error: argument --checkpoint" in last, missing.stderr
-    assert str(tmp_path / "cache" / "probcaps" / "checkpoints" / "mnist.pt") in last and "Traceback" not in missing.stderr
+    assert str(tmp_path / "cache" / "probcaps" / "checkpoints" / "mnist.pt") in last
+    assert "Traceback" not in missing.stderr
     (tmp_path / "cache" / "probcaps" / "checkpoints").mkdir(parents=True)
     shutil.copy(ROOT / "checkpoints" / "mnist.pt", tmp_path / "cache" / "probcaps" / "checkpoints" / "mnist.pt")
     drawn = _run(installed, work, "draw-objects", "--checkpoint", "mnist", "--limit", "64", "--quiet",

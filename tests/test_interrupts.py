@@ -12,10 +12,10 @@ import multiprocessing
 import os
 import signal
 
+import interrupt_target as target
 import pytest
 import torch
 
-import interrupt_target as target
 from probcaps.checkpoints import load_checkpoint
 from probcaps.io import read_jsonl
 
@@ -31,7 +31,7 @@ def _child(out_dir, signum, step, point, resume=False):
         target.run(out_dir, signum=signum, step=step, point=point, resume=resume)
     except KeyboardInterrupt as e:
         os._exit(getattr(e, "exit_code", 130))
-    except BaseException:  # noqa: BLE001 - any other end is a failure the parent reports
+    except BaseException:
         os._exit(1)
     os._exit(0)
 

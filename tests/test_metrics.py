@@ -21,7 +21,6 @@ from probcaps.metrics import (
 )
 from probcaps.provenance import device_description, git_commit, provenance, write_results
 
-
 # --------------------------------------------------------------------------- linear probe
 
 
@@ -212,7 +211,8 @@ def test_git_commit_outside_and_inside_a_checkout(tmp_path):
         pytest.skip("git not installed")
     repo = tmp_path / "repo"
     repo.mkdir()
-    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
 
     def git(*args):
         subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True)

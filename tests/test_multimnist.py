@@ -7,8 +7,14 @@ import torch
 
 from probcaps.data import synthetic_digits
 from probcaps.data.loaders import seeded_generator
-from probcaps.data.multimnist import (bounding_boxes, box_iou, compose_pairs, multimnist_batches, multimnist_pairs,
-                                      sample_pairs)
+from probcaps.data.multimnist import (
+    bounding_boxes,
+    box_iou,
+    compose_pairs,
+    multimnist_batches,
+    multimnist_pairs,
+    sample_pairs,
+)
 from tests.conftest import requires_real_mnist
 
 
@@ -98,8 +104,8 @@ def test_batches_are_float_and_match_pairs(digits):
 
 @requires_real_mnist
 def test_real_mnist_pairs():
-    from tests.conftest import REAL_DATA_ROOT
     from probcaps.data import load_mnist
+    from tests.conftest import REAL_DATA_ROOT
 
     images, labels = load_mnist("test", data_dir=REAL_DATA_ROOT)
     images, labels = torch.as_tensor(images)[:2000], torch.as_tensor(labels).long()[:2000]

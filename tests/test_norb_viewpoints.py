@@ -56,8 +56,8 @@ def test_norb_viewpoints_entry_point(tmp_path):
 
 def test_train_eval_subset_is_fixed_training_images(tmp_path):
     # catches: the training-image score drawn from test images, from novel views, or from a different subset per call
-    from probcaps.experiments.norb_viewpoints import load_config, load_sets
     from probcaps.data.smallnorb import TRAIN_AZIMUTHS
+    from probcaps.experiments.norb_viewpoints import load_config, load_sets
 
     cfg = load_config(ROOT / "experiments" / "configs" / "norb_azimuth.toml", [
         "data.instances_per_split=1", "data.elevations=1", "data.lightings=1", "data.train_eval=12"])
@@ -130,8 +130,8 @@ def test_norb_viewpoints_bad_config_is_one_line(tmp_path, capsys):
 def test_all_views_reference_trains_on_every_view_and_reports_the_ends(tmp_path):
     # catches: the all-views reference still training on the familiar azimuths only, scoring other test images than
     # the matched comparison, or its table passing off a matched comparison it did not make
-    from probcaps.experiments import norb_viewpoints
     from probcaps.data.smallnorb import TRAIN_AZIMUTHS
+    from probcaps.experiments import norb_viewpoints
 
     configs = ROOT / "experiments" / "configs"
     tiny = TINY[1::2]  # the overrides without their "--set"
@@ -187,8 +187,8 @@ def test_shipped_norb_configs_load_and_name_their_results(path):
 
 def test_training_figure_averages_seeds_only_at_shared_steps(tmp_path, capsys, monkeypatch):
     # catches: seeds evaluated at different steps averaged point by point as if they were aligned
-    from probcaps.experiments import norb_viewpoints
     from probcaps.errors import ConfigError
+    from probcaps.experiments import norb_viewpoints
 
     def log(steps, acc=0.5):
         return [{"step": t, "familiar_acc": acc + t / 1000, "novel_acc": 0.4} for t in steps]

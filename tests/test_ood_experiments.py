@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TINY40 as TINY40_COMMON
+from conftest import train_tiny40
 
 ROOT = Path(__file__).resolve().parent.parent
 
 from probcaps.errors import DataError  # noqa: E402
-
-from conftest import TINY40 as TINY40_COMMON, train_tiny40  # noqa: E402
 
 TINY40 = [*TINY40_COMMON, "train.steps=3", "train.checkpoint_every=3"]
 
@@ -160,8 +160,8 @@ def test_rotated_digits_checks_follow_the_acceptance_criteria():
 
 def test_reencoding_unchanged_parts_gives_the_encoders_objects(tiny_checkpoint):
     # catches: re-encoded objects that differ from the encoder's when the parts did not move
-    from probcaps.inference.ttvi import reencode_parents
     from probcaps.inference.capsule_svi import load_trained
+    from probcaps.inference.ttvi import reencode_parents
 
     _, system = load_trained(tiny_checkpoint)
     x = torch.rand(5, 1, 40, 40)
@@ -172,8 +172,8 @@ def test_reencoding_unchanged_parts_gives_the_encoders_objects(tiny_checkpoint):
 
 
 def test_affnist_entry_point_reads_a_real_format_file(tiny_checkpoint, fake_mnist_root, tmp_path):
-    from probcaps.experiments import affnist
     from probcaps.data.affnist import write_affnist_mat
+    from probcaps.experiments import affnist
 
     images, labels = _digits(12)
     mat = write_affnist_mat(tmp_path / "test.mat", images, labels)

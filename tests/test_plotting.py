@@ -86,7 +86,8 @@ def test_plot_curves(tmp_path):
         "angle acc": (torch.arange(10.0), torch.linspace(0.9, 0.5, 10), np.full(10, 0.02)),
     }
     _assert_png(plot_curves(curves, tmp_path / "c.png", "step", "loss", title="t", logy=True), tmp_path)
-    _assert_png(plot_curves({"many": (np.arange(500), np.random.default_rng(0).random(500))}, tmp_path / "m.png", "x", "y"), tmp_path)
+    curves = {"many": (np.arange(500), np.random.default_rng(0).random(500))}
+    _assert_png(plot_curves(curves, tmp_path / "m.png", "x", "y"), tmp_path)
     with pytest.raises(ValueError, match="curves"):
         plot_curves({}, tmp_path / "bad.png", "x", "y")
     with pytest.raises(ValueError, match="train"):
@@ -103,7 +104,8 @@ def test_plot_curve_panels(tmp_path):
         {"curves": {"loss": (np.arange(200), np.exp(-np.arange(200) / 50.0))}, "xlabel": "step", "ylabel": "loss",
          "title": "training loss", "logy": True},
         {"curves": {"LeNet-5": (x, np.linspace(99, 20, 13), np.full(13, 1.5)), "CapsNet": (x, np.linspace(99, 30, 13))},
-         "references": {"numpy reproduction, LeNet-5": ([0, 35], [98.7, 76.1])}, "colours": {"LeNet-5": "C0", "numpy reproduction, LeNet-5": "C0"},
+         "references": {"numpy reproduction, LeNet-5": ([0, 35], [98.7, 76.1])},
+         "colours": {"LeNet-5": "C0", "numpy reproduction, LeNet-5": "C0"},
          "vlines": [35], "ylim": (0, 101), "xlabel": "angle", "ylabel": "accuracy (%)"},
     ]
     _assert_png(plot_curve_panels(panels, tmp_path / "p.png"), tmp_path)

@@ -9,10 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from probcaps.data.smallnorb import (ELEVATIONS, SMALLNORB_SPLITS, TRAIN_AZIMUTHS, NorbSet, crop32, downsample,
-                                     load_smallnorb, read_norb_matrix, viewpoint_split, write_norb_matrix)
-from probcaps.data.synthetic_norb import (AZIMUTHS, ELEVATIONS_DEG, _cache_key, class_parts, render_views,
-                                          synthetic_norb)
+from probcaps.data.smallnorb import (
+    ELEVATIONS,
+    SMALLNORB_SPLITS,
+    TRAIN_AZIMUTHS,
+    NorbSet,
+    crop32,
+    downsample,
+    load_smallnorb,
+    read_norb_matrix,
+    viewpoint_split,
+    write_norb_matrix,
+)
+from probcaps.data.synthetic_norb import AZIMUTHS, ELEVATIONS_DEG, _cache_key, class_parts, render_views, synthetic_norb
 from probcaps.data.transforms import standardise_per_image
 from probcaps.errors import DataError
 

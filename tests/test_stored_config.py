@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_bad_input import bad_values
 
 from probcaps import cli
 from probcaps.inference.capsule_svi import SCHEMA, load_trained
-from test_bad_input import bad_values
 
 COMMANDS = ("evaluate", "ttvi", "draw-objects")
 
@@ -33,6 +33,7 @@ def _setup(no_reexec, pyro_clean, tmp_path, monkeypatch):
 def stored(tmp_path_factory) -> dict:
     """The contents of a two-step checkpoint of the tiny capsule model, without its optimiser state."""
     from conftest import TINY_TOML
+
     from probcaps.checkpoints import load_checkpoint
     from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
 

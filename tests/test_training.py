@@ -13,18 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
-from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, load_images, load_trained, train_capsules
-from probcaps.inference.guides import EncoderConfig
-from probcaps.checkpoints import load_checkpoint, run_finished, save_checkpoint
-from probcaps.inference.train import TrainConfig, make_elbo, read_jsonl, train_loop
-from probcaps.models.capsule_model import CapsuleModelConfig
-from probcaps.data import placed_mnist
-from probcaps.geometry import restrict_pose6
-from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
-from probcaps.io import atomic_write
-
 from conftest import REAL_DATA_ROOT, requires_real_mnist
+
+from probcaps.checkpoints import load_checkpoint, run_finished, save_checkpoint
+from probcaps.data import placed_mnist
+from probcaps.errors import CheckpointError, ConfigError, TrainingDiverged
+from probcaps.geometry import restrict_pose6
+from probcaps.inference.capsule_svi import (
+    CapsuleSystem,
+    load_experiment_config,
+    load_images,
+    load_trained,
+    train_capsules,
+)
+from probcaps.inference.guides import EncoderConfig
+from probcaps.inference.train import TrainConfig, make_elbo, read_jsonl, train_loop
+from probcaps.io import atomic_write
+from probcaps.models.capsule_model import CapsuleModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 import probcaps.render  # noqa: E402
 from probcaps.checkpoints import run_finished  # noqa: E402
-from probcaps.models import transforming_autoencoder as tae_module  # noqa: E402
-from probcaps.models.transforming_autoencoder import (TransformingAutoencoder, TransformingAutoencoderConfig,  # noqa: E402
-                                             estimate_transform, pose_consistency, transform_components)
 from probcaps.errors import ConfigError  # noqa: E402
 from probcaps.geometry import affine_matrix, compose, invert, rotation_matrix, translation_matrix  # noqa: E402
+from probcaps.models import transforming_autoencoder as tae_module  # noqa: E402
+from probcaps.models.transforming_autoencoder import (  # noqa: E402
+    TransformingAutoencoder,
+    TransformingAutoencoderConfig,
+    estimate_transform,
+    pose_consistency,
+    transform_components,
+)
 from probcaps.render import render_templates, warp  # noqa: E402
 
 
@@ -317,12 +321,14 @@ def test_pose_consistency_by_hand():
     assert value.item() == pytest.approx(0.02 / 2, abs=1e-7)
     # measured in the template frame: P1 = I, P2 = diag(2, 2, 1), T = I -> E = P2⁻¹ = diag(.5, .5, 1):
     # ‖E − I‖² = 0.25 + 0.25 and ‖E⁻¹ − I‖² = 1 + 1, so 2.5 in all
-    assert pose_consistency(torch.eye(3).expand(1, 1, 3, 3), torch.diag(torch.tensor([2.0, 2.0, 1.0])).expand(1, 1, 3, 3),
-                            torch.eye(3).expand(1, 3, 3), torch.ones(1, 1)).item() == pytest.approx(2.5)
+    doubled = torch.diag(torch.tensor([2.0, 2.0, 1.0])).expand(1, 1, 3, 3)
+    assert pose_consistency(torch.eye(3).expand(1, 1, 3, 3), doubled, torch.eye(3).expand(1, 3, 3),
+                            torch.ones(1, 1)).item() == pytest.approx(2.5)
     # a pose shrunk by s that ignores a 0.1 shift costs 2 (0.1 / s)²: shrinking poses cannot hide a mismatch
     for s_ in (1.0, 0.1):
         P = torch.diag(torch.tensor([s_, s_, 1.0])).expand(1, 1, 3, 3)
-        assert pose_consistency(P, P, shift[:1], torch.ones(1, 1)).item() == pytest.approx(2 * (0.1 / s_) ** 2, rel=1e-4)
+        cost = pose_consistency(P, P, shift[:1], torch.ones(1, 1)).item()
+        assert cost == pytest.approx(2 * (0.1 / s_) ** 2, rel=1e-4)
 
 
 def test_recognition_averaged_over_warps_by_hand():
@@ -550,9 +556,9 @@ def test_entry_point_runs_both_recipes_on_tiny_data_and_resumes(tmp_path):
     assert "R²(dx)" in table and "R²(m12)" in table and "0.78" in table
     assert "the worst 2% of held-out pairs hold" in table
     # the affine models re-scored with recognition averaged over 3 warps: their own rows in the table
-    affine_out = str(runs / "transforming_autoencoder_affine")
-    assert exp.main(["--config", affine, "--out", affine_out, "--resume", "--name", "transforming_autoencoder_affine_tta",
-                     *common, *TINY, *TINY_CONV, "--set", "eval.figures=false", "--set", "eval.test_time_warps=3"]) == 0
+    affine_out, tta_name = str(runs / "transforming_autoencoder_affine"), "transforming_autoencoder_affine_tta"
+    assert exp.main(["--config", affine, "--out", affine_out, "--resume", "--name", tta_name, *common, *TINY,
+                     *TINY_CONV, "--set", "eval.figures=false", "--set", "eval.test_time_warps=3"]) == 0
     tta = json.loads((results / "transforming_autoencoder_affine_tta.json").read_text())["metrics"]["per_seed"]
     assert tta[0]["test_time_warps"] == 3 and tta[0]["steps"] == 4
     assert "R²(m11), recognition averaged over 3 known warps" in exp.readme_table(results)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from conftest import REAL_DATA_ROOT, real_mnist_available
-
 import jupytext  # the test extra installs it: missing, the suite fails rather than skips
 import nbclient
+import pytest
+from conftest import REAL_DATA_ROOT, real_mnist_available
 
 TUTORIALS = Path(__file__).resolve().parent.parent / "docs" / "tutorials"
 NEEDS_MNIST = {"trained_model.py"}  # the shipped MNIST model on real test digits

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints import read_plain, save_checkpoint
 from ..errors import CheckpointError, DataError
 from ..geometry import degrees
-from ..checkpoints import read_plain, save_checkpoint
 from .loaders import seeded_generator
 from .mnist import user_cache_dir
 from .smallnorb import NORB_CLASSES, NorbSet
