@@ -21,7 +21,7 @@ from probcaps.inference.capsule_svi import load_images, load_trained
 from probcaps.inference.likelihood import PRESENCE_DENSITIES, bound_summary, log_likelihood_bound
 from probcaps.inference.ttvi import FreeFormGuide, run_ttvi
 from probcaps.provenance import provenance, write_results
-from probcaps.report import provenance_line, write_table
+from probcaps.report import provenance_line, results_table, write_table
 from probcaps.runner import (
     add_common_args,
     checkpoint_arg,
@@ -31,12 +31,14 @@ from probcaps.runner import (
     non_negative_int,
     one_line_errors,
     positive_int,
+    setup_run,
 )
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
 
 
-def _table(m: dict, prov: dict) -> str:
+@results_table("likelihood_normal_guide")
+def readme_table(m: dict, prov: dict) -> str:
     """The markdown table of a results JSON written by :func:`main`."""
     lines = ["| guide | presences scored by | " + " | ".join(f"K = {k}" for k in m["samples"]) + " |",
              "| --- | --- | " + " | ".join("---" for _ in m["samples"]) + " |"]
@@ -57,7 +59,8 @@ def _table(m: dict, prov: dict) -> str:
 @one_line_errors("heldout_likelihood")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", type=checkpoint_arg, required=True, help="a model with Normal poses")
+    p.add_argument("--checkpoint", type=checkpoint_arg, default=None,
+                   help="a model with Normal poses (a shipped one by name, e.g. normal_guide, or a file)")
     p.add_argument("--samples", type=positive_int, nargs="+", default=[1, 10, 100], help="the K of each bound")
     p.add_argument("--limit", type=positive_int, default=200, help="the first N test images")
     p.add_argument("--presence-density", nargs="+", choices=PRESENCE_DENSITIES, default=list(PRESENCE_DENSITIES))
@@ -66,10 +69,17 @@ def main(argv=None) -> int:
     p.add_argument("--ttvi-lr", type=finite_positive_float, default=0.01)
     p.add_argument("--batch-size", type=positive_int, default=100)
     p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--tables-only", action="store_true",
+                   help="rewrite the table of every results JSON in RESULTS_DIR from the JSON, then stop")
     p.add_argument("--name", type=file_name_arg, default=None, help="names the results files (default: "
                                                                     "likelihood_<checkpoint stem>)")
     add_common_args(p, results_dir=Path("results") / EXPERIMENT, threads=1)
     args = p.parse_args(argv)
+    if setup_run(args, lambda results: [write_table(results, path.stem, readme_table(results, path.stem))
+                                        for path in sorted(Path(results).glob("*.json"))]):
+        return 0
+    if args.checkpoint is None:
+        p.error("the following arguments are required: --checkpoint")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     cfg, system = load_trained(args.checkpoint, device=args.device)
@@ -101,8 +111,8 @@ def main(argv=None) -> int:
     prov = provenance(seed=args.seed, device=args.device, checkpoint=str(args.checkpoint),
                       wall_time_s=time.perf_counter() - t0, threads=args.threads)
     path = write_results(Path(args.results_dir) / f"{name}.json", metrics, prov)
-    write_table(args.results_dir, name, _table(metrics, prov))
-    print(_table(metrics, prov))
+    write_table(args.results_dir, name, readme_table.__wrapped__(metrics, prov))
+    print(readme_table.__wrapped__(metrics, prov))
     print(f"wrote {path}")
     return 0
 

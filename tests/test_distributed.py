@@ -22,8 +22,9 @@ from probcaps.cli import main
 from probcaps.errors import CheckpointError
 from probcaps.inference.capsule_svi import encode_dataset
 from probcaps.inference.distributed import World, init_from_env
-from probcaps.inference.train import TrainConfig, read_jsonl, train_loop
+from probcaps.inference.train import TrainConfig, train_loop
 from probcaps.inference.ttvi import ttvi_batches
+from probcaps.io import read_jsonl
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 

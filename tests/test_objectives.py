@@ -15,7 +15,8 @@ from probcaps.errors import ConfigError
 from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config, train_capsules
 from probcaps.inference.guides import DeltaGuide, EncoderConfig
 from probcaps.inference.objectives import iwae_loss, score_function_loss
-from probcaps.inference.train import TrainConfig, make_elbo, read_jsonl
+from probcaps.inference.train import TrainConfig, make_elbo
+from probcaps.io import read_jsonl
 from probcaps.models.capsule_model import CapsuleModelConfig
 
 K, M, T, S = 2, 3, 5, 12

@@ -27,8 +27,8 @@ from probcaps.inference.capsule_svi import (
     train_capsules,
 )
 from probcaps.inference.guides import EncoderConfig
-from probcaps.inference.train import TrainConfig, make_elbo, read_jsonl, train_loop
-from probcaps.io import atomic_write
+from probcaps.inference.train import TrainConfig, make_elbo, train_loop
+from probcaps.io import atomic_write, read_jsonl
 from probcaps.models.capsule_model import CapsuleModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -667,7 +667,7 @@ def test_a_damaged_log_line(tmp_path):
     # catches: a record half-written by a kill making --resume crash; a damaged record before the last passing
     # silently
     from probcaps.errors import DataError
-    from probcaps.inference.train import read_jsonl, truncate_log
+    from probcaps.io import read_jsonl, truncate_log
 
     log = tmp_path / "log.jsonl"
     log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
