@@ -45,7 +45,7 @@ def readme_table(m: dict, prov: dict) -> str:
     labels = {"encoder": "amortised (encoder)", "ttvi": f"test-time VI, {m['ttvi_steps']} steps"}
     densities = {"logit": "logits' densities (a bound)", "clamped": "clamped densities (the training ELBO's)"}
     for guide, by_density in m["bounds"].items():
-        for density, by_k in by_density.items():
+        for density, by_k in ((d, by_density[d]) for d in PRESENCE_DENSITIES if d in by_density):  # as run
             cells = [f"{by_k[str(k)]['mean']:.1f} ± {by_k[str(k)]['stderr']:.1f}" + (
                 f" ({by_k[str(k)]['gain']['mean']:+.1f} ± {by_k[str(k)]['gain']['stderr']:.1f})" if i else "")
                 for i, k in enumerate(m["samples"])]

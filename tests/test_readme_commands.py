@@ -356,7 +356,10 @@ def test_committed_tables_are_what_their_results_give(tmp_path, monkeypatch):
                 source.read_text())["metrics"]):
             write_table(tmp_path / path.parent.name, path.stem, readout_table(tmp_path / path.parent.name, path.stem))
             rebuilt.add(name)
-    rebuilt.add("models/cards")  # the shipped models' cards: tests/test_registry.py rebuilds and compares it
+    from probcaps.registry import cards_table, model_cards
+
+    write_table(tmp_path / "models", "cards", cards_table(model_cards()))  # the shipped models' cards
+    rebuilt.add("models/cards")
     committed = {f"{p.parent.name}/{p.stem}" for p in results.glob("*/*.md")}
     assert committed <= rebuilt, f"no rule rebuilds {sorted(committed - rebuilt)} (add it to TABLE_SOURCES)"
     differ = [name for name in sorted(committed) if (tmp_path / f"{name}.md").read_text()
