@@ -140,3 +140,19 @@ def tiny_toml(tmp_path) -> Path:
     path = tmp_path / "tiny.toml"
     path.write_text(TINY_TOML)
     return path
+
+
+#: the tiny capsule model of the guide, test-time VI, likelihood and objective tests: K objects, M parts, T-pixel
+#: templates on an S-pixel canvas, and its encoder's sizes
+K, M, T, S = 2, 3, 5, 12
+TINY_ENCODER = dict(channels=[8, 8], strides=[2, 2], set_hidden=16, set_heads=2, set_inducing=4, set_blocks=1,
+                    parent_code=8, head_hidden=8, part_embedding=4)
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test (tiny models run fastest so, and results do not depend on the machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

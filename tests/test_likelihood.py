@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+from conftest import TINY_ENCODER as ENC
+from conftest import K, M, S, T
 from pyro.infer import TraceEnum_ELBO
 
 from probcaps.data import synthetic_digits, to_float
@@ -19,15 +21,7 @@ from probcaps.inference.objectives import _repeated
 from probcaps.inference.ttvi import FreeFormGuide
 from probcaps.models.capsule_model import CapsuleModel, CapsuleModelConfig
 
-K, M, T, S = 2, 3, 5, 12
-ENC = dict(channels=[8, 8], strides=[2, 2], set_hidden=16, set_heads=2, set_inducing=4, set_blocks=1, parent_code=8,
-           head_hidden=8, part_embedding=4)
-
-
-@pytest.fixture(autouse=True)
-def _setup(pyro_clean, seed):
-    torch.set_num_threads(1)
-    yield
+pytestmark = pytest.mark.usefixtures("pyro_clean", "seed", "one_thread")
 
 
 def _system(temperature=0.5, seed=0):
