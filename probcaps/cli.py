@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import io
 import sys
+import textwrap
 from pathlib import Path
 
 from probcaps.errors import ProbcapsError
@@ -182,8 +183,9 @@ def _train(args) -> None:
         print(summary_table(metrics, f"{state.step:,} steps"))
         results = Path(args.results_dir)
         print(f"all metrics: {results / (cfg['name'] + '.json')}")
-        figures = sorted(results.glob(f"{cfg['name']}_*.png"))
-        print("figures: " + (", ".join(str(f) for f in figures) if figures else "none (eval.figures = false)"))
+        figures = sorted(f.name for f in results.glob(f"{cfg['name']}_*.png"))
+        listed = ", ".join(figures) if figures else "none (eval.figures = false)"
+        print(textwrap.fill(f"figures in {results}/: {listed}", width=120, subsequent_indent="  "))
 
 
 #: the readouts of the short table after a demo or a training with --evaluate: (results key, what it is, scale)
