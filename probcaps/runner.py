@@ -170,7 +170,7 @@ def config_arg(text: str) -> str:
     try:
         return str(resolve_config(text))
     except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--config {text}: ")) from None
+        raise argparse.ArgumentTypeError(str(e).replace(f"--config {text}: ", f"{text}: ", 1)) from None
 
 
 def checkpoint_arg(text: str) -> str:
@@ -181,7 +181,7 @@ def checkpoint_arg(text: str) -> str:
     try:
         return str(resolve_checkpoint(text))
     except CheckpointError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--checkpoint {text}: ")) from None
+        raise argparse.ArgumentTypeError(str(e).replace(f"--checkpoint {text}: ", f"{text}: ", 1)) from None
 
 
 def add_config_args(p: argparse.ArgumentParser, config, seeds: list[int], config_help: str | None = None) -> None:
