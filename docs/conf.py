@@ -30,4 +30,6 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
 html_theme = "alabaster"
+# the results tables are wide: the page takes the window's width rather than alabaster's 940 px
+html_theme_options = {"page_width": "95%", "body_max_width": "none"}
 html_title = "probcaps"

@@ -228,20 +228,34 @@ def write_model_cards(checkpoints_dir: str | os.PathLike = "checkpoints", cards_
     return atomic_write(Path(cards_file), lambda f: f.write(text), mode="w")
 
 
+def _short_device(device: str | None) -> str:
+    """``"cpu: Intel(R) Xeon(R) Processor (2 cores, 1 torch threads)"`` -> ``"Intel Xeon, 1 thread"``."""
+    if not device:
+        return "—"
+    name, _, detail = device.partition(" (")
+    name = re.sub(r"\(R\)|\(TM\)|Processor|CPU|^cpu: |^cuda:\d+: ", "", name)
+    threads = re.search(r"(\d+) torch thread", detail)
+    return " ".join(name.split()) + (f", {threads.group(1)} thread{'s' * (threads.group(1) != '1')}" if threads else "")
+
+
 def cards_table(cards: dict[str, dict]) -> str:
-    """The model cards as a markdown table, one row a shipped model, and the footer naming the cards file."""
-    head = ["model", "recipe, seed", "data", "objects / parts", "steps", "training (min)", "device",
-            *(label for _, label, _ in CARD_READOUTS), "results", "sha256"]
+    """The model cards as a markdown table, one row a shipped model, and the footer naming the data and the files."""
+    head = ["model", "recipe, seed", "objects / parts", "steps", "training (min)", "readouts measured on",
+            *(label for _, label, _ in CARD_READOUTS), "sha256"]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, card in cards.items():
         readouts = card.get("readouts", {})
-        cells = [f"`{name}`", f"`{card.get('recipe')}`, {card.get('seed')}", str(card.get("data")),
+        cells = [f"`{name}`", f"`{card.get('recipe')}`, {card.get('seed')}",
                  f"{card.get('objects')} / {card.get('parts')}", f"{card.get('steps'):,}",
-                 str(card.get("wall_time_min")), str(card.get("device") or "—"),
+                 str(card.get("wall_time_min")), _short_device(card.get("device")),
                  *(f"{scale * readouts[key]:.{1 if scale == 100 else 2}f}" if key in readouts else "—"
                    for key, _, scale in CARD_READOUTS),
-                 f"`{card['results']}`" if card.get("results") else "—", f"`{card['sha256'][:12]}…`"]
+                 f"`{card['sha256'][:12]}…`"]
         rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows) + ("\n\nWritten by `probcaps report` from each model's checkpoint in `checkpoints/` and the "
-                              "results file that reads it out; the full cards (and whole sha256) are "
-                              "`probcaps/model_cards.json`, checked whenever a model is named by its bare name.\n")
+    data = sorted({str(card.get("data")) for card in cards.values()})
+    sources = sorted({card["results"] for card in cards.values() if card.get("results")})
+    return "\n".join(rows) + (
+        f"\n\nTrained on {'; '.join(data)}; readouts on the MNIST test set (probes and k-means in %) from "
+        f"{', '.join(f'`{s}`' for s in sources)}. Written by `probcaps report` from each model's checkpoint in "
+        "`checkpoints/` and the results file that reads it out; the full cards (and whole sha256) are "
+        "`probcaps/model_cards.json`, checked whenever a model is named by its bare name.\n")
