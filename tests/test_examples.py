@@ -210,6 +210,8 @@ EXAMPLES = [
             tables_argv=lambda c: ["--tables-only", "--results-dir", str(c.results)]),
     # needs a Normal-pose model: its tiny run is tests/test_likelihood.py's command test
     Example("heldout_likelihood", "experiments.heldout_likelihood", lambda c: ["--help"]),
+    # reads real MNIST and the shipped models: its tiny run is tests/test_rotated_recognition.py's command test
+    Example("rotated_recognition", "experiments.rotated_recognition", lambda c: ["--help"]),
     Example("rotated_training", "experiments.rotated_training",
             lambda c: ["--thetas", "0", "90", "--seeds", "0", "--out", str(c.tmp / "runs"), "--results-dir",
                        str(c.results), "--quiet", *sets(TINY40)],

@@ -299,6 +299,7 @@ def _mnist_probe_runs() -> list[str]:
 #: results/, its arguments, the tables it writes there)
 TABLE_SOURCES = [
     ("experiments.heldout_likelihood", "heldout_likelihood", [], ["likelihood_normal_guide"]),
+    ("experiments.rotated_recognition", "rotated_recognition", [], ["rotated_recognition"]),
     *[("experiments.mnist_probe", "mnist_probe", ["--name", n],
        [n, "ablations", "mnist_layers_by_recipe", "mnist_nonlinear_by_recipe", "mnist_recipes"])
       for n in _mnist_probe_runs()],
