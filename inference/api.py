@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pyro import poutine
-from pyro.poutine.util import site_is_subsample
 
 from probcaps.data import to_float
 from probcaps.inference.capsule_svi import CapsuleSystem, encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import object_drawings, parent_log_posterior, plot_object_drawings
 from probcaps.inference.guides import Latents
+from probcaps.inference.objectives import log_weights
 from probcaps.inference.ttvi import POSE_FAMILIES, TTVIResult, frozen_and_seeded, ttvi_batches
 from probcaps.registry import resolve_checkpoint
 
@@ -239,13 +238,9 @@ class TrainedCapsuleModel:
         """
         x = self._images(images)
         with frozen_and_seeded((self.model, self.guide), seed, x.device), torch.no_grad():
-            guide_trace = poutine.trace(self.guide).get_trace(x, expected_parents)
-            guide_trace.compute_log_prob()
-            log_q = sum(site["log_prob"].reshape(len(x), -1).sum(-1) for site in guide_trace.nodes.values()
-                        if site["type"] == "sample" and not site_is_subsample(site))  # z0, y0, z1, y1
-            z1, y1, z0, y0 = guide_trace.nodes["_RETURN"]["value"]
-            log_p = self.model.log_joint(x, z1, y1, z0, y0, expected_parents)  # s summed out by logsumexp
-        return (log_p - log_q).cpu()
+            # the training ELBO's scoring of the relaxed presences: one importance weight of the guide
+            return log_weights(self.model, self.guide, x, 1, presence_density="clamped",
+                               expected_parents=expected_parents)[0].cpu()
 
     def ttvi(self, images: torch.Tensor, steps: int = 200, *, lr: float | None = None, pose_family: str = "delta",
              seed: int | None = 0, batch_size: int = 250, progress: bool = False) -> Capsules:
