@@ -28,7 +28,7 @@ from probcaps.inference.train import TrainConfig
 from probcaps.inference.ttvi import reencode_parents, ttvi_batches
 from probcaps.metrics import LinearProbe
 from probcaps.models.cnn_classifier import ConvClassifier
-from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report
+from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report, write_tables_and_tries
 from probcaps.runner import (
     add_run_args,
     launch,
@@ -110,12 +110,10 @@ ABLATION_COLUMNS = [("mnist_probe_presence_pose_acc", "MNIST test, presences + p
 
 
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
-    """Write ``results_dir/<name>.md`` and, when ``results_dir/ablations/`` holds tries, their table
-    ``results_dir/ablations.md``; returns the files written (None: not written)."""
-    from probcaps.report import tries_table, write_table
-
-    return [write_table(results_dir, name, readme_table(results_dir, name)),
-            write_table(results_dir, ABLATIONS, tries_table(results_dir, ABLATION_COLUMNS, "the `affnist_fast` run"))]
+    """``results_dir/<name>.md`` and the table of tries, ``results_dir/ablations.md``
+    (:func:`~probcaps.report.write_tables_and_tries`)."""
+    return write_tables_and_tries(results_dir, name,
+                                  readme_table, ABLATION_COLUMNS, "the `affnist_fast` run", ABLATIONS)
 
 
 @one_line_errors("affnist")

@@ -37,7 +37,7 @@ from probcaps.inference.capsule_svi import (
 from probcaps.inference.evaluate import posterior_part_counts
 from probcaps.io import write_json
 from probcaps.metrics import LinearProbe, class_purity, kmeans_accuracy
-from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
+from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report, write_tables_and_tries
 from probcaps.runner import (
     add_config_args,
     add_run_args,
@@ -166,12 +166,10 @@ ABLATION_COLUMNS = [("probe_presence_pose_test_acc", "probe, presences + poses (
 
 
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
-    """Write ``results_dir/<name>.md`` and, when ``results_dir/ablations/`` holds tries, their table
-    ``results_dir/ablations.md``; returns the files written (None: not written)."""
-    from probcaps.report import tries_table, write_table
-
-    return [write_table(results_dir, name, readme_table(results_dir, name)),
-            write_table(results_dir, ABLATIONS, tries_table(results_dir, ABLATION_COLUMNS, "`rotated_training.toml`"))]
+    """``results_dir/<name>.md`` and the table of tries, ``results_dir/ablations.md``
+    (:func:`~probcaps.report.write_tables_and_tries`)."""
+    return write_tables_and_tries(results_dir, name,
+                                  readme_table, ABLATION_COLUMNS, "`rotated_training.toml`", ABLATIONS)
 
 
 @one_line_errors("rotated_training")

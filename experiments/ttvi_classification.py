@@ -41,7 +41,7 @@ from probcaps.inference.ttvi import (
     ttvi_batches,
 )
 from probcaps.metrics import LinearProbe
-from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report
+from probcaps.report import fmt_mean_std, provenance_line, results_table, write_report, write_tables_and_tries
 from probcaps.runner import (
     add_run_args,
     add_ttvi_args,
@@ -135,13 +135,11 @@ ABLATION_COLUMNS = [("encoder_presence_pose_acc", "encoder (%)", 100.0, 1),
 
 
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
-    """Write ``results_dir/<name>.md`` (:func:`table_text`) and, when ``results_dir/ablations/`` holds tries, their
-    table ``results_dir/ablations.md``; returns the files written (None: not written)."""
-    from probcaps.report import tries_table, write_table
-
-    return [write_table(results_dir, name, table_text(results_dir, name)),
-            write_table(results_dir, ABLATIONS, tries_table(results_dir, ABLATION_COLUMNS,
-                                                            "the fair protocol's run (`ttvi_classification_fair`)"))]
+    """``results_dir/<name>.md`` and the table of tries, ``results_dir/ablations.md``
+    (:func:`~probcaps.report.write_tables_and_tries`)."""
+    return write_tables_and_tries(results_dir, name,
+                                  table_text, ABLATION_COLUMNS, "the fair protocol's run (`ttvi_classification_fair`)",
+                                  ABLATIONS)
 
 
 class PartsGuide(FreeFormGuide):

@@ -21,7 +21,7 @@ from probcaps.provenance import provenance, repo_relative, write_results
 
 __all__ = ["MARKER", "TRY_KEYS", "write_table", "splice_file", "splice_tables", "update_readme", "documents",
            "fmt_mean_std", "command_text", "load_result", "load_try", "provenance_line", "results_in", "results_table",
-           "tries_table", "write_report"]
+           "tries_table", "write_report", "write_tables_and_tries"]
 
 #: a table's name: ``<experiment>/<name>`` (its file: ``results/<experiment>/<name>.md``), or a bare ``<name>``
 _NAME = r"[\w.-]+(?:/[\w.-]+)*"
@@ -276,3 +276,11 @@ def write_report(results_dir, name: str, metrics: dict, write_tables, **prov) ->
     write_tables(Path(results_dir))
     print(f"wrote {path}")
     return path
+
+
+def write_tables_and_tries(results_dir: str | Path, name: str, table, columns: list[tuple[str, str, float, int]],
+                           recipe: str, folder: str = "ablations") -> list[Path | None]:
+    """Write ``results_dir/<name>.md`` (``table(results_dir, name)``) and, when ``results_dir/<folder>/`` holds
+    tries, their :func:`tries_table` as ``results_dir/<folder>.md``; returns the files written (None: not written)."""
+    return [write_table(results_dir, name, table(results_dir, name)),
+            write_table(results_dir, folder, tries_table(results_dir, columns, recipe, folder))]
