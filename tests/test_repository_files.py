@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MAX_RESULTS_FILES, MAX_DOC_LINES, MAX_CHECKPOINTS, MAX_CHECKPOINT_BYTES = 250, 400, 10, 20 * 2 ** 20
+MAX_README_LINES = 250  # the README is for users; the research record is in docs/
 _MARKER = re.compile(r"<!-- results:([\w./-]+) -->")
 _TABLE_BLOCK = re.compile(r"<!-- results:([\w./-]+) -->\n(.*?)<!-- /results:\1 -->", re.S)
 
@@ -118,6 +119,12 @@ def test_docs_page_is_short_enough_to_read(doc):
     # catches: a research page growing into a lab notebook
     lines = len(doc.read_text().splitlines())
     assert lines <= MAX_DOC_LINES, f"{doc.relative_to(ROOT)}: {lines} lines (at most {MAX_DOC_LINES})"
+
+
+def test_the_readme_is_short_enough_for_a_user():
+    # catches: the README growing into the research record that belongs in docs/
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md: {lines} lines (at most {MAX_README_LINES}; move detail to docs/)"
 
 
 def test_no_table_footer_names_a_dirty_commit():
