@@ -17,8 +17,9 @@ from probcaps.checkpoints import load_checkpoint, run_finished, save_checkpoint
 from probcaps.errors import ProbcapsError
 from probcaps.inference.capsule_svi import train_capsules
 from probcaps.inference.guides import Latents
+from probcaps.inference.train import TrainConfig
 from probcaps.report import provenance_line, results_table
-from probcaps.runner import checkpoint_arg, config_dicts
+from probcaps.runner import checkpoint_arg, config_dicts, finite_positive_float, positive_int
 
 #: the shipped model the experiments on a trained model start from by default (``probcaps list``)
 DEFAULT_CHECKPOINT = "mnist"
@@ -33,6 +34,30 @@ def checkpoint_parser(doc: str, checkpoint_help: str | None = None) -> argparse.
     p.add_argument("--checkpoint", type=checkpoint_arg, default=DEFAULT_CHECKPOINT,
                    help=checkpoint_help or f"a shipped model by name (default: {DEFAULT_CHECKPOINT}) or a file")
     return p
+
+
+def add_normal_pose_args(p: argparse.ArgumentParser) -> None:
+    """The options of the full variational pose guide's training from a delta-trained model (Smith et al. 2020,
+    §2.3; ``experiments/normal_guide.py``'s recipe): ``--steps``, ``--lr``, ``--init-scale``, ``--min-scale``,
+    ``--scale-lr-multiplier``."""
+    p.add_argument("--steps", type=positive_int, default=400)
+    p.add_argument("--lr", type=finite_positive_float, default=3e-4)
+    p.add_argument("--init-scale", type=finite_positive_float, default=0.02, help="starting pose scale")
+    p.add_argument("--min-scale", type=finite_positive_float, default=1e-3, help="floor on the pose scales")
+    p.add_argument("--scale-lr-multiplier", type=finite_positive_float, default=30.0,
+                   help="learning-rate multiplier of the scales")
+
+
+def normal_pose_training(system, train: TrainConfig, args, seed: int, **changes) -> TrainConfig:
+    """Swap ``system``'s delta guide for Normal poses (``args.init_scale``, ``args.min_scale``) and return the
+    training config that fits it (:func:`add_normal_pose_args`): ``train`` with ``args.steps``, ``args.lr`` after a
+    short warm-up, ``seed``, and the pose scales at ``args.scale_lr_multiplier`` times the rate; ``changes`` on top
+    (an objective, its particles, a batch size)."""
+    system.use_normal_poses(init_scale=args.init_scale, min_scale=args.min_scale)
+    return TrainConfig(**{**train.to_dict(), "steps": args.steps, "lr": args.lr,
+                          "warmup_steps": min(50, args.steps), "seed": seed, "checkpoint_every": 100,
+                          # the scales start far from where they end: Adam moves a raw parameter ~lr a step
+                          "lr_multipliers": {"guide.pose_scale_raw": args.scale_lr_multiplier}, **changes})
 
 
 def checkpoint_out_path(arg: str | None, name: str) -> Path | None:

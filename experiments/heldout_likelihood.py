@@ -1,25 +1,40 @@
 """The held-out log-likelihood of a trained capsule model (Smith et al. 2020, §6): the K-sample importance bound
-on log p(x) per test image, with the amortised guide and after test-time VI as proposals.
+on log p(x) per test image, with the amortised guide and after test-time VI as proposals; and the same generative
+model trained under other inference, side by side.
 
     probcaps run heldout_likelihood --checkpoint normal_guide --samples 1 10 100 --limit 200 --ttvi-steps 50
+    probcaps run heldout_likelihood --objectives elbo iwae score_function --samples 1 10 100 1000 --limit 200
 
 The bound needs a guide with a density over every latent: a model with Normal poses (``normal_guide``).  Writes
 ``results/heldout_likelihood/<name>.json`` and its table; the maths is :mod:`probcaps.inference.likelihood`.
+
+With ``--objectives``, each of the recommended recipe's trained models (``--start``, one per seed) gets Normal
+poses and is trained on from there, as ``normal_guide`` trains its model, once under each objective
+(:mod:`probcaps.inference.objectives`): the relaxed ELBO, the importance-weighted bound, and score-function
+gradients for Bernoulli presences, the model before the concrete relaxation.  Every objective draws the same number
+of samples a step (``--particles`` K per image on a batch K times smaller), so a step costs about the same.  Each
+trained model is then read out as ``probcaps evaluate`` reads one (its held-out bound, probes, k-means on the
+posterior presences, class purity), the starting models too, into ``<name>.json`` (default ``inferences``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
 
+from probcaps.checkpoints import load_checkpoint
 from probcaps.data import to_float
 from probcaps.errors import CheckpointError
-from probcaps.inference.capsule_svi import load_images, load_trained
+from probcaps.experiments.common import add_normal_pose_args, normal_pose_training, train_run
+from probcaps.inference.capsule_svi import load_images, load_trained, stored_config
+from probcaps.inference.evaluate import compute_evaluation
 from probcaps.inference.likelihood import PRESENCE_DENSITIES, bound_summary, log_likelihood_bound
 from probcaps.inference.ttvi import FreeFormGuide, run_ttvi
+from probcaps.io import write_json
 from probcaps.provenance import provenance, write_results
 from probcaps.report import provenance_line, results_table, write_table
 from probcaps.runner import (
@@ -27,6 +42,7 @@ from probcaps.runner import (
     checkpoint_arg,
     file_name_arg,
     finite_positive_float,
+    folder_arg,
     launch,
     non_negative_int,
     one_line_errors,
@@ -35,6 +51,19 @@ from probcaps.runner import (
 )
 
 EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experiment>/
+
+#: the inferences compared on one generative model: the presences' distribution, the training objective, a label
+INFERENCES = {
+    "elbo": ("relaxed", "elbo", "relaxed ELBO (concrete presences, one sample)"),
+    "iwae": ("relaxed", "iwae", "importance-weighted bound (concrete presences, K samples)"),
+    "score_function": ("bernoulli", "score_function", "Bernoulli presences, score-function gradients (K samples)"),
+}
+#: the recommended recipe's trained models, one per seed: where each comparison starts
+START = ["mnist", "mnist_seed1", "mnist_seed2"]
+#: the readouts of each trained model kept in the comparison (``compute_evaluation``'s numbers)
+KEPT = ("probe_presence_pose_test_acc", "probe_presence_test_acc", "kmeans_posterior_counts_test_acc",
+        "kmeans_posterior_counts_test_acc_init_median", "object_class_purity", "mean_active_parents",
+        "test_elbo_per_image", "test_recon_mse")
 
 
 @results_table("likelihood_normal_guide")
@@ -56,6 +85,102 @@ def readme_table(m: dict, prov: dict) -> str:
     return "\n".join(lines)
 
 
+def pm(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
+    """``mean ± std`` of ``values`` (one per seed) times ``scale``; ``—`` for none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
+
+
+@results_table("inferences")
+def inferences_table(m: dict, prov: dict) -> str:
+    """The table of a comparison written by :func:`compare_inferences`: one row per inference, mean ± std over the
+    seeds."""
+    ks = [str(k) for k in m["samples"]]
+    top = ks[-1]
+    lines = [f"| inference | seeds | held-out bound, K = {top} (nats) | gain over K = {ks[0]} | probe, presences + "
+             f"poses (%) | probe, presences (%) | k-means, posterior presences (%) | k-means, median of 10 starts (%) "
+             f"| class purity | objects on | seconds per step |", "| --- " * 11 + "|"]
+    for key, runs in m["inferences"].items():
+        bounds = [r.get("heldout_bound") for r in runs]
+        top_k = [b["samples"][top]["mean"] if b else None for b in bounds]
+        gain = [b["samples"][top]["gain"]["mean"] if b else None for b in bounds]
+        per_step = [r["train_wall_time_s"] / r["steps"] if r.get("steps") and key != "start" else None for r in runs]
+        lines.append(f"| {m['labels'][key]} | {', '.join(str(r['seed']) for r in runs)} | {pm(top_k)} | {pm(gain)} | "
+                     + " | ".join(pm([r[k] for r in runs], 100.0) for k in KEPT[:4])
+                     + f" | {pm([r['object_class_purity'] for r in runs], 1.0, 3)} | "
+                       f"{pm([r['mean_active_parents'] for r in runs])} | {pm(per_step, 1.0, 2)} |")
+    lines += ["", f"Mean ± std over the seeds; each seed starts from its own model of the recommended recipe "
+              f"({', '.join(f'`{c}`' for c in m['start'])}), gets Normal poses and trains {m['steps']} more steps "
+              f"under the inference of its row, {m['samples_per_step']} samples a step (K = {m['particles']} samples "
+              f"per image on {m['samples_per_step'] // m['particles']} images for the K-sample objectives). "
+              f"Held-out bound: "
+              f"presences scored by their logits' densities, on the first {m['n_bound_images']} test images; the gain "
+              f"is image by image. Probes fit on {m['n_train']} training images, probes and k-means scored on the "
+              f"{m['n_test']} test images. The delta row is the starting models themselves (point-mass poses: no bound "
+              f"on log p(x)). {provenance_line(prov)}"]
+    return "\n".join(lines)
+
+
+def _readout(checkpoint: Path, cache: Path, overrides: list[str], args) -> dict:
+    """The kept readouts (:data:`KEPT`) and the held-out bound of ``checkpoint``, measured once: with ``--resume``
+    read back from ``cache`` when it is of this checkpoint and these settings."""
+    key = {"checkpoint": str(checkpoint), "overrides": overrides,
+           "mtime": checkpoint.stat().st_mtime_ns}
+    if args.resume and cache.is_file():
+        stored = json.loads(cache.read_text())
+        if stored.get("key") == key:
+            return stored["readout"]
+    ev = compute_evaluation(checkpoint, data_dir=args.data_dir, device=args.device, overrides=overrides,
+                            progress=not args.quiet)
+    m = ev.metrics
+    readout = {**{k: m[k] for k in KEPT}, "heldout_bound": m["heldout_bound"], "n_train": m["n_train"],
+               "n_test": m["n_test"], **ev.run}
+    write_json(cache, {"key": key, "readout": readout})
+    return readout
+
+
+def compare_inferences(args) -> dict:
+    """Train each of ``args.start``'s models on under each of ``args.objectives`` and read every model out (see the
+    module docstring); returns the metrics of the comparison."""
+    samples_per_step = None
+    evaluation = [f"eval.likelihood_samples={json.dumps(args.samples)}", f"eval.likelihood_images={args.limit}",
+                  f"eval.probe_train_limit={args.probe_train_limit}", "eval.figures=false",
+                  "eval.layer_readouts=false", "eval.nonlinear_probes=false"]
+    inferences = {"start": []}
+    for start in args.start:
+        cfg = stored_config(load_checkpoint(start), start)
+        seed = cfg["train"].seed
+        if cfg["train"].objective != "elbo" or cfg["model"].presences != "relaxed":
+            raise CheckpointError(f"{start}: expected a model trained under the relaxed ELBO")
+        samples_per_step = samples_per_step or cfg["train"].batch_size
+        # float32 everywhere and no compiled graphs: the seconds per step compare the objectives, not the kernels;
+        # the prior at its final value (the recipe's anneal is behind these models)
+        common = ["encoder.bf16=false", "train.compile=false", "model.expected_parents_start=0"]
+        inferences["start"].append(_readout(Path(start), Path(args.out) / f"start_seed{seed}" / "readout.json",
+                                            evaluation + common[:1], args))
+        for objective in args.objectives:
+            presences, loss, _ = INFERENCES[objective]
+            run_cfg, system = load_trained(start, device=args.device,
+                                           overrides=common + [f"model.presences={presences}"])
+            k = 1 if loss == "elbo" else args.particles
+            run_cfg["train"] = normal_pose_training(system, run_cfg["train"], args, seed, objective=loss,
+                                                    particles=k, batch_size=samples_per_step // k)
+            out = Path(args.out) / f"{objective}_seed{seed}"
+            # the trained model names itself by its inference (train_run names it by args.name)
+            named = argparse.Namespace(**{**vars(args), "name": f"{args.name or 'inferences'}_{objective}"})
+            final, _ = train_run(run_cfg, out, named, system=system)
+            inferences.setdefault(objective, []).append(_readout(final, out / "readout.json", evaluation, args))
+    labels = {"start": "delta poses: the starting models", **{k: v[2] for k, v in INFERENCES.items()}}
+    first = inferences["start"][0]
+    return {"inferences": inferences, "labels": labels, "samples": sorted(set(args.samples)), "steps": args.steps,
+            "particles": args.particles, "samples_per_step": samples_per_step, "start": args.start,
+            "n_bound_images": args.limit, "n_train": first["n_train"], "n_test": first["n_test"]}
+
+
 @one_line_errors("heldout_likelihood")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,16 +197,37 @@ def main(argv=None) -> int:
     p.add_argument("--tables-only", action="store_true",
                    help="rewrite the table of every results JSON in RESULTS_DIR from the JSON, then stop")
     p.add_argument("--name", type=file_name_arg, default=None, help="names the results files (default: "
-                                                                    "likelihood_<checkpoint stem>)")
+                                                                    "likelihood_<checkpoint stem>; inferences)")
+    g = p.add_argument_group("inference compared on one model (--objectives)")
+    g.add_argument("--objectives", nargs="+", choices=list(INFERENCES), default=None,
+                   help="train the --start models on under each of these and compare (instead of --checkpoint)")
+    g.add_argument("--start", type=checkpoint_arg, nargs="+", default=START,
+                   help="delta-trained models of the relaxed ELBO, one per seed (default: the recommended recipe's)")
+    g.add_argument("--particles", type=positive_int, default=4, help="K of the K-sample objectives")
+    g.add_argument("--probe-train-limit", type=non_negative_int, default=10000, help="0: all")
+    g.add_argument("--out", type=folder_arg, default=Path("runs") / EXPERIMENT, help="run folders")
+    g.add_argument("--resume", action="store_true", help="continue interrupted runs; reuse finished ones")
+    add_normal_pose_args(g)
     add_common_args(p, results_dir=Path("results") / EXPERIMENT, threads=1)
     args = p.parse_args(argv)
-    if setup_run(args, lambda results: [write_table(results, path.stem, readme_table(results, path.stem))
-                                        for path in sorted(Path(results).glob("*.json"))]):
+    if setup_run(args, lambda results: [write_table(results, path.stem, (
+            inferences_table if "inferences" in json.loads(path.read_text())["metrics"] else readme_table)(
+            results, path.stem)) for path in sorted(Path(results).glob("*.json"))]):
         return 0
-    if args.checkpoint is None:
-        p.error("the following arguments are required: --checkpoint")
+    if args.checkpoint is None and args.objectives is None:
+        p.error("the following arguments are required: --checkpoint (or --objectives)")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    if args.objectives is not None:
+        metrics = compare_inferences(args)
+        name = args.name or "inferences"
+        prov = provenance(seed=[r["seed"] for r in metrics["inferences"]["start"]], device=args.device,
+                          wall_time_s=time.perf_counter() - t0, threads=args.threads, steps=args.steps,
+                          checkpoints=[str(c) for c in args.start])
+        path = write_results(Path(args.results_dir) / f"{name}.json", metrics, prov)
+        print(write_table(args.results_dir, name, inferences_table.__wrapped__(metrics, prov)).read_text())
+        print(f"wrote {path}")
+        return 0
     cfg, system = load_trained(args.checkpoint, device=args.device)
     if system.guide_spec["family"] != "normal":
         raise CheckpointError(f"{args.checkpoint}: the guide has point-mass poses, so no bound on log p(x) exists "

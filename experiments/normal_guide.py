@@ -19,20 +19,20 @@ import torch
 
 from probcaps.errors import ProbcapsError
 from probcaps.experiments.common import (
+    add_normal_pose_args,
     checkpoint_out_path,
     checkpoint_parser,
     export_checkpoint,
+    normal_pose_training,
     plot_training_curves,
     train_run,
 )
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features
 from probcaps.inference.evaluate import test_elbo
-from probcaps.inference.train import TrainConfig
 from probcaps.metrics import LinearProbe
 from probcaps.report import provenance_line, results_table, write_report
 from probcaps.runner import (
     add_run_args,
-    finite_positive_float,
     launch,
     non_negative_int,
     one_line_errors,
@@ -78,12 +78,7 @@ def readme_table(m: dict, prov: dict) -> str:
 @one_line_errors("normal_guide")
 def main(argv=None) -> int:
     p = checkpoint_parser(__doc__, "the delta-trained starting point")
-    p.add_argument("--steps", type=positive_int, default=400)
-    p.add_argument("--lr", type=finite_positive_float, default=3e-4)
-    p.add_argument("--init-scale", type=finite_positive_float, default=0.02, help="starting pose scale")
-    p.add_argument("--min-scale", type=finite_positive_float, default=1e-3, help="floor on the pose scales")
-    p.add_argument("--scale-lr-multiplier", type=finite_positive_float, default=30.0,
-                   help="learning-rate multiplier of the scales")
+    add_normal_pose_args(p)
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--n-elbo-images", type=positive_int, default=2000)
     p.add_argument("--elbo-samples", type=positive_int, default=3)
@@ -102,12 +97,7 @@ def main(argv=None) -> int:
     elbo_images = test[0][:args.n_elbo_images]
     metrics = {"delta": evaluate(delta, cfg, train, test, elbo_images, args.elbo_samples, args.device)}
     _, system = load_trained(args.checkpoint, device=args.device)
-    system.use_normal_poses(init_scale=args.init_scale, min_scale=args.min_scale)
-    cfg["train"] = TrainConfig(**{**cfg["train"].to_dict(), "steps": args.steps, "lr": args.lr,
-                                  "warmup_steps": min(50, args.steps), "seed": args.seed,
-                                  "checkpoint_every": 100,
-                                  # the scales start far from where they end: Adam moves a raw parameter ~lr a step
-                                  "lr_multipliers": {"guide.pose_scale_raw": args.scale_lr_multiplier}})
+    cfg["train"] = normal_pose_training(system, cfg["train"], args, args.seed)
     final, state = train_run(cfg, Path(args.out), args, system=system)
     _, system = load_trained(final, device=args.device)
     metrics["normal"] = evaluate(system, cfg, train, test, elbo_images, args.elbo_samples, args.device)

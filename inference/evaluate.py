@@ -27,6 +27,7 @@ from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_m
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, stored_config
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.guides import Latents
+from probcaps.inference.likelihood import bound_summary, log_likelihood_bound
 from probcaps.inference.train import make_elbo
 from probcaps.io import restored_on_failure
 from probcaps.metrics import (
@@ -401,6 +402,9 @@ def compute_evaluation(checkpoint: str | Path, name: str | None = None, data_dir
     metrics["template_nearest"] = neighbours["nearest"].tolist()
     metrics["template_distinctness"] = neighbours["distance"].tolist()
     metrics["test_elbo_per_image"] = test_elbo(system, test_images[:2000], device=device)
+    metrics["heldout_bound"] = heldout_bound(system, test_images, ecfg, device, progress)
+    for k, b in (metrics["heldout_bound"] or {"samples": {}})["samples"].items():  # the numbers a seeds' mean takes
+        metrics[f"heldout_bound_k{k}"] = b["mean"]
     metrics["test_recon_mse"] = reconstruction_error(system.model, test_images[:2000], test_lat, device=device)
     parent_on = test_presence > 0.5
     metrics["mean_active_parents"] = float(parent_on.float().sum(1).mean())
@@ -412,6 +416,25 @@ def compute_evaluation(checkpoint: str | Path, name: str | None = None, data_dir
     run = {"seed": seed, "steps": state.get("step"), "train_wall_time_s": state.get("wall_time_s")}
     return Evaluation(name, str(checkpoint), metrics, run, cfg, system, test_images, test_labels, test_lat, test_counts,
                       test_presence, reports, neighbours, device, t0)
+
+
+def heldout_bound(system, images: torch.Tensor, ecfg, device: str = "cpu", progress: bool = False) -> dict | None:
+    """The K-sample importance bound on ``log p(x)`` (:func:`~probcaps.inference.likelihood.log_likelihood_bound`,
+    presences scored by their logits' densities) for each K of ``eval.likelihood_samples``, on the first
+    ``eval.likelihood_images`` of ``images``: ``{"n_images", "samples": {K: {mean, stderr, n, gain}}}`` with the gain
+    over the smallest K image by image; None for a guide with point-mass poses (its bound: ``log p(x, poses)``)."""
+    if system.guide_spec["family"] != "normal" or not ecfg.likelihood_samples:
+        return None
+    images = images[:ecfg.likelihood_images or None]
+    samples = sorted(set(ecfg.likelihood_samples))
+    per_k = {}
+    for k in samples:
+        per_k[k] = log_likelihood_bound(system.model, system.guide, images, k, device=device)
+        if progress:
+            print(f"held-out bound, K = {k}: {float(per_k[k].mean()):.1f} nats per image", flush=True)
+    return {"n_images": len(images),
+            "samples": {str(k): {**bound_summary(b), "gain": bound_summary(b - per_k[samples[0]])}
+                        for k, b in per_k.items()}}
 
 
 def write_evaluation(ev: Evaluation, results_dir: str | Path = "results", figures: bool | None = None) -> dict:
@@ -562,9 +585,21 @@ def readout_table(results_dir: str | Path, name: str) -> str | None:
            if "object_information" in m else "")
         + (f"share of the part-pose spread the objects predict {m['part_pose_explained']:.3f}; "
            if "part_pose_explained" in m else "")
+        + bound_text(m.get("heldout_bound"), "heldout_bound" in m)
         + f"probes fit on "
         f"{m['n_train']} training images, scored on {m['n_test']} test images; checkpoint `{prov.get('checkpoint')}`; "
         + provenance_line(prov)])
+
+
+def bound_text(bound: dict | None, measured: bool = True) -> str:
+    """The held-out bound of :func:`heldout_bound` as a clause of a table's footer ("" where it was not measured)."""
+    if not measured:
+        return ""
+    if bound is None:
+        return "no held-out bound on log p(x) (point-mass poses bound log p(x, poses) instead); "
+    cells = ", ".join(f"K = {k}: {b['mean']:.1f} ± {b['stderr']:.1f}" for k, b in bound["samples"].items())
+    return (f"held-out bound on log p(x), nats per image ± s.e. over the first {bound['n_images']} test images: "
+            f"{cells}; ")
 
 
 def seeds_readout_table(m: dict, prov: dict) -> str:
@@ -599,6 +634,8 @@ def seeds_readout_table(m: dict, prov: dict) -> str:
            if "certain_parent_share" in runs[0] else "")
         + (f"share of the part-pose spread the objects predict {ms('part_pose_explained', 1.0, 3)}; "
            if all("part_pose_explained" in r for r in runs) else "")
+        + "".join(f"held-out bound on log p(x), K = {key.removeprefix('heldout_bound_k')}: {ms(key, 1.0)} nats per "
+                  f"image; " for key in runs[0] if key.startswith("heldout_bound_k") and all(key in r for r in runs))
         + f"probes fit on {runs[0]['n_train']} training images, "
         f"scored on {runs[0]['n_test']} test images; seeds {', '.join(str(r['seed']) for r in runs)}; "
         f"{runs[0]['steps']} steps each; training wall time per seed (min): {minutes}; checkpoints "

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,10 @@ class EvalConfig(Section):
     figures: bool = True
     layer_readouts: bool = False   # also probe the part layer (inference/evaluate.py, LAYER_READOUTS)
     nonlinear_probes: bool = False  # also a two-layer network's probe (inference/evaluate.py, NONLINEAR_PROBES)
+    # the held-out bound on log p(x) with K of each of these samples (inference/likelihood.py), on the first
+    # likelihood_images test images; models with Normal poses only (point-mass poses bound no likelihood)
+    likelihood_samples: list[int] = field(default_factory=lambda: [1, 100])
+    likelihood_images: int = 200   # 0: all
 
 
 # ------------------------------------------------------------------------------------------------------ ranges
@@ -146,13 +150,14 @@ STD = Range(0, 1e15, low_open=True)
 # First match wins: a key's name (the field name, whatever its section) against each pattern in turn.  Integers that
 # match nothing must be >= 0, floats that match nothing finite.
 RULES: list[tuple[tuple[str, ...], Range]] = [
-    (("*_limit", "familiar_eval", "novel_eval", "train_eval"), COUNT_OR_ALL),
+    (("*_limit", "familiar_eval", "novel_eval", "train_eval", "likelihood_images"), COUNT_OR_ALL),
     (("part_pose_std_max",), Range(0, note="0: no ceiling")),
     (("max_affinity",), Range(0, note="0: unbounded")),
     (("expected_parents_start",), Range(0, note="0: no annealing")),
     (("steps", "*batch_size", "eval_batch", "*_every", "num_*", "*_size", "iterations", "*_iterations", "*max_iter",
       "*_n_init", "kernel", "*_kernel", "*_stride", "*strides", "*channels", "*hidden", "*_capsules", "*_dim",
-      "set_heads", "set_inducing", "set_blocks", "parent_code", "part_embedding", "keypoints", "elevations",
+      "set_heads", "set_inducing", "set_blocks", "likelihood_samples", "parent_code", "part_embedding", "keypoints",
+      "elevations",
       "lightings", "instances_per_split", "pairs", "*_pairs", "A", "B", "C", "D"), COUNT),
     (("*_std", "*_std_*"), STD),
     (("lr", "*temperature", "probe_C", "var_floor", "min_scale", "max_scale", "expected_parents",

@@ -479,3 +479,41 @@ def test_ttvi_classification_fair_protocol(tiny_run, tmp_path):
                   "--name", "plain", "--results-dir", str(tmp_path), "--quiet"])
     assert rc == 0 and tc.fair_table(tmp_path, "plain") is None
     assert "re-encoded" in (tmp_path / "plain.md").read_text()
+
+
+def test_evaluate_adds_the_heldout_bound_for_normal_poses_and_says_why_not_for_point_masses(tiny_toml, tmp_path,
+                                                                                           pyro_clean, seed):
+    # catches: a bound reported for a delta guide (it bounds log p(x, poses), not log p(x)); a bound that is not
+    # log_likelihood_bound's on the first eval.likelihood_images test images; a K missing from the table
+    from probcaps.inference.capsule_svi import (
+        CapsuleSystem,
+        load_experiment_config,
+        load_images,
+        load_trained,
+        train_capsules,
+    )
+    from probcaps.inference.likelihood import log_likelihood_bound
+
+    cfg = load_experiment_config(tiny_toml, ["train.steps=1"])
+    settings = ["eval.likelihood_samples=[1, 3]", "eval.likelihood_images=5"]
+    train_capsules(cfg, tmp_path / "delta", progress=False)
+    delta = evaluate_checkpoint(tmp_path / "delta" / "final.pt", name="delta", results_dir=tmp_path, progress=False,
+                                figures=False, overrides=settings)
+    assert delta["heldout_bound"] is None and "heldout_bound_k1" not in delta
+    assert "no held-out bound on log p(x) (point-mass poses" in (tmp_path / "delta.md").read_text()
+    system = CapsuleSystem(cfg["model"], cfg["encoder"]).use_normal_poses()
+    train_capsules(cfg, tmp_path / "normal", progress=False, system=system)
+    m = evaluate_checkpoint(tmp_path / "normal" / "final.pt", name="normal", results_dir=tmp_path, progress=False,
+                            figures=False, overrides=settings)
+    bound = m["heldout_bound"]
+    assert bound["n_images"] == 5 and set(bound["samples"]) == {"1", "3"}
+    _, trained = load_trained(tmp_path / "normal" / "final.pt")
+    images = load_images(cfg["data"], "test", None)[0][:5]
+    for k in (1, 3):
+        expected = log_likelihood_bound(trained.model, trained.guide, images, k)
+        assert bound["samples"][str(k)]["mean"] == pytest.approx(float(expected.double().mean()), rel=1e-5)
+        assert m[f"heldout_bound_k{k}"] == bound["samples"][str(k)]["mean"]
+    assert bound["samples"]["1"]["gain"]["mean"] == 0.0
+    table = (tmp_path / "normal.md").read_text()
+    assert "held-out bound on log p(x)" in table and "over the first 5 test images: K = 1: " in table
+    assert "K = 3: " in table

@@ -5,6 +5,7 @@ Each test says in a comment which bug it would catch.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -209,3 +210,36 @@ def test_the_command_writes_the_bounds_of_a_normal_pose_checkpoint(tiny_toml, tm
             assert set(by_k) == {"1", "3"} and by_k["1"]["gain"]["mean"] == 0.0
             assert math.isfinite(by_k["3"]["mean"]) and by_k["3"]["n"] == 4
     assert (tmp_path / "res" / "tiny.md").read_text().startswith("| guide |")
+
+
+def test_inferences_compared_on_one_model_train_resume_and_tabulate(tiny_toml, tmp_path, capsys, pyro_clean):
+    # catches: an objective's row trained under another objective or presence family, the K-sample objectives drawing
+    # more samples a step than the ELBO, a --resume that trains or reads out again, a row missing from the table
+    from probcaps.checkpoints import load_checkpoint
+    from probcaps.experiments import heldout_likelihood as likelihood
+    from probcaps.inference.capsule_svi import load_experiment_config, stored_config, train_capsules
+
+    cfg = load_experiment_config(tiny_toml, ["train.steps=1", "train.batch_size=8"])
+    train_capsules(cfg, tmp_path / "delta", progress=False)
+    argv = ["--objectives", "elbo", "iwae", "score_function", "--start", str(tmp_path / "delta" / "final.pt"),
+            "--steps", "2", "--particles", "2", "--samples", "1", "3", "--limit", "4", "--probe-train-limit", "40",
+            "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "res"), "--quiet"]
+    assert likelihood.main(argv) == 0
+    for objective, (presences, loss, _) in likelihood.INFERENCES.items():
+        trained = stored_config(load_checkpoint(tmp_path / "runs" / f"{objective}_seed0" / "final.pt"), "x")
+        k = 1 if loss == "elbo" else 2
+        assert (trained["model"].presences, trained["train"].objective, trained["train"].particles,
+                trained["train"].batch_size) == (presences, loss, k, 8 // k), objective
+    m = json.loads((tmp_path / "res" / "inferences.json").read_text())["metrics"]
+    assert set(m["inferences"]) == {"start", *likelihood.INFERENCES}
+    assert m["inferences"]["start"][0]["heldout_bound"] is None  # point-mass poses
+    for objective in likelihood.INFERENCES:
+        bound = m["inferences"][objective][0]["heldout_bound"]
+        assert bound["n_images"] == 4 and math.isfinite(bound["samples"]["3"]["mean"])
+    table = (tmp_path / "res" / "inferences.md").read_text()
+    assert all(f"| {label} | 0 |" in table for label in m["labels"].values())
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("*.pt")}
+    capsys.readouterr()
+    assert likelihood.main(argv + ["--resume"]) == 0  # nothing trained or read out again, the same numbers
+    assert stamps == {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("*.pt")}
+    assert json.loads((tmp_path / "res" / "inferences.json").read_text())["metrics"] == m
