@@ -159,7 +159,8 @@ def compare_inferences(args) -> dict:
         samples_per_step = samples_per_step or cfg["train"].batch_size
         # float32 everywhere and no compiled graphs: the seconds per step compare the objectives, not the kernels;
         # the prior at its final value (the recipe's anneal is behind these models)
-        common = ["encoder.bf16=false", "train.compile=false", "model.expected_parents_start=0"]
+        common = ["encoder.bf16=false", "train.compile=false", "model.expected_parents_start=0",
+                  "model.prior_anneal_steps=0"]
         inferences["start"].append(_readout(Path(start), Path(args.out) / f"start_seed{seed}" / "readout.json",
                                             evaluation + common[:1], args))
         for objective in args.objectives:
