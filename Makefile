@@ -10,7 +10,7 @@ export PROBCAPS_DATA ?= $(if $(wildcard $(SHARED_DATA)/mnist),$(SHARED_DATA),)
 export MALLOC_MMAP_THRESHOLD_ := 1000000000
 export MALLOC_TRIM_THRESHOLD_ := 1000000000
 
-.PHONY: install demo test bench bench-gpu bench-render bench-vs-torch-scae bench-capsnet bench-matrix-capsules report clean
+.PHONY: install demo test gpu bench bench-gpu bench-render bench-vs-torch-scae bench-capsnet bench-matrix-capsules report clean
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,17 @@ bench-vs-torch-scae: install
 # on a GPU machine: each model's training step at paper size and a short MNIST training (results/speed/bench_gpu.json)
 bench-gpu: install
 	$(PY) benchmarks/bench_gpu.py --device cuda
+
+# the one prepared run for a GPU machine, inside GPU_MINUTES (benchmarks/bench_gpu.py): the step benchmarks above,
+# torch-scae's step beside ours where a checkout of it is at PEER, then the paper-size CapsNet on MultiMNIST and the
+# MNIST recipe for what the budget leaves; every results JSON written is copied to GPU_OUT (the machine's $$OUT).
+# `python benchmarks/bench_gpu.py --tiny` runs the same stages at smoke sizes on a CPU.
+GPU_MINUTES ?= 9
+GPU_OUT ?= $(OUT)
+gpu: install
+	$(PY) benchmarks/bench_gpu.py --device cuda --budget-minutes $(GPU_MINUTES) \
+	  $(if $(wildcard $(PEER)/torch_scae/factory.py),--peer-path $(PEER) --peer-site $(PEER_SITE)) \
+	  $(if $(GPU_OUT),--copy-to $(GPU_OUT))
 
 # one CapsNet training step at batch 128, reduced and paper-size configs
 bench-capsnet: install

@@ -53,7 +53,7 @@ def mnist_batch(batch: int, canvas: int, seed: int):
     return images.float().div(255).unsqueeze(1), labels
 
 
-def ours(overrides: list[str], parts: int, parents: int, batch: int):
+def ours(overrides: list[str], parts: int, parents: int, batch: int, device: str = "cpu"):
     """The step of our training loop for ``experiments/configs/mnist.toml`` with ``overrides``."""
     import pyro
 
@@ -64,10 +64,10 @@ def ours(overrides: list[str], parts: int, parents: int, batch: int):
     pyro.enable_validation(False)
     cfg = load_experiment_config(REPO / RECOMMENDED, [f"model.num_parts={parts}", f"model.num_parents={parents}",
                                                       *overrides])
-    system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=cfg["train"].compile)
+    system = CapsuleSystem(cfg["model"], cfg["encoder"], compile=cfg["train"].compile).to(device)
     optimiser = make_optimiser(system, cfg["train"])
     elbo = make_elbo(cfg["train"].jit)
-    x, _ = mnist_batch(batch, cfg["model"].canvas_size, seed=0)
+    x = mnist_batch(batch, cfg["model"].canvas_size, seed=0)[0].to(device)
 
     def step():
         optimiser.zero_grad(set_to_none=True)
@@ -79,7 +79,7 @@ def ours(overrides: list[str], parts: int, parents: int, batch: int):
     return step, described
 
 
-def torch_scae(peer: Path, batch: int):
+def torch_scae(peer: Path, batch: int, device: str = "cpu"):
     """torch-scae's training step, from its own MNIST model config and default optimiser config."""
     import yaml
     from torch_scae import cv_ops, factory
@@ -101,7 +101,7 @@ def torch_scae(peer: Path, batch: int):
     default = yaml.safe_load((configs / "config.yaml").read_text())
     optimiser_name = next(d["optimizer"] for d in default["defaults"] if "optimizer" in d)
     opt_cfg = yaml.safe_load((configs / "optimizer" / f"{optimiser_name}.yaml").read_text())["optimizer"]
-    scae = factory.make_scae(model_cfg)
+    scae = factory.make_scae(model_cfg).to(device)
     # BaseExperiment.configure_optimizers: eps = 1e-2 / batch_size^2
     eps = 1e-2 / float(default["data_loader"]["batch_size"]) ** 2
     if opt_cfg["type"] == "RMSprop":
@@ -110,7 +110,7 @@ def torch_scae(peer: Path, batch: int):
     else:
         optimiser = torch.optim.Adam(scae.parameters(), lr=opt_cfg["learning_rate"], eps=eps,
                                      weight_decay=opt_cfg["weight_decay"])
-    x, labels = mnist_batch(batch, model_cfg["image_shape"][-1], seed=0)
+    x, labels = (t.to(device) for t in mnist_batch(batch, model_cfg["image_shape"][-1], seed=0))
 
     def step():
         # BaseExperiment.training_step, then what the trainer does with its loss
@@ -156,26 +156,32 @@ def worker(args) -> None:
     """One measurement in this process: warm-up, then the median of ``--steps`` timed steps, as one JSON line."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    cuda = args.device.startswith("cuda")
     if args.worker == "torch-scae":
-        step, described = torch_scae(Path(args.peer_path), args.batch)
+        step, described = torch_scae(Path(args.peer_path), args.batch, args.device)
     else:
         # the recipe's bf16 convolutions only where the CPU has bfloat16 kernels (elsewhere they are emulated,
-        # several times slower, and the recipe says to turn them off)
-        bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        # several times slower, and the recipe says to turn them off); a GPU has them
+        bf16 = cuda or torch.ops.mkldnn._is_mkldnn_bf16_supported()
         overrides = VARIANTS[args.worker] + ([] if bf16 else ["encoder.bf16=false"])
-        step, described = ours(overrides, args.parts, args.parents, args.batch)
+        step, described = ours(overrides, args.parts, args.parents, args.batch, args.device)
         described["bf16_supported"] = bool(bf16)
+    # a GPU runs its kernels behind the host: a step is timed from one synchronisation to the next
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(args.warmup):
         step()
     times = []
     for _ in range(args.steps):
+        sync()
         t0 = time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    # the process's peak resident memory on a CPU, the device's peak allocation on a GPU
+    peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     print(json.dumps({"variant": args.worker, "step_ms": 1000 * step_s, "images_per_s": args.batch / step_s,
-                      "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "threads": torch.get_num_threads(), **described}))
+                      "peak_memory_mb": peak / 2 ** 20, "threads": torch.get_num_threads(), **described}))
 
 
 def portable_command(argv: list[str]) -> str:
@@ -197,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--parts", type=int, default=40)
     p.add_argument("--parents", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: both steps on the GPU")
     p.add_argument("--peer-commit", default=None, help="the torch-scae commit checked out (recorded in --json)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -215,7 +222,7 @@ def main(argv=None) -> int:
 
     common = ["--peer-path", str(peer), "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch",
               str(args.batch), "--parts", str(args.parts), "--parents", str(args.parents), "--threads",
-              str(args.threads)]
+              str(args.threads), "--device", args.device]
     names = list(VARIANTS)
     rounds = []
     for r in range(args.rounds):
@@ -255,7 +262,7 @@ def main(argv=None) -> int:
             "summary": summary, "rounds": rounds, "batch": args.batch, "parts": args.parts, "parents": args.parents,
             "threads": args.threads, "steps_per_process": args.steps, "warmup_steps": args.warmup,
             "peer": "bdsaglam/torch-scae", "peer_commit": args.peer_commit,
-            "device_description": device_description("cpu"), "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ,
+            "device_description": device_description(args.device), "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "command": portable_command(sys.argv),
         }

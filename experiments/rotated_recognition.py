@@ -8,8 +8,11 @@ digits, cannot turn them.  So the posterior is searched over a global rotation: 
 by every candidate angle (a restart of the encoder in that frame), each restart is scored by its ELBO (the guide
 sampled with common random numbers across the restarts), and the frame with the highest ELBO is kept.  Linear probes
 fit on upright training digits then read the kept frame's capsules.  No label and no rotation angle is used at test
-time.  Writes ``results/rotated_recognition/<name>.json`` and its table, beside LeNet-5's and CapsNet's accuracies at
-the same angles (``results/rotated_mnist_cnn_vs_capsnet/rotated_mnist_full_capsnet.json``).
+time.  With ``--ttvi-steps N``, free-form test-time VI (Smith et al. 2020, §4) then refines the kept frame's capsules
+by N steps on the ELBO of the counter-rotated image, started at the encoder's restart: local steps polish a frame
+the search has found, and the probes read the refined capsules too.  Writes
+``results/rotated_recognition/<name>.json`` and its table, beside LeNet-5's and CapsNet's accuracies at the same
+angles (``results/rotated_mnist_cnn_vs_capsnet/rotated_mnist_full_capsnet.json``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from probcaps.runner import (
     add_run_args,
     checkpoint_arg,
     finite_float,
+    finite_positive_float,
     launch,
     non_negative_int,
     one_line_errors,
@@ -43,6 +47,9 @@ EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experimen
 #: the curve of the supervised baselines trained on upright digits (beside this experiment's results folder), read
 #: for the same angles
 BASELINES = Path("rotated_mnist_cnn_vs_capsnet") / "rotated_mnist_full_capsnet.json"
+#: where the probes read the capsules: the encoder on the rotated image, the kept frame's restart, and that restart
+#: refined by test-time VI (--ttvi-steps)
+STAGES = {"encoder": "encoder", "search": "search", "ttvi": "search + test-time VI"}
 
 
 def counter_rotated(images: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -82,9 +89,14 @@ def recognise(name: str, args, angles: list[float]) -> dict:
         upright = counter_rotated(x, kept)
         error = ((kept - angle + 180) % 360 - 180).abs()
         row = {"angle": angle, "frame_within_step": float((error <= args.candidate_step).float().mean())}
-        for kind in FEATURES:
-            row[f"encoder_{kind}_acc"] = probes[kind].accuracy(model.features(x, kind=kind), labels)
-            row[f"search_{kind}_acc"] = probes[kind].accuracy(model.features(upright, kind=kind), labels)
+        read = {"encoder": x, "search": upright}
+        if args.ttvi_steps:
+            read["ttvi"] = refined = model.ttvi(upright, args.ttvi_steps, lr=args.ttvi_lr, seed=args.seed,
+                                                batch_size=args.batch_size)
+            row["ttvi_elbo_gain"] = float((refined.ttvi.elbo_end - refined.ttvi.elbo_start).mean())
+        for where, inputs in read.items():
+            for kind in FEATURES:
+                row[f"{where}_{kind}_acc"] = probes[kind].accuracy(model.features(inputs, kind=kind), labels)
         rows.append(row)
         if not args.quiet:
             print(f"{name} {angle:5.1f}°: encoder {row['encoder_presence_pose_acc']:.3f}, search "
@@ -112,15 +124,16 @@ def readme_table(m: dict, prov: dict) -> str:
     """Probe accuracy (%) per rotation: each model's encoder and its rotation search, beside the baselines'."""
     angles = [r["angle"] for r in m["models"][0]["per_angle"]]
     head = ["rotation", *m.get("baselines", {})]
+    stages = [w for w in STAGES if f"{w}_presence_acc" in m["models"][0]["per_angle"][0]]
     for run in m["models"]:
-        head += [f"`{Path(run['checkpoint']).stem}`, {where}, {FEATURES[kind]}" for where in ("encoder", "search")
+        head += [f"`{Path(run['checkpoint']).stem}`, {STAGES[where]}, {FEATURES[kind]}" for where in stages
                  for kind in FEATURES]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for i, angle in enumerate(angles):
         cells = [f"{angle:g}°", *(values[i] for values in m.get("baselines", {}).values())]
         for run in m["models"]:
             r = run["per_angle"][i]
-            cells += [f"{100 * r[f'{where}_{kind}_acc']:.1f}" for where in ("encoder", "search") for kind in FEATURES]
+            cells += [f"{100 * r[f'{where}_{kind}_acc']:.1f}" for where in stages for kind in FEATURES]
         lines.append("| " + " | ".join(cells) + " |")
     frames = "; ".join(f"`{Path(run['checkpoint']).stem}` " + ", ".join(f"{100 * r['frame_within_step']:.0f}%"
                                                            for r in run["per_angle"]) for run in m["models"])
@@ -128,6 +141,9 @@ def readme_table(m: dict, prov: dict) -> str:
               f"rotated test digits per angle, each at its SCAE offset on the canvas. Search: {m['n_candidates']} "
               f"restarts {m['candidate_step']:g}° apart, the frame with the highest ELBO kept; the kept frame is "
               f"within {m['candidate_step']:g}° of the digit's true rotation for {frames} of the digits (per angle). "
+              + (f"Search + test-time VI: {m['ttvi_steps']} steps of free-form test-time VI (lr {m['ttvi_lr']:g}) "
+                 f"from the kept frame's restart. " if "ttvi" in stages else "")
+              +
               f"LeNet-5 and CapsNet: trained on upright digits, mean ± std over their seeds "
               f"(`results/{BASELINES}`). {provenance_line(prov)}"]
     return "\n".join(lines)
@@ -145,6 +161,9 @@ def main(argv=None) -> int:
                                                                                     "the probes are fit on")
     p.add_argument("--batch-size", type=positive_int, default=250)
     p.add_argument("--seed", type=non_negative_int, default=0, help="the guide's samples in the ELBO of a restart")
+    p.add_argument("--ttvi-steps", type=non_negative_int, default=0,
+                   help="steps of test-time VI on the kept frame's capsules (0: none)")
+    p.add_argument("--ttvi-lr", type=finite_positive_float, default=0.01)
     add_run_args(p, EXPERIMENT, name="rotated_recognition", out=False, threads=2)
     args = p.parse_args(argv)
     if setup_run(args, table_writer(readme_table, args.name)):
@@ -154,7 +173,8 @@ def main(argv=None) -> int:
     angles = [float(a) for a in args.angles]
     runs = [recognise(name, args, angles) for name in args.checkpoints]
     metrics = {"models": runs, "baselines": _baselines(Path(args.results_dir), angles), "n_test": args.n_test,
-               "candidate_step": args.candidate_step, "n_candidates": len(torch.arange(0.0, 360.0,
+               "candidate_step": args.candidate_step, "ttvi_steps": args.ttvi_steps, "ttvi_lr": args.ttvi_lr,
+               "n_candidates": len(torch.arange(0.0, 360.0,
                                                                                       args.candidate_step))}
     write_report(args.results_dir, args.name, metrics, table_writer(readme_table, args.name), seed=args.seed,
                  device=args.device, checkpoints=[str(c) for c in args.checkpoints],

@@ -96,6 +96,16 @@ def _check_bench_step(ctx):
     assert row["losses_agree"] is True and row["ratio_pyro_over_torch"] > 0  # the two ELBOs are the same objective
 
 
+def _check_bench_gpu(ctx):
+    # every stage ran: four step rows, the MultiMNIST training scored on its test pairs, the MNIST recipe read out,
+    # each results JSON copied out, and the step counts planned once for a rerun to continue
+    assert len(_json(ctx, "speed/bench_gpu.json")["rows"]) == 4
+    assert sorted(p.name for p in (ctx.tmp / "gpu_out").iterdir()) == ["bench_gpu.json", "mnist_gpu_steps3.json",
+                                                                       "multimnist.json"]
+    assert json.loads((ctx.tmp / "gpu_runs" / "plan.json").read_text()) == {"multimnist_paper": 4, "mnist": 3}
+    assert _json(ctx, "multimnist/multimnist.json")["metrics"]["per_seed"][0]["steps"] == 4
+
+
 def _check_bench_capsnet(ctx):
     (row,) = _json(ctx, "bench_capsnet.json")
     assert row["images_per_s"] > 0 and row["num_primary_capsules"] == 400 and math.isfinite(row["peak_memory_mb"])
@@ -264,8 +274,13 @@ EXAMPLES = [
     # a checkout of another repository
     Example("bench_render", "benchmarks/bench_render.py", lambda c: ["--help"]),
     Example("bench_vs_torch_scae", "benchmarks/bench_vs_torch_scae.py", lambda c: ["--help"]),
-    # a GPU machine's prepared run: four fresh processes (its --tiny form runs anywhere, in about a minute)
-    Example("bench_gpu", "benchmarks/bench_gpu.py", lambda c: ["--help"]),
+    # a GPU machine's prepared run (make gpu), every stage at smoke sizes: about a minute and a half
+    Example("bench_gpu", "benchmarks/bench_gpu.py",
+            lambda c: ["--tiny", "--train-steps", "2", "--budget-minutes", "5", "--threads", "1", "--json",
+                       str(c.results / "speed" / "bench_gpu.json"), "--runs", str(c.tmp / "gpu_runs"),
+                       "--copy-to", str(c.tmp / "gpu_out")],
+            writes=["speed/bench_gpu.json", "multimnist/multimnist.json", "mnist_probe/mnist_gpu_steps3.json"],
+            check=_check_bench_gpu),
 ]
 
 

@@ -42,14 +42,16 @@ def test_the_command_writes_both_readings_and_rebuilds_its_table(tmp_path, capsy
     monkeypatch.setenv("PROBCAPS_NO_REEXEC", "1")
     out = tmp_path / "rotated_recognition"
     assert rotated_recognition.main(["--checkpoints", "mnist", "--angles", "0", "90", "--n-test", "8",
-                                     "--probe-train-limit", "60", "--candidate-step", "90", "--data-dir",
-                                     str(REAL_DATA_ROOT), "--results-dir", str(out), "--quiet"]) == 0
+                                     "--probe-train-limit", "60", "--candidate-step", "90", "--ttvi-steps", "2",
+                                     "--data-dir", str(REAL_DATA_ROOT), "--results-dir", str(out), "--quiet"]) == 0
     m = json.loads((out / "rotated_recognition.json").read_text())["metrics"]
     rows = m["models"][0]["per_angle"]
     assert [r["angle"] for r in rows] == [0.0, 90.0] and m["n_candidates"] == 4 and m["baselines"] == {}
     for r in rows:
-        assert all(0.0 <= r[f"{where}_{kind}_acc"] <= 1.0 for where in ("encoder", "search")
+        assert all(0.0 <= r[f"{where}_{kind}_acc"] <= 1.0 for where in ("encoder", "search", "ttvi")
                    for kind in ("presence_pose", "presence"))
+        assert r["ttvi_elbo_gain"] > 0  # two Adam steps on the kept frame's ELBO raise it on average
     table = (out / "rotated_recognition.md").read_text()
+    assert "search + test-time VI, presences |" in table and "2 steps of free-form test-time VI" in table
     assert rotated_recognition.main(["--tables-only", "--results-dir", str(out)]) == 0
     assert (out / "rotated_recognition.md").read_text() == table and "| 90° |" in table
