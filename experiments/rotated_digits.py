@@ -8,7 +8,9 @@
 Per angle, from the encoder's latents and after test-time VI: the ELBO per image (the same fixed noise before and
 after, ``inference.ttvi.per_image_elbo``) and the reconstruction error per pixel.  Writes
 ``results/rotated_digits/<name>.json``,
-``<name>_elbo.png``, ``<name>_mse.png`` and ``<name>_example.png`` (one digit across the angles).
+``<name>_elbo.png``, ``<name>_mse.png`` and ``<name>_example.png``: one digit across the angles, its parts as the
+encoder and as test-time VI infer them, each coloured by its template (the paper's Figure 5: whether the same
+templates turn with the digit, or others take over).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from probcaps import plotting
 from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
-from probcaps.experiments.common import checkpoint_parser, reconstruct
+from probcaps.experiments.common import checkpoint_parser
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
 from probcaps.inference.evaluate import reconstruction_error
 from probcaps.inference.guides import Latents
@@ -43,6 +45,14 @@ EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experimen
 
 
 @torch.no_grad()
+@torch.no_grad()
+def parts_by_template(model, latents: Latents) -> np.ndarray:
+    """``(N, H, W, 3)``: the parts of ``latents`` rendered at their presence probabilities, each template's
+    contribution in its own colour (:func:`~probcaps.plotting.colour_parts`)."""
+    _, contributions = model.render(torch.sigmoid(latents.part_logits), latents.part_poses)
+    return plotting.colour_parts(contributions[:, :, 0].cpu())
+
+
 def _mean_sem(v: torch.Tensor) -> tuple[float, float]:
     return float(v.double().mean()), float(v.double().std() / len(v) ** 0.5) if len(v) > 1 else 0.0
 
@@ -135,11 +145,13 @@ def main(argv=None) -> int:
         plotting.plot_curves(curves, results / f"{args.name}_{key}.png", xlabel="rotation of the test digits (degrees)",
                              ylabel=ylabel, title=f"rotated MNIST test digits: {what}")
     idx = torch.arange(len(angles)) * n + args.example
-    grid = torch.stack([x[idx, 0], *(reconstruct(system.model, Latents(*(t[idx] for t in lat)))[:, 0].cpu()
-                                     for lat in (encoded, result.latents))])
+    grid = np.stack([x[idx, 0, ..., None].expand(-1, -1, -1, 3).numpy(),
+                     *(parts_by_template(system.model, Latents(*(t[idx] for t in lat))) for lat in
+                       (encoded, result.latents))])
     plotting.plot_image_grid(grid, results / f"{args.name}_example.png",
                              row_labels=["input", "encoder", "+ test-time VI"],
-                             col_labels=[f"{a:g}°" for a in angles], title="one test digit, rotated")
+                             col_labels=[f"{a:g}°" for a in angles],
+                             title="one test digit, rotated: its parts, coloured by template")
     write_report(results, args.name, metrics, tables, seed=args.seed, steps=args.steps, device=args.device,
                  wall_time_s=result.wall_time_s, checkpoint=str(args.checkpoint),
                  checkpoint_train_steps=cfg.get("train_state", {}).get("step"))
