@@ -202,8 +202,9 @@ def main(argv=None) -> int:
     g = p.add_argument_group("inference compared on one model (--objectives)")
     g.add_argument("--objectives", nargs="+", choices=list(INFERENCES), default=None,
                    help="train the --start models on under each of these and compare (instead of --checkpoint)")
-    g.add_argument("--start", type=checkpoint_arg, nargs="+", default=START,
-                   help="delta-trained models of the relaxed ELBO, one per seed (default: the recommended recipe's)")
+    g.add_argument("--start", type=checkpoint_arg, nargs="+", default=None,
+                   help="delta-trained models of the relaxed ELBO, one per seed (default: the recommended recipe's, "
+                        f"{' '.join(START)})")
     g.add_argument("--particles", type=positive_int, default=4, help="K of the K-sample objectives")
     g.add_argument("--probe-train-limit", type=non_negative_int, default=10000, help="0: all")
     g.add_argument("--out", type=folder_arg, default=Path("runs") / EXPERIMENT, help="run folders")
@@ -220,6 +221,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     if args.objectives is not None:
+        args.start = args.start or [checkpoint_arg(name) for name in START]
         metrics = compare_inferences(args)
         name = args.name or "inferences"
         prov = provenance(seed=[r["seed"] for r in metrics["inferences"]["start"]], device=args.device,
