@@ -298,7 +298,7 @@ def _mnist_probe_runs() -> list[str]:
 #: how each committed table file is rebuilt from the committed results: (entry point, its results folder under
 #: results/, its arguments, the tables it writes there)
 TABLE_SOURCES = [
-    ("experiments.heldout_likelihood", "heldout_likelihood", [], ["likelihood_normal_guide"]),
+    ("experiments.heldout_likelihood", "heldout_likelihood", [], ["likelihood_normal_guide", "inferences"]),
     ("experiments.rotated_recognition", "rotated_recognition", [], ["rotated_recognition"]),
     *[("experiments.mnist_probe", "mnist_probe", ["--name", n],
        [n, "ablations", "mnist_layers_by_recipe", "mnist_nonlinear_by_recipe", "mnist_recipes"])
