@@ -197,11 +197,12 @@ def main(argv=None) -> int:
         written.append(peer_json)
     if args.budget_minutes is not None:
         # each stage takes its share of what is left, less a margin for the test-set evaluations and the copies
-        capsnet_ips, mnist_ips = rows[1]["images_per_s"], rows[-1]["images_per_s"]
-        for stage, share in ((train_multimnist_paper, 0.7), (train_mnist_longer, 1.0)):
+        # (stage, the step rate stage 1 measured for it, its share of the time left)
+        for stage, ips, share in ((train_multimnist_paper, rows[1]["images_per_s"], 0.7),
+                                  (train_mnist_longer, rows[-1]["images_per_s"], 1.0)):
             seconds = share * (args.budget_minutes * 60 - (time.monotonic() - started) - 90)
             if seconds > 0 or args.tiny:
-                path = stage(args, capsnet_ips if stage is train_multimnist_paper else mnist_ips, seconds, results)
+                path = stage(args, ips, seconds, results)
                 written += [path] if path else []
     if args.copy_to:
         args.copy_to.mkdir(parents=True, exist_ok=True)

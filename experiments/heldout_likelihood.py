@@ -36,7 +36,7 @@ from probcaps.inference.likelihood import PRESENCE_DENSITIES, bound_summary, log
 from probcaps.inference.ttvi import FreeFormGuide, run_ttvi
 from probcaps.io import write_json
 from probcaps.provenance import provenance, write_results
-from probcaps.report import provenance_line, results_table, write_table
+from probcaps.report import fmt_mean_std, provenance_line, results_table, write_table
 from probcaps.runner import (
     add_common_args,
     checkpoint_arg,
@@ -85,14 +85,9 @@ def readme_table(m: dict, prov: dict) -> str:
     return "\n".join(lines)
 
 
-def pm(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
-    """``mean ± std`` of ``values`` (one per seed) times ``scale``; ``—`` for none."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return "—"
-    mean = sum(values) / len(values)
-    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
-    return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}"
+def pm(values: list, scale: float = 1.0, digits: int = 1) -> str:
+    """:func:`~probcaps.report.fmt_mean_std` of one number per seed (None where not measured); ``—`` for none."""
+    return fmt_mean_std([float("nan") if v is None else v for v in values], scale, digits) if values else "—"
 
 
 @results_table("inferences")
@@ -168,10 +163,10 @@ def compare_inferences(args) -> dict:
         samples_per_step = samples_per_step or cfg["train"].batch_size
         # float32 everywhere and no compiled graphs: the seconds per step compare the objectives, not the kernels;
         # the prior at its final value (the recipe's anneal is behind these models)
-        common = ["encoder.bf16=false", "train.compile=false", "model.expected_parents_start=0",
-                  "model.prior_anneal_steps=0"]
+        float32 = ["encoder.bf16=false"]
+        common = [*float32, "train.compile=false", "model.expected_parents_start=0", "model.prior_anneal_steps=0"]
         inferences["start"].append(_readout(Path(start), Path(args.out) / f"start_seed{seed}" / "readout.json",
-                                            evaluation + common[:1], args))
+                                            evaluation + float32, args))
         for objective in args.objectives:
             presences, loss, _ = INFERENCES[objective]
             run_cfg, system = load_trained(start, device=args.device,

@@ -25,7 +25,7 @@ from probcaps.data import rotate, to_float
 from probcaps.errors import ProbcapsError
 from probcaps.experiments.common import checkpoint_parser
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained
-from probcaps.inference.evaluate import reconstruction_error
+from probcaps.inference.evaluate import parts_by_template, reconstruction_error
 from probcaps.inference.guides import Latents
 from probcaps.inference.ttvi import ttvi_batches
 from probcaps.report import provenance_line, results_table, write_report
@@ -45,14 +45,6 @@ EXPERIMENT = Path(__file__).stem  # names its results folder, results/<experimen
 
 
 @torch.no_grad()
-@torch.no_grad()
-def parts_by_template(model, latents: Latents) -> np.ndarray:
-    """``(N, H, W, 3)``: the parts of ``latents`` rendered at their presence probabilities, each template's
-    contribution in its own colour (:func:`~probcaps.plotting.colour_parts`)."""
-    _, contributions = model.render(torch.sigmoid(latents.part_logits), latents.part_poses)
-    return plotting.colour_parts(contributions[:, :, 0].cpu())
-
-
 def _mean_sem(v: torch.Tensor) -> tuple[float, float]:
     return float(v.double().mean()), float(v.double().std() / len(v) ** 0.5) if len(v) > 1 else 0.0
 
@@ -146,7 +138,7 @@ def main(argv=None) -> int:
                              ylabel=ylabel, title=f"rotated MNIST test digits: {what}")
     idx = torch.arange(len(angles)) * n + args.example
     grid = np.stack([x[idx, 0, ..., None].expand(-1, -1, -1, 3).numpy(),
-                     *(parts_by_template(system.model, Latents(*(t[idx] for t in lat))) for lat in
+                     *(parts_by_template(system.model, Latents(*(t[idx] for t in lat)))[2] for lat in
                        (encoded, result.latents))])
     plotting.plot_image_grid(grid, results / f"{args.name}_example.png",
                              row_labels=["input", "encoder", "+ test-time VI"],

@@ -142,7 +142,10 @@ def readme_table(m: dict, prov: dict) -> str:
               f"restarts {m['candidate_step']:g}° apart, the frame with the highest ELBO kept; the kept frame is "
               f"within {m['candidate_step']:g}° of the digit's true rotation for {frames} of the digits (per angle). "
               + (f"Search + test-time VI: {m['ttvi_steps']} steps of free-form test-time VI (lr {m['ttvi_lr']:g}) "
-                 f"from the kept frame's restart. " if "ttvi" in stages else "")
+                 f"from the kept frame's restart, raising its ELBO per image on average by "
+                 + "; ".join(f"`{Path(run['checkpoint']).stem}` " + ", ".join(
+                     f"{r['ttvi_elbo_gain']:.0f}" for r in run["per_angle"]) for run in m["models"])
+                 + " nats (per angle). " if "ttvi" in stages else "")
               +
               f"LeNet-5 and CapsNet: trained on upright digits, mean ± std over their seeds "
               f"(`results/{BASELINES}`). {provenance_line(prov)}"]

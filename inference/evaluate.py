@@ -117,6 +117,15 @@ def template_neighbours(model, steps: int = 150) -> dict:
 
 
 @torch.no_grad()
+def parts_by_template(model, latents: Latents) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """The parts of ``latents`` rendered at their presence probabilities: ``(recon (N, 1, H, W), contributions
+    (N, M, 1, H, W), colours (N, H, W, 3))``, each template's contribution in its own colour
+    (:func:`~probcaps.plotting.colour_parts`; Smith et al. 2020, Figures 5 and 7)."""
+    recon, contributions = model.render(torch.sigmoid(latents.part_logits), latents.part_poses)
+    return recon, contributions, plotting.colour_parts(contributions[:, :, 0].cpu())
+
+
+@torch.no_grad()
 def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, device: str = "cpu",
                  neighbours: dict | None = None) -> list[str]:
     """Learned templates (with each one's nearest other template under the best affine warp, when ``neighbours``
@@ -138,8 +147,7 @@ def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, dev
                   f"unexplained; mean {neighbours['mean']:.3f})"))
     x = to_float(images[:n]).to(device).unsqueeze(1)
     lat = system.encoder.encode(x)
-    recon, contributions = system.model.render(torch.sigmoid(lat.part_logits), lat.part_poses)
-    by_template = plotting.colour_parts(contributions[:, :, 0].cpu())
+    recon, contributions, by_template = parts_by_template(system.model, lat)
     posterior = parent_log_posterior(system.model, lat).exp()                       # (n, M, K+1), clutter first
     by_object = torch.einsum("nmk,nmhw->nkhw", posterior, contributions[:, :, 0]).cpu()
     object_colours = np.vstack([[0.5, 0.5, 0.5], plotting.PART_PALETTE])         # the clutter parent grey

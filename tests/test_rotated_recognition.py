@@ -53,5 +53,6 @@ def test_the_command_writes_both_readings_and_rebuilds_its_table(tmp_path, capsy
         assert r["ttvi_elbo_gain"] > 0  # two Adam steps on the kept frame's ELBO raise it on average
     table = (out / "rotated_recognition.md").read_text()
     assert "search + test-time VI, presences |" in table and "2 steps of free-form test-time VI" in table
+    assert "raising its ELBO per image on average by `mnist` " in table
     assert rotated_recognition.main(["--tables-only", "--results-dir", str(out)]) == 0
     assert (out / "rotated_recognition.md").read_text() == table and "| 90° |" in table
