@@ -31,7 +31,7 @@ from probcaps.data import load_digits
 from probcaps.data.multimnist import bounding_boxes, multimnist_batches, multimnist_pairs
 from probcaps.errors import ConfigError
 from probcaps.inference.train import TrainConfig, start_log, train_loop
-from probcaps.io import append_jsonl, write_json
+from probcaps.io import append_jsonl, read_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
 from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report, write_table
 from probcaps.runner import (
@@ -127,6 +127,13 @@ def evaluate(model: CapsNet, source: PairSource, pairs, batch_size: int, device=
 def _read_elapsed(out: Path) -> float:
     """Elapsed training time (s) recorded in ``out/elapsed.json`` (0 when absent)."""
     return json.loads((out / "elapsed.json").read_text())["elapsed_s"] if (out / "elapsed.json").is_file() else 0.0
+
+
+def _read_curve(out: Path) -> list[dict]:
+    """The test-set curve of a run, ``[{"step", "test_set_acc"}]`` from ``out/eval.jsonl`` (one record a
+    checkpoint, on the first ``eval.curve_pairs`` test pairs)."""
+    path = out / "eval.jsonl"
+    return [{"step": r["step"], "test_set_acc": r["test_set_acc"]} for r in read_jsonl(path)] if path.is_file() else []
 
 
 def train_seed(cfg: dict, seed: int, out: Path, *, resume: bool, device: str, data_dir, progress: bool):
@@ -243,7 +250,8 @@ def main(argv=None) -> int:
         steps_per_s = state["step"] / max(state["wall_time_s"], 1e-9)
         runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"],
                      "train_elapsed_s": _read_elapsed(out) or None, "steps_per_s": steps_per_s,
-                     "eval_time_s": time.perf_counter() - t0, "mean_test_iou": float(test_pairs.iou.mean())})
+                     "eval_time_s": time.perf_counter() - t0, "mean_test_iou": float(test_pairs.iou.mean()),
+                     "curve_pairs": min(cfg["eval"].curve_pairs, cfg["data"].test_pairs), "curve": _read_curve(out)})
         print(f"seed {seed}: set accuracy {metrics['set_acc']:.4f}, at least one {metrics['at_least_one_acc']:.4f}"
               f", recon MSE {metrics['recon_mse']:.4f}; {state['step']} steps in {state['wall_time_s'] / 60:.1f} "
               f"min ({steps_per_s:.2f} steps/s)")
@@ -301,9 +309,13 @@ def readme_table(results_dir: Path) -> str | None:
         elapsed = [r.get("train_elapsed_s") for r in runs]
         elapsed = (f" (elapsed, with pair generation and the curve evaluations: "
                    f"{', '.join(f'{e / 60:.0f}' for e in elapsed)} min)" if all(elapsed) else "")
+        curves = "".join(f"; seed {r['seed']}'s set accuracy on the first {r['curve_pairs']} test pairs at each "
+                         "evaluation (step: %): " + ", ".join(f"{c['step']:,}: {100 * c['test_set_acc']:.1f}"
+                                                             for c in r["curve"])
+                         for r in runs if r.get("curve"))
         notes.append(f"{label}: seeds {', '.join(str(r['seed']) for r in runs)}; {runs[0]['steps']} steps of batch "
                      f"{prov.get('batch_size')}{elapsed}; {runs[0]['n_pairs']} test pairs (mean IoU "
-                     f"{runs[0]['mean_test_iou']:.2f}); {provenance_line(prov)}")
+                     f"{runs[0]['mean_test_iou']:.2f}){curves}; {provenance_line(prov)}")
     return "\n".join(["| config | two-digit set accuracy (%) | at least one digit (%) | recon MSE per pixel | training "
                       "steps (min) | steps/s | numpy reproduction (reduced) | paper (full scale) |", "|" + " --- |" * 8,
                       *table, "", *notes])

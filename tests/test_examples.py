@@ -111,6 +111,14 @@ def _check_bench_gpu(ctx):
     assert _json(ctx, "multimnist/multimnist.json")["metrics"]["per_seed"][0]["steps"] == 4
 
 
+def _check_multimnist(ctx):
+    # the test-set curve (one evaluation a checkpoint) is in the results and in the table's note
+    (run,) = _json(ctx, "multimnist.json")["metrics"]["per_seed"]
+    assert [c["step"] for c in run["curve"]] == [2] and run["curve_pairs"] == 8
+    assert "set accuracy on the first 8 test pairs at each evaluation (step: %): 2: " in (
+        ctx.results / "multimnist.md").read_text()
+
+
 def _check_bench_capsnet(ctx):
     (row,) = _json(ctx, "bench_capsnet.json")
     assert row["images_per_s"] > 0 and row["num_primary_capsules"] == 400 and math.isfinite(row["peak_memory_mb"])
@@ -240,7 +248,7 @@ EXAMPLES = [
                               "eval.figures=false",
                               *[f"model.{k}={json.dumps(v)}" for k, v in TINY_CAPS.items()]])],
             writes=["multimnist.json"], tables=["multimnist"],
-            tables_argv=lambda c: ["--tables-only", "--results-dir", str(c.results)]),
+            tables_argv=lambda c: ["--tables-only", "--results-dir", str(c.results)], check=_check_multimnist),
     Example("rotated_mnist_cnn_vs_capsnet", "experiments.rotated_mnist_cnn_vs_capsnet",
             lambda c: ["--seeds", "0", "--out", str(c.tmp / "runs"), "--results-dir", str(c.results), "--quiet",
                        *sets(['data.dataset="synthetic"', "data.angles=[0, 90]", "lenet_train.steps=2",
