@@ -18,6 +18,8 @@ import json
 from functools import partial
 from pathlib import Path
 
+import numpy as np
+
 from probcaps.experiments.common import (
     checkpoint_out_path,
     export_checkpoint,
@@ -28,6 +30,9 @@ from probcaps.experiments.common import (
 from probcaps.inference.capsule_svi import load_experiment_config
 from probcaps.inference.distributed import init_from_env
 from probcaps.inference.evaluate import SCAE_PUBLISHED, evaluate_checkpoint
+from probcaps.io import write_json
+from probcaps.provenance import provenance
+from probcaps.registry import CONFIGS_DIR
 from probcaps.report import (
     fmt_mean_std,
     load_result,
@@ -96,7 +101,31 @@ ABLATION_COLUMNS = [
     ("object_class_purity", "class purity", 1.0, 3),
     ("mean_active_parents", "objects on per image", 1.0, 1),
     ("test_elbo_per_image", "test ELBO per image", 1.0, 0),
+    ("kmeans_posterior_counts_test_acc_init_median", "k-means, posterior presences, median of 10 starts (%)", 100.0, 1),
+    ("template_distinctness_mean", "template distinctness", 1.0, 3),
 ]
+
+
+def try_record(name: str, runs: list[dict], cfg: dict, prov: dict) -> dict:
+    """The record of a try (:func:`probcaps.report.load_try`): the keys of ``cfg`` that differ from `mnist.toml`,
+    the table of tries' metrics over ``runs`` (mean and sample std, the value alone for one seed), its seeds and
+    steps, and the commit, device and command of ``prov``."""
+    recipe, trained = config_dicts(load_experiment_config(CONFIGS_DIR / "mnist.toml")), config_dicts(cfg)
+    changed = {f"{section}.{key}": value for section, values in trained.items() for key, value in values.items()
+               if key != "seed" and recipe.get(section, {}).get(key) != value}
+    metrics = {}
+    for key, *_ in ABLATION_COLUMNS:
+        values = np.array([r[key] for r in runs if r.get(key) is not None], dtype=float)
+        if len(values) == len(runs):
+            metrics[key] = (float(values[0]) if len(values) == 1 else
+                            {"mean": float(values.mean()), "std": float(values.std(ddof=1))})
+    commit = prov["git_commit"] or "unknown"
+    record = {"name": name, "changed": changed, "metrics": metrics, "seeds": [r["seed"] for r in runs],
+              "steps": runs[0]["steps"], "commit": commit.removesuffix("+dirty"), "device": prov["device"],
+              "command": prov["command"], "train_wall_time_s": [r["train_wall_time_s"] for r in runs]}
+    if commit.endswith("+dirty"):
+        record["note"] = "the tree had uncommitted changes"
+    return record
 
 
 def ablations_table(results_dir: Path) -> str | None:
@@ -262,6 +291,10 @@ def main(argv=None) -> int:
                    "or when its run folder holds no model and the JSON records the same config")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
+    p.add_argument("--try", dest="as_try", action="store_true",
+                   help="record the run as a try of the table of tries, RESULTS_DIR/ablations/<name>.json (its changes "
+                   "against mnist.toml, readouts, seeds, commit, device and command); each seed's results go to its "
+                   "run folder, and no model is exported")
     add_run_args(p, EXPERIMENT, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
                  resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/<name>.md, "
                  "RESULTS_DIR/ablations.md)", checkpoint_out="export the first seed's model here (default: "
@@ -286,9 +319,10 @@ def main(argv=None) -> int:
         elif args.reuse_results and seed_json.is_file() and seed_json.stat().st_mtime > final.stat().st_mtime:
             metrics = json.loads(seed_json.read_text())["metrics"]
         else:
-            metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=args.results_dir,
+            metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}",
+                                          results_dir=run_dir if args.as_try else args.results_dir,
                                           data_dir=args.data_dir, device=args.device, progress=not args.quiet,
-                                          figures=seed == args.seeds[0], eval_config=cfg["eval"])
+                                          figures=seed == args.seeds[0] and not args.as_try, eval_config=cfg["eval"])
         runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})
         if init_from_env().rank == 0:
             print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "
@@ -308,6 +342,12 @@ def main(argv=None) -> int:
         return 0
     summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items() if isinstance(v, float)])}
     cfg = load_experiment_config(args.config, args.set)
+    if args.as_try:
+        path = write_json(Path(args.results_dir) / ABLATIONS / f"{args.name}.json",
+                          try_record(args.name, runs, cfg, provenance(device=args.device)))
+        write_table(args.results_dir, ABLATIONS, ablations_table(Path(args.results_dir)))
+        print(f"wrote {path}")
+        return 0
     write_report(args.results_dir, args.name, summary, tables,
                  seed=args.seeds, steps=runs[0]["steps"], device=args.device, configs=config_dicts(cfg),
                  wall_time_s=sum(r["train_wall_time_s"] for r in runs), batch_size=cfg["train"].batch_size)

@@ -87,6 +87,31 @@ def test_mnist_probe_reads_a_trained_model_out_with_the_runs_eval_settings(tmp_p
     assert again["metrics"]["probe_presence_pose_test_acc"] == first["metrics"]["probe_presence_pose_test_acc"]
 
 
+def test_mnist_probe_records_a_try_as_one_file_of_the_table_of_tries(tmp_path, tiny_toml, pyro_clean):
+    # catches: a try leaving per-seed files and figures in the results folder, a record whose changes are not the
+    # run's differences from mnist.toml (or miss its --set), or whose numbers are not its seeds' mean ± std
+    from probcaps.experiments import mnist_probe
+    from probcaps.report import load_try
+
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    assert mnist_probe.main(["--config", str(tiny_toml), "--seeds", "0", "1", "--out", str(runs), "--results-dir",
+                             str(results), "--quiet", "--set", "train.steps=2", "--set", "model.temperature=0.7",
+                             "--name", "a_try", "--try"]) == 0
+    assert sorted(p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file()) == [
+        "ablations.md", "ablations/a_try.json"]
+    record = load_try(results / "ablations" / "a_try.json")
+    assert record["changed"]["model.temperature"] == 0.7 and record["changed"]["train.steps"] == 2
+    recipe = mnist_probe.config_dicts(mnist_probe.load_experiment_config(mnist_probe.CONFIGS_DIR / "mnist.toml"))
+    assert record["changed"]["model.template_size"] == 5 and "train.seed" not in record["changed"]
+    assert all(recipe[key.split(".")[0]].get(key.split(".")[1]) != value for key, value in record["changed"].items())
+    per_seed = [json.loads((runs / f"seed{s}" / f"a_try_seed{s}.json").read_text())["metrics"] for s in (0, 1)]
+    accs = [m["probe_presence_pose_test_acc"] for m in per_seed]
+    assert record["metrics"]["probe_presence_pose_test_acc"] == pytest.approx(
+        {"mean": sum(accs) / 2, "std": abs(accs[0] - accs[1]) / 2 ** 0.5})
+    assert record["seeds"] == [0, 1] and record["steps"] == 2 and record["device"].startswith("cpu")
+    assert "`a_try`" in (results / "ablations.md").read_text()
+
+
 def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_clean, monkeypatch):
     # catches: a seed trained on its own (--train-only) not exported to --checkpoint-out, exported by default
     # over the committed checkpoints/<name>.pt, or recording the config's name instead of the run's --name
@@ -128,15 +153,16 @@ def test_ablations_table_lays_out_one_row_per_try(tmp_path):
                 "seeds": [0, 1], "steps": 2500, "commit": "abc1234", "device": "cpu", "command": "x", **extra}
 
     (folder / "b_try.json").write_text(json.dumps(record("b_try", {
-        "probe_presence_pose_test_acc": {"mean": 0.981, "std": 0.002}, "test_elbo_per_image": 2301.4})))
+        "probe_presence_pose_test_acc": {"mean": 0.981, "std": 0.002}, "test_elbo_per_image": 2301.4,
+        "template_distinctness_mean": 0.2134})))
     (folder / "a_try.json").write_text(json.dumps(record("a_try", {"kmeans_posterior_counts_test_acc": 0.5},
                                                          note="uncommitted changes")))
     assert mnist_probe.ablations_table(tmp_path / "none") is None
     rows = [line for line in mnist_probe.ablations_table(tmp_path).splitlines() if line.startswith("| `")]
     assert rows == ["| `a_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | 50.0 | — | — | "
-                    "— | — | — | — | abc1234* |",
+                    "— | — | — | — | — | — | abc1234* |",
                     "| `b_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | — | — | "
-                    "98.1 ± 0.2 | — | — | — | 2301 | abc1234 |"]
+                    "98.1 ± 0.2 | — | — | — | 2301 | — | 0.213 | abc1234 |"]
     (folder / "c_try.json").write_text(json.dumps({"name": "c_try", "metrics": {}}))
     with pytest.raises(DataError, match=r"c_try\.json: a try's record lacks 'changed'"):
         mnist_probe.ablations_table(tmp_path)
