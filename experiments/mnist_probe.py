@@ -265,17 +265,52 @@ def recipes_table(results_dir: Path) -> str | None:
     return "\n".join(lines)
 
 
+#: the models read out for how stable their clustering is and how distinct their templates are (Smith et al. 2020,
+#: Figure 6): ``(results name, what it is)``; ``results_dir/mnist_clustering.md``
+CLUSTERING = "mnist_clustering"
+CLUSTERING_RUNS = [("mnist_objects_seed0", "`mnist_objects.toml`, seed 0 (`checkpoints/mnist_objects.pt`)")]
+
+
+def clustering_table(results_dir: Path) -> str | None:
+    """For each model of :data:`CLUSTERING_RUNS` with results in ``results_dir``: k-means on the posterior
+    presences as the tables report it (the best of 10 starts by inertia) and over 10 single starts (min, median,
+    max), the two classes it mixes up most, and the template distinctness (mean and least over the templates);
+    None when none has results."""
+    rows, runs_from = [], []
+    for name, what, runs, prov in model_sets(results_dir, CLUSTERING_RUNS):
+        (m,) = runs
+        key = "kmeans_posterior_counts_test"
+        pair = m[f"{key}_confused_pair"]
+        rows.append(f"| {what} | {100 * m[f'{key}_acc']:.1f} | " + " / ".join(
+            f"{100 * m[f'{key}_acc_init_{q}']:.1f}" for q in ("min", "median", "max"))
+            + f" | {pair['classes'][0]} and {pair['classes'][1]}: {100 * pair['share']:.1f}% of their images | "
+            f"{m['template_distinctness_mean']:.3f} ({m['template_distinctness_min']:.3f}) |")
+        runs_from.append(f"`{name}`: {provenance_line(prov)}")
+    if not rows:
+        return None
+    return "\n".join(["| model | k-means (10) + Hungarian, posterior presences (%) | single starts: min / median / "
+                      "max (%) | the most-confused pair of classes | template distinctness: mean (least) |",
+                      "| --- | --- | --- | --- | --- |", *rows, "",
+                      "MNIST test; k-means as every table here runs it keeps the best of 10 starts by inertia, the "
+                      "single starts are seeds 0–9 alone; the most-confused pair has the most images of either "
+                      "clustered as the other; template distinctness is, for each template, the share of its energy "
+                      "that its nearest other template under the best affine warp leaves unexplained (0: a warped "
+                      "copy, 1: nothing alike). " + "; ".join(runs_from)])
+
+
 def write_tables(results_dir: Path, name: str) -> list[Path | None]:
     """Write ``results_dir/<name>.md`` and, from the results there, ``results_dir/ablations.md`` when
     ``results_dir/ablations/`` holds tries, ``results_dir/mnist_layers_by_recipe.md`` when a model set of
     :data:`LAYER_RUNS` has results, ``results_dir/mnist_nonlinear_by_recipe.md`` when one of :data:`NONLINEAR_RUNS`
-    has, and ``results_dir/mnist_recipes.md`` when a recipe of :data:`RECIPE_RUNS` has; returns the files written
-    (None: not written)."""
+    has, ``results_dir/mnist_recipes.md`` when a recipe of :data:`RECIPE_RUNS` has and
+    ``results_dir/mnist_clustering.md`` when a model of :data:`CLUSTERING_RUNS` has; returns the files written (None:
+    not written)."""
     return [write_table(results_dir, name, readme_table(results_dir, name)),
             write_table(results_dir, ABLATIONS, ablations_table(results_dir)),
             write_table(results_dir, LAYERS, layers_table(results_dir)),
             write_table(results_dir, NONLINEAR, nonlinear_table(results_dir)),
-            write_table(results_dir, RECIPES, recipes_table(results_dir))]
+            write_table(results_dir, RECIPES, recipes_table(results_dir)),
+            write_table(results_dir, CLUSTERING, clustering_table(results_dir))]
 
 
 

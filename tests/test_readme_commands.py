@@ -301,7 +301,7 @@ TABLE_SOURCES = [
     ("experiments.heldout_likelihood", "heldout_likelihood", [], ["likelihood_normal_guide", "inferences"]),
     ("experiments.rotated_recognition", "rotated_recognition", [], ["rotated_recognition"]),
     *[("experiments.mnist_probe", "mnist_probe", ["--name", n],
-       [n, "ablations", "mnist_layers_by_recipe", "mnist_nonlinear_by_recipe", "mnist_recipes"])
+       [n, "ablations", "mnist_layers_by_recipe", "mnist_nonlinear_by_recipe", "mnist_recipes", "mnist_clustering"])
       for n in _mnist_probe_runs()],
     *[("experiments.affnist", "affnist", ["--name", n], [n, "ablations"]) for n in ("affnist", "affnist_fast")],
     *[("experiments.rotated_digits", "rotated_digits", ["--name", n], [n]) for n in ("rotated_digits",
