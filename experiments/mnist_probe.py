@@ -18,8 +18,6 @@ import json
 from functools import partial
 from pathlib import Path
 
-import numpy as np
-
 from probcaps.experiments.common import (
     checkpoint_out_path,
     export_checkpoint,
@@ -106,19 +104,16 @@ ABLATION_COLUMNS = [
 ]
 
 
-def try_record(name: str, runs: list[dict], cfg: dict, prov: dict) -> dict:
+def try_record(name: str, runs: list[dict], summary: dict, cfg: dict, prov: dict) -> dict:
     """The record of a try (:func:`probcaps.report.load_try`): the keys of ``cfg`` that differ from `mnist.toml`,
-    the table of tries' metrics over ``runs`` (mean and sample std, the value alone for one seed), its seeds and
-    steps, and the commit, device and command of ``prov``."""
+    the table of tries' metrics from ``summary`` (:func:`~probcaps.runner.seed_summary` of ``runs``: mean and sample
+    std, the value alone for one seed), its seeds and steps, and the commit, device and command of ``prov``."""
     recipe, trained = config_dicts(load_experiment_config(CONFIGS_DIR / "mnist.toml")), config_dicts(cfg)
     changed = {f"{section}.{key}": value for section, values in trained.items() for key, value in values.items()
                if key != "seed" and recipe.get(section, {}).get(key) != value}
-    metrics = {}
-    for key, *_ in ABLATION_COLUMNS:
-        values = np.array([r[key] for r in runs if r.get(key) is not None], dtype=float)
-        if len(values) == len(runs):
-            metrics[key] = (float(values[0]) if len(values) == 1 else
-                            {"mean": float(values.mean()), "std": float(values.std(ddof=1))})
+    metrics = {key: summary[f"{key}_mean"] if len(runs) == 1 else
+               {"mean": summary[f"{key}_mean"], "std": summary[f"{key}_std"]}
+               for key, *_ in ABLATION_COLUMNS if f"{key}_mean" in summary}
     commit = prov["git_commit"] or "unknown"
     record = {"name": name, "changed": changed, "metrics": metrics, "seeds": [r["seed"] for r in runs],
               "steps": runs[0]["steps"], "commit": commit.removesuffix("+dirty"), "device": prov["device"],
@@ -379,7 +374,7 @@ def main(argv=None) -> int:
     cfg = load_experiment_config(args.config, args.set)
     if args.as_try:
         path = write_json(Path(args.results_dir) / ABLATIONS / f"{args.name}.json",
-                          try_record(args.name, runs, cfg, provenance(device=args.device)))
+                          try_record(args.name, runs, summary, cfg, provenance(device=args.device)))
         write_table(args.results_dir, ABLATIONS, ablations_table(Path(args.results_dir)))
         print(f"wrote {path}")
         return 0

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-import torch
 from conftest import TINY40 as TINY40_COMMON
 from conftest import train_tiny40
 
@@ -81,15 +80,11 @@ def _load_main(target: str):
         return main
     if target.startswith("experiments."):
         return importlib.import_module(f"probcaps.{target}").main
-    return _load_module(target).main
-
-
-def _load_module(target: str):
     path = ROOT / target
     spec = importlib.util.spec_from_file_location(f"_example_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return module.main
 
 
 def _json(ctx: Context, name: str) -> dict:
@@ -295,17 +290,6 @@ EXAMPLES = [
             writes=["speed/bench_gpu.json", "multimnist/multimnist.json", "mnist_probe/mnist_gpu_steps3.json"],
             check=_check_bench_gpu),
 ]
-
-
-def test_bench_render_gather_samplers_equal_grid_sample_in_float64():
-    # catches: the benchmark's candidate samplers timing something other than F.grid_sample's function (a wrong
-    # neighbour, weight or edge), values or gradients, for grids reaching past the source's edges
-    bench = _load_module("benchmarks/bench_render.py")
-    for sampler in (bench.gather_grid_sample, bench.compiled_gather_grid_sample):
-        assert bench.sampler_error(sampler, torch.Generator().manual_seed(0)) < 1e-12
-    source = torch.rand(2, 2, 5, 5, dtype=torch.float64, requires_grad=True)
-    grid = (torch.rand(2, 4, 3, 2, dtype=torch.float64) * 2.4 - 1.2).requires_grad_()
-    assert torch.autograd.gradcheck(bench.gather_grid_sample, (source, grid))
 
 
 @pytest.fixture(scope="module")
