@@ -3,9 +3,16 @@ MultiMNIST size, for the configs of the MultiMNIST experiment.
 
     python benchmarks/bench_capsnet.py --threads 2                       # reduced and paper-size configs
     python benchmarks/bench_capsnet.py --configs paper --set model.bf16=false --label float32 --json X --append
+    python benchmarks/bench_capsnet.py --configs paper --compare \
+        --variant "float32" model.bf16=false model.phase_split=false \
+        --variant "bf16" model.phase_split=false --variant "bf16, phase split"     # interleaved, in one process
 
 Prints per config: step time (median), images/s and peak memory (max RSS of the process on CPU, which is
-monotone, so configs are run smallest first; CUDA: peak allocated).  Writes the rows to ``--json``.
+monotone, so configs are run smallest first; CUDA: peak allocated).  Writes the rows to ``--json``.  With
+``--compare`` the variants (each the config with its ``model.KEY=VALUE`` changes) are built side by side and timed
+in interleaved rounds, one step of each per round, a different variant first each round; each row's speed-up is
+the median over the rounds of the first variant's step time over its own (the peak memory is the process's, so
+it is left out).
 """
 
 from __future__ import annotations
@@ -41,6 +48,19 @@ def peak_memory_mb(device: str) -> float:
 
 def time_step(model: CapsNet, batch: int, repeats: int, device: str) -> list[float]:
     """Seconds per full training step, ``repeats`` times after two warm-up steps."""
+    step = make_step(model, batch, device)
+    step()
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def make_step(model: CapsNet, batch: int, device: str):
+    """One full training step of ``model`` on a fixed random batch, as a function (synchronised on CUDA)."""
     cfg = model.config
     g = torch.Generator().manual_seed(0)
     shape = (batch, 2, cfg.in_channels, cfg.image_size, cfg.image_size)
@@ -57,14 +77,50 @@ def time_step(model: CapsNet, batch: int, repeats: int, device: str) -> list[flo
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    step()
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    return step
+
+
+def compare(args, name: str, load_config) -> list[dict]:
+    """The ``--variant`` s of config ``name`` timed in interleaved rounds (module docstring) -> one row each."""
+    labels = [v[0] for v in args.variant]
+    steps, cfgs = [], []
+    for label, *changes in args.variant:
+        cfg = load_config(CONFIGS[name], args.set + changes)
+        torch.manual_seed(0)
+        steps.append(make_step(CapsNet(cfg["model"]).to(args.device), args.batch, args.device))
+        cfgs.append(cfg["model"])
+    for step in steps:  # warm-up: the allocator's and oneDNN's first calls
         step()
-        times.append(time.perf_counter() - t0)
-    return times
+        step()
+    times = [[] for _ in steps]
+    for r in range(args.repeats):
+        order = list(range(len(steps)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for i in order:
+            t0 = time.perf_counter()
+            steps[i]()
+            times[i].append(time.perf_counter() - t0)
+        print(f"round {r + 1}: " + ", ".join(f"{labels[i]} {1000 * times[i][-1]:.0f} ms" for i in range(len(steps))),
+              flush=True)
+    rows = []
+    for i, label in enumerate(labels):
+        med = statistics.median(times[i])
+        speedup = statistics.median(t0 / t for t0, t in zip(times[0], times[i]))
+        rows.append({"config": f"{name}, {label}", "batch": args.batch, "step_s": med, "step_s_min": min(times[i]),
+                     "images_per_s": args.batch / med, "peak_memory_mb": None, "interleaved": True,
+                     "speedup_over": f"{name}, {labels[0]}", "speedup": speedup, "changes": args.variant[i][1:],
+                     "threads": torch.get_num_threads(), "device": args.device,
+                     "device_description": device_description(args.device), "model": cfgs[i].to_dict(),
+                     "num_primary_capsules": cfgs[i].num_primary, "bf16_supported": bf16_supported(args.device),
+                     "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "repeats": args.repeats,
+                     "load_average": os.getloadavg()[0], "command": " ".join(["python", *sys.argv])})
+        print(f"{name} {label:24s} step {1000 * med:.0f} ms (min {1000 * min(times[i]):.0f}), "
+              f"{args.batch / med:.1f} images/s, x{speedup:.2f} {labels[0]}")
+    return rows
+
+
+def bf16_supported(device: str) -> bool:
+    return device.startswith("cuda") or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def main(argv=None) -> int:
@@ -79,13 +135,21 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     p.add_argument("--append", action="store_true", help="append the rows to --json instead of replacing it")
     p.add_argument("--label", default=None, help="suffix for the config names in the rows (e.g. 'float32')")
+    p.add_argument("--compare", action="store_true", help="time the --variant s interleaved (module docstring)")
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar="LABEL [model.KEY=VALUE ...]",
+                   help="with --compare: a label and the changes that make this variant of each config")
     args = p.parse_args(argv)
+    if args.compare and len(args.variant) < 2:
+        p.error("--compare needs at least two --variant")
     if args.threads:
         torch.set_num_threads(args.threads)
     from probcaps.experiments.multimnist import load_config
 
     rows = []
     for name in args.configs:
+        if args.compare:
+            rows += compare(args, name, load_config)
+            continue
         cfg = load_config(CONFIGS[name], args.set)
         torch.manual_seed(0)
         model = CapsNet(cfg["model"]).to(args.device)

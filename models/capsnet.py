@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from probcaps.config import Section
 from probcaps.decoders import MaskedCapsuleDecoder
+from probcaps.encoders import PhaseSplitConv2d
 from probcaps.models.routing import linear_dynamic_routing, squash
 
 __all__ = ["CapsNetConfig", "CapsNetOutput", "CapsNet", "margin_loss", "top_k_classes", "set_accuracy"]
@@ -43,6 +44,7 @@ class CapsNetConfig(Section):
     margin_lambda: float = 0.5
     recon_weight: float = 0.0005      # per-image sum of squared errors, times this (paper)
     bf16: bool = False                # the two convolutions in bfloat16 autocast (routing, losses stay float32)
+    phase_split: bool = False         # PrimaryCaps' strided convolution as stride-1 phases (PhaseSplitConv2d)
 
     def validate(self) -> None:
         if self.primary_grid < 1:
@@ -97,8 +99,9 @@ class CapsNet(nn.Module):
         cfg = self.config = config or CapsNetConfig()
         cfg.validate()
         self.conv1 = nn.Conv2d(cfg.in_channels, cfg.conv1_channels, cfg.conv1_kernel)
-        self.primary = nn.Conv2d(cfg.conv1_channels, cfg.primary_capsules * cfg.primary_dim, cfg.primary_kernel,
-                                 stride=cfg.primary_stride)
+        conv = PhaseSplitConv2d if cfg.phase_split else nn.Conv2d
+        self.primary = conv(cfg.conv1_channels, cfg.primary_capsules * cfg.primary_dim, cfg.primary_kernel,
+                            stride=cfg.primary_stride)
         # (J, I, P, D): digit_weight[j, i] is the transpose of the paper's W_ij (see linear_dynamic_routing)
         self.digit_weight = nn.Parameter(cfg.weight_init_std * torch.randn(
             cfg.num_classes, cfg.num_primary, cfg.primary_dim, cfg.digit_dim))

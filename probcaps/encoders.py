@@ -21,7 +21,8 @@ from torch import nn
 
 from probcaps.geometry import constrained_pose
 
-__all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOutput", "key_bias"]
+__all__ = ["MAB", "SAB", "ISAB", "PMA", "SetTransformer", "PartEncoder", "PartOutput", "key_bias",
+           "PhaseSplitConv2d"]
 
 #: Smallest key weight before taking the log: ``log(1e-6) ~ -13.8`` on the attention logits.
 MIN_KEY_WEIGHT = 1e-6
@@ -30,6 +31,38 @@ MIN_KEY_WEIGHT = 1e-6
 #: Off: on a 2-core CPU the explicit form is faster, for the default SetTransformer ~67 vs ~74 ms forward + backward
 #: and ~19 vs ~25 ms forward (benchmarks/bench_encoders.py); SDPA may pay on CUDA (fused kernels).
 USE_SDPA = False
+
+
+class PhaseSplitConv2d(nn.Conv2d):
+    """A strided ``nn.Conv2d`` computed as ``stride**2`` stride-1 convolutions, one per phase of the input grid.
+
+    Output pixel ``(y, x)`` of a stride-``s`` convolution reads input ``(s y + u, s x + v)`` with kernel tap ``(u,
+    v)``; grouping the taps by ``(u mod s, v mod s)`` gives, for each phase ``(a, b)``, the stride-1 convolution of
+    ``input[..., a::s, b::s]`` with ``weight[..., a::s, b::s]``, and the layer's output is their sum (cropped to the
+    strided output's size).  The same function and parameters as ``nn.Conv2d`` (a checkpoint of either loads into
+    the other), the same multiply-adds; it exists because oneDNN's stride-1 kernels are much faster than its strided
+    ones in the backward pass on CPUs with AMX (``benchmarks/bench_capsnet.py``).  ``groups``, ``dilation`` and
+    string ``padding`` are not split: such a layer runs as ``nn.Conv2d``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sh, sw = self.stride
+        if (sh, sw) == (1, 1) or self.groups != 1 or self.dilation != (1, 1) or isinstance(self.padding, str):
+            return super().forward(x)
+        ph, pw = self.padding
+        if ph or pw:
+            x = F.pad(x, (pw, pw, ph, ph), mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
+        kh, kw = self.kernel_size
+        oh, ow = (x.shape[-2] - kh) // sh + 1, (x.shape[-1] - kw) // sw + 1
+        out = None
+        for a in range(min(sh, kh)):
+            for b in range(min(sw, kw)):
+                w = self.weight[..., a::sh, b::sw]
+                # the rows and columns of this phase that its taps reach for the oh x ow outputs
+                xp = x[..., a::sh, b::sw][..., :oh + w.shape[-2] - 1, :ow + w.shape[-1] - 1]
+                y = F.conv2d(xp, w, self.bias if out is None else None)
+                out = y if out is None else out + y
+        return out
 
 
 def key_bias(key_weights: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

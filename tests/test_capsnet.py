@@ -188,6 +188,23 @@ def test_bf16_convolutions_stay_close():
     assert torch.allclose(model(x).lengths, ref, rtol=0.05, atol=1e-3)
 
 
+def test_phase_split_primary_capsules_are_the_same_network():
+    """``phase_split`` changes how PrimaryCaps' strided convolution is computed, not the network: the same state
+    dict gives the same loss and the same gradients, to float32 rounding (the network computes in float32)."""
+    torch.manual_seed(0)
+    plain = CapsNet(CapsNetConfig(**TINY_CAPS))
+    split = CapsNet(CapsNetConfig(**TINY_CAPS, phase_split=True))
+    split.load_state_dict(plain.state_dict())
+    x = torch.rand(2, 1, 36, 36)
+    labels = torch.tensor([[0, 3], [1, 2]])
+    sources = torch.rand(2, 2, 1, 36, 36)
+    losses = [m.loss(x, labels, sources)[0] for m in (plain, split)]
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=0)
+    for a, b in zip(torch.autograd.grad(losses[0], list(plain.parameters())),
+                    torch.autograd.grad(losses[1], list(split.parameters()))):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6 * float(b.abs().max()))
+
+
 def test_lenet_shapes():
     assert LeNet5()(torch.rand(2, 1, 28, 28)).shape == (2, 10)
     assert sum(p.numel() for p in LeNet5().parameters()) == 156 + 2416 + 30840 + 10164 + 850

@@ -306,3 +306,38 @@ def test_compiled_part_cnn_matches_eager():
     other(x)
     ref(x)
     assert "_trunk_compiled" not in other.__dict__ and "_trunk_compiled" not in ref.__dict__
+
+
+# --------------------------------------------------------------------------- the phase-split strided convolution
+
+
+@pytest.mark.parametrize("kernel,stride,padding,size", [(9, 2, 0, 28), (9, 2, 0, 27), (3, 2, 1, 13), (4, 3, 0, 17),
+                                                        (1, 2, 0, 9), (5, 2, 2, 12), (2, 3, 0, 10)])
+def test_phase_split_conv_equals_the_strided_conv_with_gradients(kernel, stride, padding, size):
+    from probcaps.encoders import PhaseSplitConv2d
+
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(3, 5, kernel, stride=stride, padding=padding).double()
+    split = PhaseSplitConv2d(3, 5, kernel, stride=stride, padding=padding).double()
+    split.load_state_dict(ref.state_dict())  # the same parameters under the same names
+    x = torch.randn(2, 3, size, size, dtype=torch.double, requires_grad=True)
+    y_ref, y = ref(x), split(x)
+    assert y.shape == y_ref.shape
+    assert torch.allclose(y, y_ref, atol=1e-12, rtol=0)
+    g = torch.randn_like(y)
+    grads_ref = torch.autograd.grad(y_ref, [x, ref.weight, ref.bias], g)
+    grads = torch.autograd.grad(y, [x, split.weight, split.bias], g)
+    for a, b in zip(grads, grads_ref):
+        assert torch.allclose(a, b, atol=1e-12, rtol=0)
+
+
+def test_phase_split_conv_runs_stride_one_and_grouped_layers_as_the_plain_conv():
+    from probcaps.encoders import PhaseSplitConv2d
+
+    x = torch.randn(1, 4, 9, 9, dtype=torch.double)
+    for kw in (dict(stride=1), dict(stride=2, groups=2), dict(stride=2, dilation=2)):
+        torch.manual_seed(0)
+        ref = torch.nn.Conv2d(4, 4, 3, **kw).double()
+        split = PhaseSplitConv2d(4, 4, 3, **kw).double()
+        split.load_state_dict(ref.state_dict())
+        assert torch.equal(split(x), ref(x))
