@@ -327,14 +327,23 @@ def bench_table(results_dir: Path) -> str | None:
     if not bench.is_file():
         return None
     brows = json.loads(bench.read_text())
-    lines = ["| benchmark: one training step, batch 128 | children | bf16 convs | step (ms) | images/s | peak memory "
-             "(MB) | threads | load average |", "|" + " --- |" * 8]
-    lines += [f"| {r['config']} | {r['num_primary_capsules']} | {r['model']['bf16']} | {1000 * r['step_s']:.0f} | "
-              f"{r['images_per_s']:.1f} | {r['peak_memory_mb']:.0f} | {r['threads']} | {r['load_average']:.1f} |"
-              for r in brows]
-    return "\n".join(lines + ["", f"Benchmark device: {brows[0]['device_description'].split(' (')[0]}, shared with "
-                                  f"other jobs (load average in the table; 2.0 would be a fully used 2-core machine); "
-                                  f"command: `{brows[0]['command']}` and variants."])
+    lines = ["| benchmark: one training step, batch 128 | children | bf16 convs | phase-split PrimaryCaps | "
+             "step (ms) | images/s | speed-up | peak memory (MB) | threads | load average |", "|" + " --- |" * 10]
+    lines += [f"| {r['config']} | {r['num_primary_capsules']} | {r['model']['bf16']} | "
+              f"{r['model'].get('phase_split', False)} | {1000 * r['step_s']:.0f} | {r['images_per_s']:.1f} | "
+              + (f"{r['speedup']:.2f}× {r['speedup_over'].split(', ', 1)[1]}" if r.get("speedup") else "—")
+              + f" | {'—' if r['peak_memory_mb'] is None else format(r['peak_memory_mb'], '.0f')} | {r['threads']} | "
+              f"{r['load_average']:.1f} |" for r in brows]
+    notes = []
+    for device in dict.fromkeys(r["device_description"].split(" (")[0] for r in brows):
+        rows = [r for r in brows if r["device_description"].startswith(device)]
+        kernels = ("" if "bf16_supported" not in rows[-1] else
+                   f" ({'with' if rows[-1]['bf16_supported'] else 'without'} bfloat16 kernels)")
+        notes.append(f"{', '.join(r['config'] for r in rows)}: {device}{kernels}; command: `{rows[-1]['command']}`"
+                     + ("; the speed-up is paired within each of the interleaved rounds, the peak memory the "
+                        "process's and so not per variant" if any(r.get("interleaved") for r in rows) else "") + ".")
+    return "\n".join(lines + ["", "Benchmark device and command of the rows, the load average in the table (2.0 "
+                                  "would be a fully used 2-core machine):", *[f"- {n}" for n in notes]])
 
 
 if __name__ == "__main__":

@@ -119,6 +119,13 @@ def _check_bench_capsnet(ctx):
     assert row["images_per_s"] > 0 and row["num_primary_capsules"] == 400 and math.isfinite(row["peak_memory_mb"])
 
 
+def _check_bench_capsnet_compare(ctx):
+    rows = _json(ctx, "bench_capsnet_compare.json")
+    assert [r["config"] for r in rows] == ["reduced, float32", "reduced, phase split"]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0 and rows[1]["interleaved"]
+    assert [r["model"]["phase_split"] for r in rows] == [False, True] and rows[1]["peak_memory_mb"] is None
+
+
 def _check_bench_matrix_capsules(ctx):
     row = _json(ctx, "bench_matrix_capsules.json")
     assert row["train_images_per_s"] > 0 and row["peak_memory_mb"] > 0
@@ -272,6 +279,12 @@ EXAMPLES = [
                        "--json", str(c.results / "bench_capsnet.json"),
                        *sets([f"model.{k}={json.dumps(v)}" for k, v in TINY_CAPS.items()])],
             writes=["bench_capsnet.json"], check=_check_bench_capsnet),
+    Example("bench_capsnet_compare", "benchmarks/bench_capsnet.py",
+            lambda c: ["--configs", "reduced", "--batch", "4", "--repeats", "1", "--threads", "1", "--compare",
+                       "--variant", "float32", "model.bf16=false", "--variant", "phase split", "model.bf16=false",
+                       "model.phase_split=true", "--json", str(c.results / "bench_capsnet_compare.json"),
+                       *sets([f"model.{k}={json.dumps(v)}" for k, v in TINY_CAPS.items()])],
+            writes=["bench_capsnet_compare.json"], check=_check_bench_capsnet_compare),
     Example("bench_matrix_capsules", "benchmarks/bench_matrix_capsules.py",
             lambda c: ["--A", "8", "--B", "2", "--C", "2", "--D", "2", "--batch", "4", "--repeats", "1",
                        "--threads", "1", "--json", str(c.results / "bench_matrix_capsules.json")],
