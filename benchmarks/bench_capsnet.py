@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import statistics
 import sys
 import time
@@ -113,7 +114,7 @@ def compare(args, name: str, load_config) -> list[dict]:
                      "device_description": device_description(args.device), "model": cfgs[i].to_dict(),
                      "num_primary_capsules": cfgs[i].num_primary, "bf16_supported": bf16_supported(args.device),
                      "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "repeats": args.repeats,
-                     "load_average": os.getloadavg()[0], "command": " ".join(["python", *sys.argv])})
+                     "load_average": os.getloadavg()[0], "command": shlex.join(["python", *sys.argv])})
         print(f"{name} {label:24s} step {1000 * med:.0f} ms (min {1000 * min(times[i]):.0f}), "
               f"{args.batch / med:.1f} images/s, x{speedup:.2f} {labels[0]}")
     return rows
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
                "num_primary_capsules": cfg["model"].num_primary,
                "parameters": sum(p.numel() for p in model.parameters()),
                "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "repeats": args.repeats,
-               "load_average": os.getloadavg()[0], "command": " ".join(["python", *sys.argv])}
+               "load_average": os.getloadavg()[0], "command": shlex.join(["python", *sys.argv])}
         rows.append(row)
         print(f"{name:8s} conv1 {cfg['model'].conv1_channels:3d}, {cfg['model'].primary_capsules:2d}x"
               f"{cfg['model'].primary_dim}-D primary caps ({cfg['model'].num_primary} children), bf16 "

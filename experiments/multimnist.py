@@ -339,7 +339,7 @@ def bench_table(results_dir: Path) -> str | None:
         rows = [r for r in brows if r["device_description"].startswith(device)]
         kernels = ("" if "bf16_supported" not in rows[-1] else
                    f" ({'with' if rows[-1]['bf16_supported'] else 'without'} bfloat16 kernels)")
-        notes.append(f"{', '.join(r['config'] for r in rows)}: {device}{kernels}; command: `{rows[-1]['command']}`"
+        notes.append(f"{'; '.join(r['config'] for r in rows)}: {device}{kernels}; command: `{rows[-1]['command']}`"
                      + ("; the speed-up is paired within each of the interleaved rounds, the peak memory the "
                         "process's and so not per variant" if any(r.get("interleaved") for r in rows) else "") + ".")
     return "\n".join(lines + ["", "Benchmark device and command of the rows, the load average in the table (2.0 "
