@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from probcaps.io import write_json  # noqa: E402
 from probcaps.models.capsnet import CapsNet  # noqa: E402
-from probcaps.provenance import device_description  # noqa: E402
+from probcaps.provenance import device_description, has_bf16_kernels  # noqa: E402
 
 CONFIGS = {
     "reduced": ROOT / "experiments" / "configs" / "multimnist.toml",
@@ -112,16 +112,12 @@ def compare(args, name: str, load_config) -> list[dict]:
                      "speedup_over": f"{name}, {labels[0]}", "speedup": speedup, "changes": args.variant[i][1:],
                      "threads": torch.get_num_threads(), "device": args.device,
                      "device_description": device_description(args.device), "model": cfgs[i].to_dict(),
-                     "num_primary_capsules": cfgs[i].num_primary, "bf16_supported": bf16_supported(args.device),
+                     "num_primary_capsules": cfgs[i].num_primary, "bf16_supported": has_bf16_kernels(args.device),
                      "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "repeats": args.repeats,
                      "load_average": os.getloadavg()[0], "command": shlex.join(["python", *sys.argv])})
         print(f"{name} {label:24s} step {1000 * med:.0f} ms (min {1000 * min(times[i]):.0f}), "
               f"{args.batch / med:.1f} images/s, x{speedup:.2f} {labels[0]}")
     return rows
-
-
-def bf16_supported(device: str) -> bool:
-    return device.startswith("cuda") or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,7 @@ import torch
 from probcaps.inference.capsule_svi import CapsuleSystem, load_experiment_config
 from probcaps.inference.train import make_elbo, make_optimiser
 from probcaps.io import write_json
-from probcaps.provenance import device_description
+from probcaps.provenance import device_description, has_bf16_kernels
 from probcaps.report import write_table
 
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         "encoder": cfg["encoder"].to_dict(), "command": " ".join(["python", *sys.argv]),
         "malloc_env": "MALLOC_MMAP_THRESHOLD_" in os.environ, "compiled_compositing": args.compile,
         "compiled_part_cnn": args.compile, "renderer": "full canvas" if args.full_canvas else "footprint",
-        "bf16_supported": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "load_average": list(os.getloadavg()),
+        "bf16_supported": has_bf16_kernels(args.device), "load_average": list(os.getloadavg()),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     print(f"batch {args.batch}, {args.parts} parts, {args.parents} objects, {torch.get_num_threads()} threads, "

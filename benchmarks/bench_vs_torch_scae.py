@@ -162,7 +162,9 @@ def worker(args) -> None:
     else:
         # the recipe's bf16 convolutions only where the CPU has bfloat16 kernels (elsewhere they are emulated,
         # several times slower, and the recipe says to turn them off); a GPU has them
-        bf16 = cuda or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        from probcaps.provenance import has_bf16_kernels
+
+        bf16 = has_bf16_kernels(args.device)
         overrides = VARIANTS[args.worker] + ([] if bf16 else ["encoder.bf16=false"])
         step, described = ours(overrides, args.parts, args.parents, args.batch, args.device)
         described["bf16_supported"] = bool(bf16)

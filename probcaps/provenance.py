@@ -116,6 +116,14 @@ def device_description(device: Any = "cpu") -> str:
     return str(dev)
 
 
+def has_bf16_kernels(device: Any = "cpu") -> bool:
+    """Whether ``device`` runs bfloat16 convolutions and matrix products natively: a GPU, or a CPU with AVX-512 BF16
+    or AMX (oneDNN's check); elsewhere they are emulated, several times slower than float32."""
+    import torch
+
+    return torch.device(device).type == "cuda" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _version(module_name: str) -> str | None:
     try:
         return getattr(__import__(module_name), "__version__", None)
