@@ -47,7 +47,7 @@ from probcaps.inference import distributed
 from probcaps.io import INTERRUPT_SIGNALS, OutputError, RunLock, append_jsonl, truncate_log
 
 __all__ = ["TrainConfig", "TrainState", "Terminated", "train_loop", "make_optimiser", "make_elbo", "start_log",
-           "check_adam_lr"]
+           "check_adam_lr", "TFRMSprop"]
 
 # keys of a log.jsonl record; schedule names and extra loss terms may not reuse them
 LOG_KEYS = ("step", "epoch", "loss", "lr", "grad_norm", "items_per_s", "wall_time_s", "lr_changes", "config_changes")
@@ -60,6 +60,7 @@ RESUMABLE_TRAIN_KEYS = ("steps", "lr", "warmup_steps", "final_lr_fraction", "wei
                         "checkpoint_every", "validate", "jit", "compile")
 RESUMABLE_METADATA = ("name", "configs.eval.*", *(f"configs.train.{k}" for k in RESUMABLE_TRAIN_KEYS))
 OBJECTIVES = ("elbo", "iwae", "score_function")  # train.objective
+OPTIMISERS = ("adam", "rmsprop_tf")  # train.optimiser
 
 
 @dataclass
@@ -85,6 +86,10 @@ class TrainConfig(Section):
     # ELBO of `particles` samples, score-function gradients for discrete presences)
     objective: str = "elbo"
     particles: int = field(default=1, metadata={"range": COUNT})
+    # "adam" (torch.optim.Adam) or "rmsprop_tf": RMSProp as TensorFlow 1 computes it, SCAE's optimiser
+    # (:class:`TFRMSprop`); with its momentum of 0.9 a step is about ten times the learning rate, so it takes a
+    # tenth of Adam's rate for the same step
+    optimiser: str = "adam"
 
     def __post_init__(self):
         self.check()
@@ -97,6 +102,8 @@ class TrainConfig(Section):
                         f"train.{f.name}")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"train.objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.optimiser not in OPTIMISERS:
+            raise ConfigError(f"train.optimiser: must be one of {', '.join(OPTIMISERS)}, got {self.optimiser!r}")
         # what no single key's range says: every parameter group's rate keeps Adam's steps within float32
         check_adam_lr(self.lr * max(self.lr_multipliers.values(), default=1.0),
                       "train.lr" + (" (times its largest train.lr_multipliers)" if self.lr_multipliers else ""))
@@ -209,7 +216,7 @@ def _lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
 
 
 def _param_groups(module: nn.Module, cfg: TrainConfig) -> list[dict]:
-    """One Adam group per learning-rate multiplier (the schedule scales every group alike)."""
+    """One optimiser group per learning-rate multiplier (the schedule scales every group alike)."""
     groups: dict[float, list] = {}
     for name, p in module.named_parameters():
         if p.requires_grad:
@@ -235,9 +242,57 @@ def check_adam_lr(lr: float, where: str) -> float:
     return lr
 
 
-def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Adam:
-    """The training loop's Adam: one group per learning-rate multiplier; fused (one kernel for every tensor) where
-    torch has it for the parameters' device."""
+class TFRMSprop(torch.optim.Optimizer):
+    """RMSProp with momentum as TensorFlow 1's ``tf.train.RMSPropOptimizer`` computes it, the optimiser SCAE trains
+    with (Kosiorek et al. 2019): its mean square starts at one, not zero, and its epsilon is inside the square root.
+    Per parameter ``p`` with gradient ``g`` (plus ``weight_decay * p``)::
+
+        ms  <- decay * ms + (1 - decay) * g**2          (ms starts at 1)
+        mom <- momentum * mom + lr * g / sqrt(ms + eps)  (mom starts at 0)
+        p   <- p - mom
+
+    torch's ``RMSprop`` starts ``ms`` at zero and adds ``eps`` outside the root, which makes its first steps about
+    ``lr / sqrt(1 - decay)`` whatever the gradient's size; here the first steps are small while ``ms`` forgets its
+    start.  Updates are batched over tensors (``torch._foreach_*``).
+    """
+
+    def __init__(self, params, lr: float = 1e-4, decay: float = 0.9, momentum: float = 0.9, eps: float = 1e-6,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, decay=decay, momentum=momentum, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            if group["weight_decay"]:
+                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["mean_square"] = torch.ones_like(p)
+                    self.state[p]["momentum"] = torch.zeros_like(p)
+            ms = [self.state[p]["mean_square"] for p in params]
+            mom = [self.state[p]["momentum"] for p in params]
+            torch._foreach_mul_(ms, group["decay"])
+            torch._foreach_addcmul_(ms, grads, grads, value=1 - group["decay"])
+            root = torch._foreach_sqrt(torch._foreach_add(ms, group["eps"]))
+            torch._foreach_mul_(mom, group["momentum"])
+            torch._foreach_addcdiv_(mom, grads, root, value=group["lr"])
+            torch._foreach_sub_(params, mom)
+        return loss
+
+
+def make_optimiser(module: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The training loop's optimiser (``train.optimiser``), one group per learning-rate multiplier: Adam, fused
+    (one kernel for every tensor) where torch has it for the parameters' device, or :class:`TFRMSprop`."""
+    if cfg.optimiser == "rmsprop_tf":
+        return TFRMSprop(_param_groups(module, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float64)
                 for p in module.parameters())
     return torch.optim.Adam(_param_groups(module, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)

@@ -59,12 +59,14 @@ class _Interrupt(Exception):
     pass
 
 
-@pytest.mark.parametrize("how", ["ctrl_c_at_step_5", "crash_at_step_4"])
-def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tiny_toml, tmp_path, monkeypatch, how):
+@pytest.mark.parametrize("how,optimiser", [("ctrl_c_at_step_5", "adam"), ("crash_at_step_4", "adam"),
+                                          ("crash_at_step_4", "rmsprop_tf")])
+def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tiny_toml, tmp_path, monkeypatch, how, optimiser):
     # catches: RNG states, optimiser moments, the lr schedule or the data position (epoch / batch) not being
     # checkpointed and restored exactly.  16 images in batches of 4: one run crosses an epoch boundary mid-resume
     # (crash after the step-3 checkpoint), the other is interrupted in the second epoch (Ctrl-C writes step 5).
-    cfg = _cfg(tiny_toml)  # steps = 6, checkpoint_every = 3
+    option = f"train.optimiser={optimiser}"
+    cfg = _cfg(tiny_toml, option)  # steps = 6, checkpoint_every = 3
     state_a = train_capsules(cfg, tmp_path / "a", progress=False)
     assert state_a.step == 6
 
@@ -81,13 +83,13 @@ def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tiny_toml, tmp
 
     monkeypatch.setattr(CapsuleSystem, "loss", interrupted_loss)
     with pytest.raises(error):
-        train_capsules(_cfg(tiny_toml), tmp_path / "b", progress=False)
+        train_capsules(_cfg(tiny_toml, option), tmp_path / "b", progress=False)
     monkeypatch.setattr(CapsuleSystem, "loss", original_loss)
     assert not (tmp_path / "b" / "final.pt").exists()
     saved = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
     assert saved["state"]["step"] == (5 if how == "ctrl_c_at_step_5" else 3)
 
-    state_b = train_capsules(_cfg(tiny_toml), tmp_path / "b", resume=True, progress=False)
+    state_b = train_capsules(_cfg(tiny_toml, option), tmp_path / "b", resume=True, progress=False)
     assert state_b.step == 6 and state_b.epoch == state_a.epoch
     final_a, final_b = _final_module_state(tmp_path / "a"), _final_module_state(tmp_path / "b")
     _assert_same_state(final_a, final_b)
@@ -96,6 +98,44 @@ def test_resume_gives_the_same_parameters_as_an_uninterrupted_run(tiny_toml, tmp
     # and the log is one history: one record per step, in order (records past the checkpoint were dropped)
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 7))
+
+
+def test_tf_rmsprop_takes_tensorflows_steps_computed_by_hand():
+    # catches: the mean square started at zero (torch's RMSprop) or epsilon outside the square root, the momentum
+    # not carried between steps, weight decay left out of the gradient, or groups' learning rates ignored
+    from probcaps.inference.train import TFRMSprop
+    p, q = nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64)), nn.Parameter(torch.tensor([0.5],
+                                                                                                  dtype=torch.float64))
+    opt = TFRMSprop([{"params": [p], "lr": 0.1}, {"params": [q], "lr": 1.0}], weight_decay=0.5, eps=1e-2)
+    c = torch.tensor([3.0, -0.25], dtype=torch.float64)
+    want_p, want_q = [1.0, -2.0], [0.5]
+    ms = {"p": [1.0, 1.0], "q": [1.0]}
+    mom = {"p": [0.0, 0.0], "q": [0.0]}
+    for _ in range(3):
+        opt.zero_grad()
+        ((c * p).sum() + q.sum() ** 2).backward()
+        # by hand: g = dloss/dp + 0.5 p; ms <- 0.9 ms + 0.1 g^2; mom <- 0.9 mom + lr g / sqrt(ms + 0.01); p -= mom
+        for name, values, grads, lr in (("p", want_p, [3.0, -0.25], 0.1), ("q", want_q, [2 * want_q[0]], 1.0)):
+            for i, v in enumerate(values):
+                g = grads[i] + 0.5 * v
+                ms[name][i] = 0.9 * ms[name][i] + 0.1 * g * g
+                mom[name][i] = 0.9 * mom[name][i] + lr * g / math.sqrt(ms[name][i] + 1e-2)
+                values[i] = v - mom[name][i]
+        opt.step()
+        assert p.tolist() == pytest.approx(want_p, rel=1e-12) and q.tolist() == pytest.approx(want_q, rel=1e-12)
+    # torch's own RMSprop (mean square from zero, epsilon outside the root) takes other steps from the same start
+    r = nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    other = torch.optim.RMSprop([r], lr=0.1, alpha=0.9, momentum=0.9, eps=1e-2, weight_decay=0.5)
+    for _ in range(3):
+        other.zero_grad()
+        (c * r).sum().backward()
+        other.step()
+    assert not torch.allclose(r, p)
+
+
+def test_unknown_optimiser_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^train.optimiser: must be one of adam, rmsprop_tf, got 'sgd'$"):
+        TrainConfig(optimiser="sgd")
 
 
 def test_different_seed_gives_different_parameters(tiny_toml, tmp_path):
