@@ -2,7 +2,8 @@
 
 :func:`dynamic_routing` routes given predictions ``u_hat`` ``(B, J, I, D)`` (batch, parent, child, pose dim) and
 is the reference.  :func:`linear_dynamic_routing` is the fast path for CapsNet's linear predictions
-``u_hat_j|i = W_ij u_i``: it never builds ``u_hat``; with ``P``-dimensional children each iteration is two GEMMs,
+``u_hat_j|i = W_ij u_i``: it never builds ``u_hat``; the first iteration's uniform coupling makes every parent's sum
+one GEMM ``(B, I*P) @ (I*P, J*D)``, and with ``P``-dimensional children each later iteration is two GEMMs,
 
     s_j  = sum_i c_ij W_ij u_i = W_j^T (c_j * u)          (J, B, I*P) @ (J, I*P, D)
     a_ij = (W_ij u_i) . v_j   = u_i . (W_ij^T v_j)       (J, B, D) @ (J, D, I*P), then a sum over P
@@ -171,14 +172,22 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
     u_t = u.transpose(1, 2).contiguous()  # (B, P, I)
     w_flat = weight.permute(0, 2, 1, 3).reshape(J, P * I, D)  # rows ordered (p, i)
     u_in, w_in = (u_t.detach(), w_flat.detach()) if detach else (u_t, w_flat)
-    logits = u.new_zeros(J, B, 1, I)  # agreement in units of the scale
+    logits = c = None  # agreement in units of the scale
     for r in range(iterations):
         last = r == iterations - 1
         uu, ww = (u_t, w_flat) if last else (u_in, w_in)
-        c = _coupling(logits, scale, dim=0)  # (J, B, 1, I)
-        s = torch.bmm((c * uu).reshape(J, B, P * I), ww)  # (J, B, D): sum_i W_ij (c_ij u_i)
+        if r == 0:
+            # uniform coupling 1/J: all parents' sums in one GEMM, (B, I*P) @ (I*P, J*D), with no (J, B, P, I)
+            # product of couplings and children
+            s = (uu.reshape(B, P * I) @ ww.transpose(0, 1).reshape(P * I, J * D)).view(B, J, D).transpose(0, 1) / J
+        else:
+            c = _coupling(logits, scale, dim=0)  # (J, B, 1, I)
+            s = torch.bmm((c * uu).reshape(J, B, P * I), ww)  # (J, B, D): sum_i W_ij (c_ij u_i)
         v = _squash(s, scale=None if scale is None else scale.view(1, B, 1), out_dtype=out_dtype)
         if not last:
             q = torch.bmm(v, ww.transpose(1, 2)).view(J, B, P, I)  # W_ij^T v_j
-            logits = logits + (q * uu).sum(2, keepdim=True)
+            agreement = (q * uu).sum(2, keepdim=True)
+            logits = agreement if logits is None else logits + agreement
+    if c is None:
+        c = u_t.new_full((J, B, 1, I), 1.0 / J)
     return v.transpose(0, 1).to(out_dtype), c.squeeze(2).transpose(0, 1).to(out_dtype)

@@ -54,12 +54,19 @@ class PhaseSplitConv2d(nn.Conv2d):
             x = F.pad(x, (pw, pw, ph, ph), mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
         kh, kw = self.kernel_size
         oh, ow = (x.shape[-2] - kh) // sh + 1, (x.shape[-1] - kw) // sw + 1
+        # the input regrouped once into its phases, (sh * sw, B, C, H / sh, W / sw), each a contiguous block:
+        # strided slices of x instead would cost, in the backward pass, a zero-filled input-sized tensor per phase
+        H, W = -(-x.shape[-2] // sh) * sh, -(-x.shape[-1] // sw) * sw
+        if (H, W) != tuple(x.shape[-2:]):
+            x = F.pad(x, (0, W - x.shape[-1], 0, H - x.shape[-2]))
+        phases = x.unflatten(-1, (W // sw, sw)).unflatten(-3, (H // sh, sh)).permute(3, 5, 0, 1, 2, 4)
+        phases = phases.contiguous().flatten(0, 1).unbind(0)
         out = None
         for a in range(min(sh, kh)):
             for b in range(min(sw, kw)):
                 w = self.weight[..., a::sh, b::sw]
                 # the rows and columns of this phase that its taps reach for the oh x ow outputs
-                xp = x[..., a::sh, b::sw][..., :oh + w.shape[-2] - 1, :ow + w.shape[-1] - 1]
+                xp = phases[a * sw + b][..., :oh + w.shape[-2] - 1, :ow + w.shape[-1] - 1]
                 y = F.conv2d(xp, w, self.bias if out is None else None)
                 out = y if out is None else out + y
         return out

@@ -89,14 +89,15 @@ def test_agreement_moves_coupling_towards_the_agreeing_parent():
     assert (c[0, 0] > 0.5).all()
 
 
-@pytest.mark.parametrize("detach", [False, True])
-def test_fused_routing_equals_reference_with_gradients(detach):
-    # catches: the fast path that never builds u_hat drifting from the paper's procedure (values or gradients)
+@pytest.mark.parametrize("iterations,detach", [(1, False), (2, False), (3, False), (3, True)])
+def test_fused_routing_equals_reference_with_gradients(iterations, detach):
+    # catches: the fast path that never builds u_hat drifting from the paper's procedure (values or gradients),
+    # its first, uniform iteration (one GEMM over all parents) included
     u, w = _children()
     u.requires_grad_(True)
     w.requires_grad_(True)
-    v1, c1 = linear_dynamic_routing(u, w, 3, detach=detach)
-    v2, c2 = dynamic_routing(capsule_predictions(u, w.permute(1, 0, 3, 2)), 3, detach=detach)
+    v1, c1 = linear_dynamic_routing(u, w, iterations, detach=detach)
+    v2, c2 = dynamic_routing(capsule_predictions(u, w.permute(1, 0, 3, 2)), iterations, detach=detach)
     assert torch.allclose(v1, v2, atol=1e-6) and torch.allclose(c1, c2, atol=1e-6)
     g1 = torch.autograd.grad((v1 ** 2).sum(), (u, w))
     g2 = torch.autograd.grad((v2 ** 2).sum(), (u, w))
