@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-MAX_RESULTS_FILES, MAX_DOC_LINES, MAX_CHECKPOINTS, MAX_CHECKPOINT_BYTES = 250, 400, 10, 20 * 2 ** 20
+# results/ holds the recipes' results and one small record per try (test_every_try_is_one_small_record), no more
+MAX_RESULTS_FILES, MAX_DOC_LINES, MAX_CHECKPOINTS, MAX_CHECKPOINT_BYTES = 260, 400, 10, 20 * 2 ** 20
 MAX_README_LINES = 250  # the README is for users; the research record is in docs/
 _MARKER = re.compile(r"<!-- results:([\w./-]+) -->")
 _TABLE_BLOCK = re.compile(r"<!-- results:([\w./-]+) -->\n(.*?)<!-- /results:\1 -->", re.S)
