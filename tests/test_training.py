@@ -477,7 +477,7 @@ def test_the_objects_recipe_is_the_config_its_models_were_trained_and_read_with(
     assert objects["name"] == "mnist_objects"
     recipe = {section: objects[section].to_dict() for section in ("data", "model", "encoder", "train", "eval")}
     # keys added after the results were written are compared at their defaults (what those runs did)
-    added = {"train": {"objective": "elbo", "particles": 1}, "model": {"presences": "relaxed"},
+    added = {"train": {"objective": "elbo", "particles": 1, "optimiser": "adam"}, "model": {"presences": "relaxed"},
              "eval": {"likelihood_samples": [1, 100], "likelihood_images": 200}}
     assert {s: {k: recipe[s].pop(k) for k in keys} for s, keys in added.items()} == added
     results = ROOT / "results" / "mnist_probe"
