@@ -317,8 +317,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--reuse-results", action="store_true",
-                   help="take a seed's metrics from its results JSON when that is newer than its final checkpoint, "
-                   "or when its run folder holds no model and the JSON records the same config")
+                   help="take a seed's metrics from its results JSON (a try's: in its run folder) when that is newer "
+                   "than its final checkpoint, or when its run folder holds no model and the JSON records the same config")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     p.add_argument("--try", dest="as_try", action="store_true",
@@ -339,7 +339,9 @@ def main(argv=None) -> int:
         flags = [f"train.{key}=true" for key in ("jit", "compile") if getattr(args, key)]
         overrides = [*args.set, f"train.seed={seed}", *flags]
         cfg = load_experiment_config(args.config, overrides)
-        seed_json, run_dir = Path(args.results_dir) / f"{args.name}_seed{seed}.json", Path(args.out) / f"seed{seed}"
+        run_dir = Path(args.out) / f"seed{seed}"
+        # a try's seeds keep their results in their run folders, where evaluation writes them
+        seed_json = (run_dir if args.as_try else Path(args.results_dir)) / f"{args.name}_seed{seed}.json"
         kept = results_without_model(seed_json, run_dir, cfg) if args.reuse_results else None
         final, state = (None, kept[1]) if kept else train_run(cfg, run_dir, args)
         if args.train_only:
@@ -350,7 +352,7 @@ def main(argv=None) -> int:
             metrics = json.loads(seed_json.read_text())["metrics"]
         else:
             metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}",
-                                          results_dir=run_dir if args.as_try else args.results_dir,
+                                          results_dir=seed_json.parent,
                                           data_dir=args.data_dir, device=args.device, progress=not args.quiet,
                                           figures=seed == args.seeds[0] and not args.as_try, eval_config=cfg["eval"])
         runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})

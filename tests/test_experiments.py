@@ -112,6 +112,31 @@ def test_mnist_probe_records_a_try_as_one_file_of_the_table_of_tries(tmp_path, t
     assert "`a_try`" in (results / "ablations.md").read_text()
 
 
+def test_mnist_probe_gathers_a_try_whose_seeds_ran_apart(tmp_path, tiny_toml, pyro_clean, monkeypatch):
+    # catches: --reuse-results on a try looking for its seeds' results in the results folder, where a try never
+    # writes them, so gathering seeds that ran as separate processes evaluates every one of them again
+    from probcaps.experiments import mnist_probe
+    from probcaps.report import load_try
+
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    args = ["--config", str(tiny_toml), "--out", str(runs), "--quiet", "--set", "train.steps=2", "--name", "a_try",
+            "--try"]
+    for seed in (0, 1):  # each seed on its own, its row going elsewhere
+        assert mnist_probe.main([*args, "--seeds", str(seed), "--results-dir", str(tmp_path / f"apart{seed}")]) == 0
+    per_seed = [json.loads((runs / f"seed{s}" / f"a_try_seed{s}.json").read_text())["metrics"] for s in (0, 1)]
+
+    def no_evaluation(*a, **kw):
+        raise AssertionError("a seed with its results was evaluated again")
+
+    monkeypatch.setattr(mnist_probe, "evaluate_checkpoint", no_evaluation)
+    assert mnist_probe.main([*args, "--seeds", "0", "1", "--results-dir", str(results), "--resume",
+                             "--reuse-results"]) == 0
+    record = load_try(results / "ablations" / "a_try.json")
+    accs = [m["kmeans_presence_test_acc"] for m in per_seed]
+    assert record["seeds"] == [0, 1] and record["metrics"]["kmeans_presence_test_acc"]["mean"] == pytest.approx(
+        sum(accs) / 2)
+
+
 def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_clean, monkeypatch):
     # catches: a seed trained on its own (--train-only) not exported to --checkpoint-out, exported by default
     # over the committed checkpoints/<name>.pt, or recording the config's name instead of the run's --name
