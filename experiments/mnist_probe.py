@@ -318,7 +318,8 @@ def main(argv=None) -> int:
                    help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--reuse-results", action="store_true",
                    help="take a seed's metrics from its results JSON (a try's: in its run folder) when that is newer "
-                   "than its final checkpoint, or when its run folder holds no model and the JSON records the same config")
+                   "than its final checkpoint, or when its run folder holds no model and the JSON records the same "
+                   "config")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     p.add_argument("--try", dest="as_try", action="store_true",
