@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from functools import partial
 from pathlib import Path
 
+from probcaps.errors import ProbcapsError
 from probcaps.experiments.common import (
     checkpoint_out_path,
     export_checkpoint,
@@ -34,6 +36,7 @@ from probcaps.registry import CONFIGS_DIR
 from probcaps.report import (
     fmt_mean_std,
     load_result,
+    load_try,
     provenance_line,
     results_table,
     write_report,
@@ -104,23 +107,50 @@ ABLATION_COLUMNS = [
 ]
 
 
+def changed_from_recipe(cfg: dict) -> dict:
+    """``{"section.key": value}`` of the keys of ``cfg`` that differ from `mnist.toml` (the seed aside)."""
+    recipe, trained = config_dicts(load_experiment_config(CONFIGS_DIR / "mnist.toml")), config_dicts(cfg)
+    return json.loads(json.dumps({f"{section}.{key}": value for section, values in trained.items()
+                                  for key, value in values.items()
+                                  if key != "seed" and recipe.get(section, {}).get(key) != value}))
+
+
 def try_record(name: str, runs: list[dict], summary: dict, cfg: dict, prov: dict) -> dict:
     """The record of a try (:func:`probcaps.report.load_try`): the keys of ``cfg`` that differ from `mnist.toml`,
     the table of tries' metrics from ``summary`` (:func:`~probcaps.runner.seed_summary` of ``runs``: mean and sample
-    std, the value alone for one seed), its seeds and steps, and the commit, device and command of ``prov``."""
-    recipe, trained = config_dicts(load_experiment_config(CONFIGS_DIR / "mnist.toml")), config_dicts(cfg)
-    changed = {f"{section}.{key}": value for section, values in trained.items() for key, value in values.items()
-               if key != "seed" and recipe.get(section, {}).get(key) != value}
+    std, the value alone for one seed), each seed's own readouts (``per_seed``: what a later run of more seeds
+    gathers them from), its seeds and steps, and the commit, device and command of ``prov``."""
     metrics = {key: summary[f"{key}_mean"] if len(runs) == 1 else
                {"mean": summary[f"{key}_mean"], "std": summary[f"{key}_std"]}
                for key, *_ in ABLATION_COLUMNS if f"{key}_mean" in summary}
+    per_seed = [{"seed": r["seed"], "steps": r["steps"], "train_wall_time_s": r["train_wall_time_s"],
+                 **{key: r[key] for key, *_ in ABLATION_COLUMNS if isinstance(r.get(key), float)
+                    and math.isfinite(r[key])}} for r in runs]
     commit = prov["git_commit"] or "unknown"
-    record = {"name": name, "changed": changed, "metrics": metrics, "seeds": [r["seed"] for r in runs],
-              "steps": runs[0]["steps"], "commit": commit.removesuffix("+dirty"), "device": prov["device"],
-              "command": prov["command"], "train_wall_time_s": [r["train_wall_time_s"] for r in runs]}
+    record = {"name": name, "changed": changed_from_recipe(cfg), "metrics": metrics,
+              "seeds": [r["seed"] for r in runs], "steps": runs[0]["steps"], "commit": commit.removesuffix("+dirty"),
+              "device": prov["device"], "command": prov["command"],
+              "train_wall_time_s": [r["train_wall_time_s"] for r in runs], "per_seed": per_seed}
     if commit.endswith("+dirty"):
         record["note"] = "the tree had uncommitted changes"
     return record
+
+
+def recorded_seed(record_path: Path, seed: int, cfg: dict, run_dir: Path) -> tuple[dict, dict] | None:
+    """Seed ``seed``'s readouts and training state (``step``, ``wall_time_s``) from the try's record
+    ``record_path`` (its ``per_seed``), for a seed whose run folder holds neither a model nor its results: None
+    where it does, or where the record does not list the seed; an error where the record is of another config."""
+    if not record_path.is_file() or any((run_dir / f).is_file() for f in ("final.pt", "checkpoint.pt")):
+        return None
+    record = load_try(record_path)
+    kept = [r for r in record.get("per_seed", []) if r["seed"] == seed]
+    if not kept:
+        return None
+    if record["changed"] != changed_from_recipe(cfg) or kept[0]["steps"] != cfg["train"].steps:
+        raise ProbcapsError(f"{record_path}: it records seed {seed} of another config, and {run_dir} holds no model "
+                            "to evaluate instead; drop --reuse-results to train the seed again")
+    metrics = {k: v for k, v in kept[0].items() if k not in ("seed", "steps", "train_wall_time_s")}
+    return metrics, {"step": kept[0]["steps"], "wall_time_s": kept[0]["train_wall_time_s"]}
 
 
 def ablations_table(results_dir: Path) -> str | None:
@@ -319,7 +349,8 @@ def main(argv=None) -> int:
     p.add_argument("--reuse-results", action="store_true",
                    help="take a seed's metrics from its results JSON (a try's: in its run folder) when that is newer "
                    "than its final checkpoint, or when its run folder holds no model and the JSON records the same "
-                   "config")
+                   "config; a try's seed with neither, from the try's record (RESULTS_DIR/ablations/<name>.json) "
+                   "when that lists it with the same config")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     p.add_argument("--try", dest="as_try", action="store_true",
@@ -344,6 +375,8 @@ def main(argv=None) -> int:
         # a try's seeds keep their results in their run folders, where evaluation writes them
         seed_json = (run_dir if args.as_try else Path(args.results_dir)) / f"{args.name}_seed{seed}.json"
         kept = results_without_model(seed_json, run_dir, cfg) if args.reuse_results else None
+        if args.reuse_results and args.as_try and kept is None and not seed_json.is_file():
+            kept = recorded_seed(Path(args.results_dir) / ABLATIONS / f"{args.name}.json", seed, cfg, run_dir)
         final, state = (None, kept[1]) if kept else train_run(cfg, run_dir, args)
         if args.train_only:
             continue
@@ -373,7 +406,9 @@ def main(argv=None) -> int:
         export_first(Path(args.checkpoint_out))
     if args.train_only or init_from_env().rank > 0:  # under torchrun every process evaluates, rank 0 alone writes
         return 0
-    summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items() if isinstance(v, float)])}
+    # a seed gathered from a try's record has its table's readouts alone: the summary is of what every seed has
+    summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items() if isinstance(v, float)
+                                                       and all(isinstance(r.get(k), float) for r in runs)])}
     cfg = load_experiment_config(args.config, args.set)
     if args.as_try:
         path = write_json(Path(args.results_dir) / ABLATIONS / f"{args.name}.json",

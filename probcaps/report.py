@@ -161,8 +161,9 @@ def results_in(results_dir: str | Path, folder: str) -> list[tuple[Path, dict]]:
 def load_try(path: str | Path) -> dict:
     """The record of one try, ``results/<experiment>/ablations/<try>.json``: ``name``, ``changed`` (``{config key
     or argument: value}`` against the shipped recipe), ``metrics`` (``{key: value or {"mean", "std"}}`` over its
-    seeds), ``seeds``, ``steps``, ``commit``, ``device``, ``command`` (and ``note``); a :class:`DataError` naming
-    the file and the first key missing or of the wrong type."""
+    seeds), ``seeds``, ``steps``, ``commit``, ``device``, ``command`` (and ``note``, and ``per_seed``: each seed's
+    readouts, ``{"seed", "steps", ...: number}``); a :class:`DataError` naming the file and the first key missing
+    or of the wrong type."""
     path = Path(path)
     data = _read_json_object(path)
     missing = [key for key in TRY_KEYS if key not in data]
@@ -179,6 +180,11 @@ def load_try(path: str | Path) -> dict:
         if not (number(value) or isinstance(value, dict) and set(value) == {"mean", "std"}
                 and all(map(number, value.values()))):
             raise DataError(f"{path}: metric '{key}' is neither a number nor {{\"mean\", \"std\"}} numbers")
+    if not isinstance(data.get("per_seed", []), list):
+        raise DataError(f"{path}: 'per_seed' is a {type(data['per_seed']).__name__}, not a list")
+    for i, run in enumerate(data.get("per_seed", [])):
+        if not (isinstance(run, dict) and isinstance(run.get("seed"), int) and all(map(number, run.values()))):
+            raise DataError(f"{path}: per_seed[{i}] is not an object of numbers with an integer 'seed'")
     return data
 
 

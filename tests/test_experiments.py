@@ -4,6 +4,7 @@ checkpoint evaluating as trained; its bad input; the training loop's parameter g
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,37 @@ def test_mnist_probe_gathers_a_try_whose_seeds_ran_apart(tmp_path, tiny_toml, py
     accs = [m["kmeans_presence_test_acc"] for m in per_seed]
     assert record["seeds"] == [0, 1] and record["metrics"]["kmeans_presence_test_acc"]["mean"] == pytest.approx(
         sum(accs) / 2)
+
+
+def test_mnist_probe_gathers_a_try_seed_from_its_record(tmp_path, tiny_toml, pyro_clean, monkeypatch, capsys):
+    # catches: a try's recorded seed lost with its run folder, so adding a seed to a try trains its first seeds
+    # again; or a recorded seed of another config taken into the row
+    import shutil
+
+    from probcaps.experiments import mnist_probe
+    from probcaps.report import load_try
+
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    args = ["--config", str(tiny_toml), "--out", str(runs), "--quiet", "--set", "train.steps=2", "--name", "a_try",
+            "--try", "--results-dir", str(results)]
+    assert mnist_probe.main([*args, "--seeds", "0"]) == 0
+    first = load_try(results / "ablations" / "a_try.json")
+    assert [r["seed"] for r in first["per_seed"]] == [0] and first["per_seed"][0]["steps"] == 2
+    shutil.rmtree(runs / "seed0")  # the run folder is cleaned away; the record stays
+    evaluated = []
+    evaluate = mnist_probe.evaluate_checkpoint
+    monkeypatch.setattr(mnist_probe, "evaluate_checkpoint", lambda *a, **kw: evaluated.append(kw["name"]) or
+                        evaluate(*a, **kw))
+    assert mnist_probe.main([*args, "--seeds", "0", "1", "--resume", "--reuse-results", "--set",
+                             "train.steps=3"]) == 2
+    assert re.search(r"a_try\.json: it records seed 0 of another config", capsys.readouterr().err)
+    assert mnist_probe.main([*args, "--seeds", "0", "1", "--resume", "--reuse-results"]) == 0
+    assert evaluated == ["a_try_seed1"] and not (runs / "seed0").exists()
+    record = load_try(results / "ablations" / "a_try.json")
+    accs = [r["probe_presence_test_acc"] for r in record["per_seed"]]
+    assert record["seeds"] == [0, 1] and accs[0] == first["per_seed"][0]["probe_presence_test_acc"]
+    assert record["metrics"]["probe_presence_test_acc"] == pytest.approx(
+        {"mean": sum(accs) / 2, "std": abs(accs[0] - accs[1]) / 2 ** 0.5})
 
 
 def test_mnist_probe_train_only_exports_where_told(tmp_path, tiny_toml, pyro_clean, monkeypatch):

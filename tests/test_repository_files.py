@@ -113,6 +113,10 @@ def test_a_try_record_with_a_malformed_metric_is_named(tmp_path):
             load_try(tmp_path / "t.json")
     (tmp_path / "t.json").write_text(json.dumps({**record, "metrics": {"probe": {"mean": 0.9, "std": 0.01}, "k": 3}}))
     assert load_try(tmp_path / "t.json")["metrics"]["k"] == 3
+    for bad in ({"seed": 0}, [{"probe": 0.9}], [{"seed": "0", "probe": 0.9}], [{"seed": 0, "probe": "0.9"}]):
+        (tmp_path / "t.json").write_text(json.dumps({**record, "metrics": {}, "per_seed": bad}))
+        with pytest.raises(DataError, match=r"t\.json: (per_seed\[0\]|'per_seed')"):
+            load_try(tmp_path / "t.json")
 
 
 @pytest.mark.parametrize("doc", [p for p in DOCUMENTS if p.parent.name == "docs"], ids=lambda p: p.name)
