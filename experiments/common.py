@@ -81,11 +81,16 @@ def train_run(cfg: dict, out: Path, args, **kw) -> tuple[Path, dict]:
     return out / "final.pt", load_checkpoint(out / "final.pt")["state"]
 
 
+def holds_model(run_dir: Path) -> bool:
+    """Whether the run folder ``run_dir`` holds a model to resume or evaluate (``final.pt`` or ``checkpoint.pt``)."""
+    return any((run_dir / f).is_file() for f in ("final.pt", "checkpoint.pt"))
+
+
 def results_without_model(seed_json: Path, run_dir: Path, cfg: dict) -> tuple[dict, dict] | None:
     """A seed's metrics and training state (``step``, ``wall_time_s``) from its results file, for a run whose model
     was not kept (its run folder cleaned or moved away): None while ``run_dir`` holds a checkpoint to resume or
     evaluate, or where there is no results file; an error where the file records another config."""
-    if not seed_json.is_file() or any((run_dir / f).is_file() for f in ("final.pt", "checkpoint.pt")):
+    if not seed_json.is_file() or holds_model(run_dir):
         return None
     results = json.loads(seed_json.read_text())
     prov = results.get("provenance", {})

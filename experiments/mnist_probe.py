@@ -23,6 +23,7 @@ from probcaps.errors import ProbcapsError
 from probcaps.experiments.common import (
     checkpoint_out_path,
     export_checkpoint,
+    holds_model,
     plot_training_curves,
     results_without_model,
     train_run,
@@ -110,6 +111,7 @@ ABLATION_COLUMNS = [
 def changed_from_recipe(cfg: dict) -> dict:
     """``{"section.key": value}`` of the keys of ``cfg`` that differ from `mnist.toml` (the seed aside)."""
     recipe, trained = config_dicts(load_experiment_config(CONFIGS_DIR / "mnist.toml")), config_dicts(cfg)
+    # as a record read back holds it (tuples as lists), so a record and a config compare equal when they agree
     return json.loads(json.dumps({f"{section}.{key}": value for section, values in trained.items()
                                   for key, value in values.items()
                                   if key != "seed" and recipe.get(section, {}).get(key) != value}))
@@ -140,7 +142,7 @@ def recorded_seed(record_path: Path, seed: int, cfg: dict, run_dir: Path) -> tup
     """Seed ``seed``'s readouts and training state (``step``, ``wall_time_s``) from the try's record
     ``record_path`` (its ``per_seed``), for a seed whose run folder holds neither a model nor its results: None
     where it does, or where the record does not list the seed; an error where the record is of another config."""
-    if not record_path.is_file() or any((run_dir / f).is_file() for f in ("final.pt", "checkpoint.pt")):
+    if not record_path.is_file() or holds_model(run_dir):
         return None
     record = load_try(record_path)
     kept = [r for r in record.get("per_seed", []) if r["seed"] == seed]
