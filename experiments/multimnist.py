@@ -328,9 +328,11 @@ def bench_table(results_dir: Path) -> str | None:
         return None
     brows = json.loads(bench.read_text())
     lines = ["| benchmark: one training step, batch 128 | children | bf16 convs | phase-split PrimaryCaps | "
-             "step (ms) | images/s | speed-up | peak memory (MB) | threads | load average |", "|" + " --- |" * 10]
+             "bf16 routing | step (ms) | images/s | speed-up | peak memory (MB) | threads | load average |",
+             "|" + " --- |" * 11]
     lines += [f"| {r['config']} | {r['num_primary_capsules']} | {r['model']['bf16']} | "
-              f"{r['model'].get('phase_split', False)} | {1000 * r['step_s']:.0f} | {r['images_per_s']:.1f} | "
+              f"{r['model'].get('phase_split', False)} | {r['model'].get('bf16_routing', False)} | "
+              f"{1000 * r['step_s']:.0f} | {r['images_per_s']:.1f} | "
               + (f"{r['speedup']:.2f}× {r['speedup_over'].split(', ', 1)[1]}" if r.get("speedup") else "—")
               + f" | {'—' if r['peak_memory_mb'] is None else format(r['peak_memory_mb'], '.0f')} | {r['threads']} | "
               f"{r['load_average']:.1f} |" for r in brows]

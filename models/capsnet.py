@@ -44,6 +44,7 @@ class CapsNetConfig(Section):
     margin_lambda: float = 0.5
     recon_weight: float = 0.0005      # per-image sum of squared errors, times this (paper)
     bf16: bool = False                # the two convolutions in bfloat16 autocast (routing, losses stay float32)
+    bf16_routing: bool = False        # routing's matrix and elementwise products in bfloat16, summed in float32
     phase_split: bool = False         # PrimaryCaps' strided convolution as stride-1 phases (PhaseSplitConv2d)
 
     def validate(self) -> None:
@@ -120,7 +121,8 @@ class CapsNet(nn.Module):
     def forward(self, x: torch.Tensor) -> CapsNetOutput:
         u = self.primary_capsules(x)
         v, c = linear_dynamic_routing(u, self.digit_weight, self.config.routing_iterations,
-                                      detach=self.config.detach_routing)
+                                      detach=self.config.detach_routing,
+                                      product_dtype=torch.bfloat16 if self.config.bf16_routing else None)
         return CapsNetOutput(v, v.norm(dim=-1), c, u)
 
     def reconstruct(self, digits: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

@@ -141,14 +141,21 @@ def dynamic_routing(u_hat: torch.Tensor, iterations: int = 3, detach: bool = Fal
     return v.to(out_dtype), c.to(out_dtype)
 
 
-def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: int = 3, detach: bool = False
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: int = 3, detach: bool = False,
+                           product_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dynamic_routing` of the predictions ``u_hat_j|i = W_ij u_i`` without materialising them.
 
     ``u (B, I, P)`` child capsules; ``weight (J, I, P, D)``, ``weight[j, i]`` the transpose of the paper's ``W_ij``
     (every contraction is then a plain batched matrix product); ``iterations``, ``detach`` and the returned ``v (B, J,
     D)`` and ``c (B, J, I)`` as in :func:`dynamic_routing`.  ``u`` is scaled by a power of two per example and
     ``weight`` by one, the votes' scale being their product, capped at the dtype's largest power of two.
+
+    ``product_dtype``: the dtype the children and weights enter the matrix products and the elementwise products
+    of couplings and children in (``None``: the compute dtype).  ``torch.bfloat16`` halves the memory those passes
+    over ``(J, B, P, I)`` move, which bounds them on CPU; each sum is still accumulated in float32 (oneDNN's bf16
+    GEMMs accumulate in float32, the agreement's sum over ``P`` is taken in float32), and the couplings, logits
+    and squash stay in the compute dtype.  bfloat16 has float32's exponent range, so the scaling above keeps
+    every value finite as in float32; what it costs is the products' 8-bit mantissa (about 0.4% per product).
     """
     if iterations < 1:
         raise ValueError(f"linear_dynamic_routing: iterations must be >= 1, got {iterations}")
@@ -158,9 +165,16 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
         raise ValueError(f"linear_dynamic_routing: weight {tuple(weight.shape)} does not fit children {tuple(u.shape)}")
     out_dtype = u.dtype
     dtype = _compute_dtype(out_dtype, "linear_dynamic_routing")
+    low = product_dtype or dtype
+    if low not in (torch.bfloat16, torch.float32, torch.float64):
+        # float16's range is what the scaling cannot protect: its products of unit-size votes overflow past 65504
+        raise ConfigError(f"linear_dynamic_routing: product_dtype {low} is not supported (bfloat16, float32 or "
+                          "float64)")
     u, weight = u.to(dtype), weight.to(dtype)
-    e_u = _routing_exponent(_peak(u.flatten(1), dim=1), dtype)  # (B,)
-    e_w = _routing_exponent(_peak(weight), dtype)
+    # votes are brought inside the window of the narrower of the compute and product dtypes
+    window = low if torch.finfo(low).max < torch.finfo(dtype).max else dtype
+    e_u = _routing_exponent(_peak(u.flatten(1), dim=1), window)  # (B,)
+    e_w = _routing_exponent(_peak(weight), window)
     scale = None
     if bool((e_u != 0).any() or e_w != 0):
         e_max = math.frexp(torch.finfo(dtype).max)[1] - 1
@@ -169,8 +183,8 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
         weight = weight / torch.exp2(e_w.to(dtype))
     # children-last layouts: the elementwise products run over a contiguous axis of length I (with P innermost,
     # the broadcasts over 8-element rows were several times slower)
-    u_t = u.transpose(1, 2).contiguous()  # (B, P, I)
-    w_flat = weight.permute(0, 2, 1, 3).reshape(J, P * I, D)  # rows ordered (p, i)
+    u_t = u.transpose(1, 2).contiguous().to(low)  # (B, P, I)
+    w_flat = weight.permute(0, 2, 1, 3).reshape(J, P * I, D).to(low)  # rows ordered (p, i)
     u_in, w_in = (u_t.detach(), w_flat.detach()) if detach else (u_t, w_flat)
     logits = c = None  # agreement in units of the scale
     for r in range(iterations):
@@ -179,15 +193,16 @@ def linear_dynamic_routing(u: torch.Tensor, weight: torch.Tensor, iterations: in
         if r == 0:
             # uniform coupling 1/J: all parents' sums in one GEMM, (B, I*P) @ (I*P, J*D), with no (J, B, P, I)
             # product of couplings and children
-            s = (uu.reshape(B, P * I) @ ww.transpose(0, 1).reshape(P * I, J * D)).view(B, J, D).transpose(0, 1) / J
+            s = (uu.reshape(B, P * I) @ ww.transpose(0, 1).reshape(P * I, J * D)).view(B, J, D).transpose(0, 1)
+            s = s.to(dtype) / J
         else:
             c = _coupling(logits, scale, dim=0)  # (J, B, 1, I)
-            s = torch.bmm((c * uu).reshape(J, B, P * I), ww)  # (J, B, D): sum_i W_ij (c_ij u_i)
+            s = torch.bmm((c.to(low) * uu).reshape(J, B, P * I), ww).to(dtype)  # (J, B, D): sum_i W_ij (c_ij u_i)
         v = _squash(s, scale=None if scale is None else scale.view(1, B, 1), out_dtype=out_dtype)
         if not last:
-            q = torch.bmm(v, ww.transpose(1, 2)).view(J, B, P, I)  # W_ij^T v_j
-            agreement = (q * uu).sum(2, keepdim=True)
+            q = torch.bmm(v.to(low), ww.transpose(1, 2)).view(J, B, P, I)  # W_ij^T v_j
+            agreement = (q * uu).sum(2, keepdim=True, dtype=dtype)
             logits = agreement if logits is None else logits + agreement
     if c is None:
-        c = u_t.new_full((J, B, 1, I), 1.0 / J)
+        c = u.new_full((J, B, 1, I), 1.0 / J)
     return v.transpose(0, 1).to(out_dtype), c.squeeze(2).transpose(0, 1).to(out_dtype)

@@ -105,6 +105,32 @@ def test_fused_routing_equals_reference_with_gradients(iterations, detach):
         assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("detach", [False, True])
+def test_bfloat16_products_route_as_float64_does_to_their_rounding(detach):
+    # catches: the bf16 products dropping back to float32 (the error would be float32's, below 1e-5), an error
+    # past bf16's rounding (0.6% here), or the couplings and capsules leaving float32
+    u, w = _children(B=4, I=160, P=4, J=5, D=6, seed=3)
+    u.requires_grad_(True)
+    w.requires_grad_(True)
+    v16, c16 = linear_dynamic_routing(u, w, 3, detach=detach, product_dtype=torch.bfloat16)
+    v32, _ = linear_dynamic_routing(u, w, 3, detach=detach)
+    v64, c64 = linear_dynamic_routing(u.double(), w.double(), 3, detach=detach)
+    assert v16.dtype == c16.dtype == torch.float32
+    assert torch.allclose(c16.double().sum(1), torch.ones(4, 160, dtype=torch.float64), atol=1e-6, rtol=0)
+    v16, v32, v64 = v16.detach().double(), v32.detach().double(), v64.detach()
+    err16 = float((v16 - v64).norm(dim=-1).max() / v64.norm(dim=-1).min())
+    err32 = float((v32 - v64).norm(dim=-1).max() / v64.norm(dim=-1).min())
+    assert err16 < 1e-2 and err32 < 1e-5 < err16
+    assert float((c16.detach().double() - c64.detach()).abs().max()) < 1e-2
+    g16 = torch.autograd.grad((linear_dynamic_routing(u, w, 3, detach=detach, product_dtype=torch.bfloat16)[0] ** 2
+                               ).sum(), (u, w))
+    g64 = torch.autograd.grad((linear_dynamic_routing(u.double(), w.double(), 3, detach=detach)[0] ** 2).sum(),
+                              (u, w))
+    for a, b in zip(g16, g64):
+        cosine = float((a.double() * b).sum() / (a.double().norm() * b.norm()))
+        assert cosine > 0.999
+
+
 def test_stop_gradient_variant_changes_the_gradient():
     u, w = _children()
     w.requires_grad_(True)
@@ -187,6 +213,17 @@ def test_bf16_convolutions_stay_close():
     ref = model(x).lengths
     model.config.bf16 = True
     assert torch.allclose(model(x).lengths, ref, rtol=0.05, atol=1e-3)
+
+
+def test_bf16_routing_is_the_same_network_to_bfloat16_rounding():
+    torch.manual_seed(0)
+    model = CapsNet(CapsNetConfig(**TINY_CAPS))
+    x = torch.rand(2, 1, 36, 36)
+    ref = model(x).lengths
+    model.config.bf16_routing = True
+    lengths = model(x).lengths
+    assert lengths.dtype == torch.float32 and not torch.equal(lengths, ref)
+    assert torch.allclose(lengths, ref, rtol=0.02, atol=1e-3)
 
 
 def test_phase_split_primary_capsules_are_the_same_network():

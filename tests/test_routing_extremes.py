@@ -175,8 +175,11 @@ def test_dynamic_routing_is_finite_over_the_whole_range(dtype, detach):
     assert torch.isfinite(u_hat.grad).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_fused_routing_is_finite_over_the_whole_range(dtype):
+@pytest.mark.parametrize("dtype,product", [(d, None) for d in DTYPES] + [(torch.float32, torch.bfloat16),
+                                                                          (torch.float64, torch.bfloat16)],
+                         ids=IDS + ["float32-bfloat16 products", "float64-bfloat16 products"])
+def test_fused_routing_is_finite_over_the_whole_range(dtype, product):
+    # bfloat16 products of float64 inputs: the votes must be scaled into bfloat16's window, not float64's
     J, I, P, D = 3, 5, 4, 6
     # children of every magnitude with unit-size transforms, and squashed children with transforms of every
     # magnitude (CapsNet's case: predictions as large as the weights)
@@ -190,7 +193,7 @@ def test_fused_routing_is_finite_over_the_whole_range(dtype):
     for u_, w_ in pairs:
         u_ = u_.clone().requires_grad_(True)
         w_ = w_.clone().requires_grad_(True)
-        v, c = linear_dynamic_routing(u_, w_, 3)
+        v, c = linear_dynamic_routing(u_, w_, 3, product_dtype=product)
         _check_routing(v, c, dtype, u_.shape[0], J, I, D)
         (v.float() ** 2).sum().backward()
         assert torch.isfinite(u_.grad).all() and torch.isfinite(w_.grad).all()
@@ -354,6 +357,12 @@ def test_other_dtypes_are_refused_in_one_line(dtype):
         with pytest.raises(ConfigError, match=f"^{name}: dtype {dtype} is not supported") as info:
             call()
         assert "\n" not in str(info.value)
+
+
+def test_float16_products_are_refused_in_one_line():
+    u, w = torch.ones(2, 3, 4), torch.ones(5, 3, 4, 6)
+    with pytest.raises(ConfigError, match="^linear_dynamic_routing: product_dtype torch.float16 is not supported"):
+        linear_dynamic_routing(u, w, product_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("mag", [1e-12, 1e30])
