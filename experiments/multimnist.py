@@ -33,7 +33,8 @@ from probcaps.errors import ConfigError
 from probcaps.inference.train import TrainConfig, start_log, train_loop
 from probcaps.io import append_jsonl, read_jsonl, write_json
 from probcaps.models.capsnet import CapsNet, CapsNetConfig, set_accuracy, top_k_classes
-from probcaps.report import fmt_mean_std, load_result, provenance_line, write_report, write_table
+from probcaps.provenance import provenance
+from probcaps.report import fmt_mean_std, load_result, provenance_line, tries_table, write_report, write_table
 from probcaps.runner import (
     add_config_args,
     add_run_args,
@@ -227,6 +228,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, "multimnist", [0])
     p.add_argument("--train-only", action="store_true", help="train and stop (a later --resume call evaluates)")
+    p.add_argument("--try", dest="try_name", metavar="NAME", default=None,
+                   help="record the run as a try of its recipe, RESULTS_DIR/ablations/NAME.json (one row of "
+                        "ablations.md), instead of the recipe's results and figures")
     add_run_args(p, EXPERIMENT, name=False, out_help="run folders, one per seed (default runs/<name>)",
                  resume="continue each seed from its last checkpoint",
                  tables="tables (RESULTS_DIR/multimnist.md, multimnist_bench.md)", threads=1)
@@ -255,13 +259,19 @@ def main(argv=None) -> int:
         print(f"seed {seed}: set accuracy {metrics['set_acc']:.4f}, at least one {metrics['at_least_one_acc']:.4f}"
               f", recon MSE {metrics['recon_mse']:.4f}; {state['step']} steps in {state['wall_time_s'] / 60:.1f} "
               f"min ({steps_per_s:.2f} steps/s)")
-        if seed == args.seeds[0] and cfg["eval"].figures:
+        if seed == args.seeds[0] and cfg["eval"].figures and not args.try_name:
             model.cpu()
             plot_reconstructions(model, test, test_pairs, results / f"{name}_reconstructions.png",
                                  n=cfg["eval"].figure_pairs)
             plot_capsule_lengths(model, test, test_pairs, results / f"{name}_capsules.png")
             model.to(args.device)
     if args.train_only:
+        return 0
+    if args.try_name:
+        record = try_record(args.try_name, args.config, cfg, runs, provenance(device=args.device))
+        write_json(results / ABLATIONS / f"{args.try_name}.json", record)
+        write_tables(results)
+        print(f"wrote {results / ABLATIONS / args.try_name}.json")
         return 0
     summary = {"per_seed": runs, "numpy_set_acc": NUMPY_SET_ACC, "paper_set_acc": PAPER_SET_ACC,
                **seed_summary(runs, ("set_acc", "at_least_one_acc", "recon_mse", "train_wall_time_s"))}
@@ -273,6 +283,40 @@ def main(argv=None) -> int:
     return 0
 
 
+#: the tries of other settings of a recipe: one record each, ``results_dir/ablations/<try>.json``
+#: (:func:`probcaps.report.load_try`), laid out as ``results_dir/ablations.md``
+ABLATIONS = "ablations"
+#: ``(metrics key, column head, scale, digits)`` of the table of tries
+ABLATION_COLUMNS = [("set_acc", "two-digit set accuracy (%)", 100.0, 1),
+                    ("at_least_one_acc", "at least one digit (%)", 100.0, 1),
+                    ("recon_mse", "recon MSE per pixel", 1.0, 4), ("steps_per_s", "steps/s", 1.0, 2)]
+
+
+def try_record(name: str, recipe_path, cfg: dict, runs: list[dict], prov: dict) -> dict:
+    """The record of a try (:func:`probcaps.report.load_try`): the recipe and the keys of ``cfg`` that differ from
+    it, the mean and sample std over ``runs`` (the value alone for one seed) of :data:`ABLATION_COLUMNS`' metrics,
+    each seed's test set accuracy at each evaluation on the way, its seeds and steps, and ``prov``'s commit, device
+    and command."""
+    recipe, trained = config_dicts(load_config(recipe_path)), config_dicts(cfg)
+    changed = {"--config": Path(recipe_path).stem, **{f"{section}.{key}": value
+                                                      for section, values in trained.items()
+                                                      for key, value in values.items()
+                                                      if recipe.get(section, {}).get(key) != value}}
+    keys = [key for key, *_ in ABLATION_COLUMNS]
+    summary = seed_summary(runs, keys)
+    commit = prov["git_commit"] or "unknown"
+    record = {"name": name, "changed": json.loads(json.dumps(changed)),
+              "metrics": {key: summary[f"{key}_mean"] if len(runs) == 1 else
+                          {"mean": summary[f"{key}_mean"], "std": summary[f"{key}_std"]} for key in keys},
+              "seeds": [r["seed"] for r in runs], "steps": runs[0]["steps"], "commit": commit.removesuffix("+dirty"),
+              "device": prov["device"], "command": prov["command"],
+              "train_wall_time_s": [r["train_wall_time_s"] for r in runs],
+              "curves": {str(r["seed"]): {str(c["step"]): c["test_set_acc"] for c in r["curve"]} for r in runs}}
+    if commit.endswith("+dirty"):
+        record["note"] = "the tree had uncommitted changes"
+    return record
+
+
 #: the tables of the reduced and paper-size runs (``results/multimnist/multimnist.md``) and of the step benchmark
 TABLE, BENCH_TABLE = "multimnist", "multimnist_bench"
 
@@ -280,7 +324,9 @@ TABLE, BENCH_TABLE = "multimnist", "multimnist_bench"
 def write_tables(results_dir) -> list:
     """Write both tables from the results JSON in ``results_dir``; returns the files written (None: not written)."""
     return [write_table(results_dir, TABLE, readme_table(Path(results_dir))),
-            write_table(results_dir, BENCH_TABLE, bench_table(Path(results_dir)))]
+            write_table(results_dir, BENCH_TABLE, bench_table(Path(results_dir))),
+            write_table(results_dir, ABLATIONS, tries_table(results_dir, ABLATION_COLUMNS, "the recipe of `--config`",
+                                                            ABLATIONS))]
 
 
 def readme_table(results_dir: Path) -> str | None:

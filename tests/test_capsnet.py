@@ -251,15 +251,19 @@ def test_lenet_shapes():
 # --------------------------------------------------------------------------- entry points
 
 
+#: a MultiMNIST run of four steps on synthetic digits with the tiny network
+TINY_MULTIMNIST = ["--set", "data.dataset=\"synthetic\"", "--set", "data.test_pairs=40", "--set", "train.steps=4",
+                   "--set", "data.train_limit=64", "--set", "data.test_limit=64",
+                   "--set", "train.batch_size=8", "--set", "train.checkpoint_every=2", "--set", "train.warmup_steps=1",
+                   "--set", "eval.curve_pairs=16", "--set", "eval.batch_size=16", "--set", "eval.figure_pairs=2",
+                   *[f"--set=model.{k}={json.dumps(v)}" for k, v in TINY_CAPS.items()]]
+
+
 def test_multimnist_entry_point(tmp_path):
     from probcaps.experiments import multimnist
 
     results = tmp_path / "results"
-    tiny = ["--set", "data.dataset=\"synthetic\"", "--set", "data.test_pairs=40", "--set", "train.steps=4",
-            "--set", "data.train_limit=64", "--set", "data.test_limit=64",
-            "--set", "train.batch_size=8", "--set", "train.checkpoint_every=2", "--set", "train.warmup_steps=1",
-            "--set", "eval.curve_pairs=16", "--set", "eval.batch_size=16", "--set", "eval.figure_pairs=2",
-            *[f"--set=model.{k}={json.dumps(v)}" for k, v in TINY_CAPS.items()]]
+    tiny = TINY_MULTIMNIST
     args = ["--seeds", "0", "1", "--out", str(tmp_path / "runs"), "--results-dir", str(results), "--quiet", *tiny]
     assert multimnist.main(args) == 0
     data = json.loads((results / "multimnist.json").read_text())
@@ -276,6 +280,26 @@ def test_multimnist_entry_point(tmp_path):
     assert multimnist.main(args[:2] + ["--resume", "--set", "eval.figures=false"] + args[3:]) == 0
     again = json.loads((results / "multimnist.json").read_text())["metrics"]["per_seed"][0]
     assert again["set_acc"] == runs[0]["set_acc"]
+
+
+def test_multimnist_try_is_one_record_and_one_row(tmp_path):
+    # catches: a try written as the recipe's results (overwriting them) or with its figures, or a record that
+    # does not name what it changed against the recipe
+    from probcaps.experiments import multimnist
+    from probcaps.report import load_try
+
+    results = tmp_path / "results"
+    args = ["--seeds", "0", "--out", str(tmp_path / "runs"), "--results-dir", str(results), "--quiet",
+            *TINY_MULTIMNIST, "--set", "model.bf16_routing=true", "--try", "tiny_bf16_routing"]
+    assert multimnist.main(args) == 0
+    assert sorted(p.name for p in results.iterdir()) == ["ablations", "ablations.md"]
+    record = load_try(results / "ablations" / "tiny_bf16_routing.json")
+    assert record["changed"]["--config"] == "multimnist" and record["changed"]["model.bf16_routing"] is True
+    assert record["changed"]["train.steps"] == 4 and "model.image_size" not in record["changed"]
+    assert record["seeds"] == [0] and record["steps"] == 4 and 0 <= record["metrics"]["set_acc"] <= 1
+    assert list(record["curves"]["0"]) == ["2", "4"]
+    row = [line for line in (results / "ablations.md").read_text().splitlines() if "tiny_bf16_routing" in line]
+    assert len(row) == 1 and "model.bf16_routing = true" in row[0]
 
 
 def test_multimnist_bad_config_is_one_line(tmp_path, capsys):

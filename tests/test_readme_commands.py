@@ -314,7 +314,7 @@ TABLE_SOURCES = [
     ("experiments.rotated_mnist_cnn_vs_capsnet", "rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
     ("experiments.rotated_mnist_cnn_vs_capsnet", "rotated_mnist_cnn_vs_capsnet",
      ["--config", "experiments/configs/rotated_mnist_full_capsnet.toml"], ["rotated_mnist_full_capsnet"]),
-    ("experiments.multimnist", "multimnist", [], ["multimnist", "multimnist_bench"]),
+    ("experiments.multimnist", "multimnist", [], ["multimnist", "multimnist_bench", "ablations"]),
     ("experiments.transforming_autoencoder", "transforming_autoencoder", [], ["transforming_autoencoder",
                                                                                "ablations"]),
     *[("experiments.norb_viewpoints", "norb_viewpoints", ["--name", n], [n, "ablations"])
