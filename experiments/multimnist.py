@@ -289,7 +289,7 @@ ABLATIONS = "ablations"
 #: ``(metrics key, column head, scale, digits)`` of the table of tries
 ABLATION_COLUMNS = [("set_acc", "two-digit set accuracy (%)", 100.0, 1),
                     ("at_least_one_acc", "at least one digit (%)", 100.0, 1),
-                    ("recon_mse", "recon MSE per pixel", 1.0, 4), ("steps_per_s", "steps/s", 1.0, 2)]
+                    ("recon_mse", "recon MSE per pixel", 1.0, 4)]
 
 
 def try_record(name: str, recipe_path, cfg: dict, runs: list[dict], prov: dict) -> dict:
