@@ -295,7 +295,7 @@ ABLATION_COLUMNS = [("set_acc", "two-digit set accuracy (%)", 100.0, 1),
 def try_record(name: str, recipe_path, cfg: dict, runs: list[dict], prov: dict) -> dict:
     """The record of a try (:func:`probcaps.report.load_try`): the recipe and the keys of ``cfg`` that differ from
     it, the mean and sample std over ``runs`` (the value alone for one seed) of :data:`ABLATION_COLUMNS`' metrics,
-    each seed's test set accuracy at each evaluation on the way, its seeds and steps, and ``prov``'s commit, device
+    each seed's ``[step, test set accuracy]`` at each evaluation on the way, its seeds and steps, and ``prov``'s commit, device
     and command."""
     recipe, trained = config_dicts(load_config(recipe_path)), config_dicts(cfg)
     changed = {"--config": Path(recipe_path).stem, **{f"{section}.{key}": value
@@ -311,7 +311,7 @@ def try_record(name: str, recipe_path, cfg: dict, runs: list[dict], prov: dict) 
               "seeds": [r["seed"] for r in runs], "steps": runs[0]["steps"], "commit": commit.removesuffix("+dirty"),
               "device": prov["device"], "command": prov["command"],
               "train_wall_time_s": [r["train_wall_time_s"] for r in runs],
-              "curves": {str(r["seed"]): {str(c["step"]): c["test_set_acc"] for c in r["curve"]} for r in runs}}
+              "curves": {str(r["seed"]): [[c["step"], c["test_set_acc"]] for c in r["curve"]] for r in runs}}
     if commit.endswith("+dirty"):
         record["note"] = "the tree had uncommitted changes"
     return record
