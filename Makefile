@@ -85,8 +85,10 @@ gpu: install
 bench-capsnet: install
 	$(PY) benchmarks/bench_capsnet.py --threads 2 --json results/multimnist/multimnist_bench.json
 	$(PY) benchmarks/bench_capsnet.py --threads 2 --configs paper --compare --repeats 7 --append \
-		--variant float32 model.bf16=false model.phase_split=false --variant bf16 model.phase_split=false \
-		--variant "bf16, phase split" --json results/multimnist/multimnist_bench.json
+		--variant float32 model.bf16=false model.phase_split=false model.bf16_routing=false \
+		--variant bf16 model.phase_split=false model.bf16_routing=false \
+		--variant "bf16, phase split" model.bf16_routing=false --variant "bf16, phase split, bf16 routing" \
+		--json results/multimnist/multimnist_bench.json
 
 # the paper's smallNORB matrix-capsule network (A, B, C, D = 64, 8, 16, 16, 32x32, 3 EM iterations) at batch 64
 bench-matrix-capsules: install

@@ -295,8 +295,8 @@ ABLATION_COLUMNS = [("set_acc", "two-digit set accuracy (%)", 100.0, 1),
 def try_record(name: str, recipe_path, cfg: dict, runs: list[dict], prov: dict) -> dict:
     """The record of a try (:func:`probcaps.report.load_try`): the recipe and the keys of ``cfg`` that differ from
     it, the mean and sample std over ``runs`` (the value alone for one seed) of :data:`ABLATION_COLUMNS`' metrics,
-    each seed's ``[step, test set accuracy]`` at each evaluation on the way, its seeds and steps, and ``prov``'s commit, device
-    and command."""
+    each seed's ``[step, test set accuracy]`` at each evaluation on the way, its seeds and steps, and ``prov``'s
+    commit, device and command."""
     recipe, trained = config_dicts(load_config(recipe_path)), config_dicts(cfg)
     changed = {"--config": Path(recipe_path).stem, **{f"{section}.{key}": value
                                                       for section, values in trained.items()
