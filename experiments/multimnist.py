@@ -5,11 +5,13 @@ each from its own digit capsule.
     probcaps run multimnist --config multimnist_paper --device cuda
     probcaps run multimnist --seeds 0 --resume             # continue an interrupted run
     probcaps run multimnist --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
+    probcaps run multimnist --seeds 0 --set model.bf16_routing=true --try NAME   # a try: one row of ablations.md
 
 Training pairs are drawn afresh every epoch (:mod:`probcaps.data.multimnist`); the test pairs are fixed.  Writes
 ``results/multimnist/<name>.json`` (set accuracy, at-least-one accuracy, reconstruction error; per seed, mean and
 std) and
-figures of the first seed: ``<name>_reconstructions.png``, ``<name>_capsules.png``, ``<name>_training.png``.
+figures of the first seed: ``<name>_reconstructions.png``, ``<name>_capsules.png``, ``<name>_training.png``.  A try
+(``--try NAME``) writes only its record, ``results/multimnist/ablations/NAME.json``, and the table of tries.
 """
 
 from __future__ import annotations
