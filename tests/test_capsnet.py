@@ -206,24 +206,17 @@ def test_capsnet_loss_and_reconstructions():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_bf16_convolutions_stay_close():
+@pytest.mark.parametrize("option,rtol", [("bf16", 0.05), ("bf16_routing", 0.02)])
+def test_bf16_options_are_the_same_network_to_bfloat16_rounding(option, rtol):
+    # catches: an option that changes nothing (the lengths equal float32's) or leaves float32 in its outputs
     torch.manual_seed(0)
     model = CapsNet(CapsNetConfig(**TINY_CAPS))
     x = torch.rand(2, 1, 36, 36)
     ref = model(x).lengths
-    model.config.bf16 = True
-    assert torch.allclose(model(x).lengths, ref, rtol=0.05, atol=1e-3)
-
-
-def test_bf16_routing_is_the_same_network_to_bfloat16_rounding():
-    torch.manual_seed(0)
-    model = CapsNet(CapsNetConfig(**TINY_CAPS))
-    x = torch.rand(2, 1, 36, 36)
-    ref = model(x).lengths
-    model.config.bf16_routing = True
+    setattr(model.config, option, True)
     lengths = model(x).lengths
     assert lengths.dtype == torch.float32 and not torch.equal(lengths, ref)
-    assert torch.allclose(lengths, ref, rtol=0.02, atol=1e-3)
+    assert torch.allclose(lengths, ref, rtol=rtol, atol=1e-3)
 
 
 def test_phase_split_primary_capsules_are_the_same_network():
