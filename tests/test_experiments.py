@@ -211,15 +211,15 @@ def test_ablations_table_lays_out_one_row_per_try(tmp_path):
 
     (folder / "b_try.json").write_text(json.dumps(record("b_try", {
         "probe_presence_pose_test_acc": {"mean": 0.981, "std": 0.002}, "test_elbo_per_image": 2301.4,
-        "template_distinctness_mean": 0.2134})))
+        "template_distinctness_mean": 0.2134, "dominant_object_test_acc": 0.9461})))
     (folder / "a_try.json").write_text(json.dumps(record("a_try", {"kmeans_posterior_counts_test_acc": 0.5},
                                                          note="uncommitted changes")))
     assert mnist_probe.ablations_table(tmp_path / "none") is None
     rows = [line for line in mnist_probe.ablations_table(tmp_path).splitlines() if line.startswith("| `")]
     assert rows == ["| `a_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | 50.0 | — | — | "
-                    "— | — | — | — | — | — | abc1234* |",
+                    "— | — | — | — | — | — | — | abc1234* |",
                     "| `b_try` | encoder.bf16 = false; model.part_pose_std_max = 0.1 | 0, 1 | 2500 | — | — | "
-                    "98.1 ± 0.2 | — | — | — | 2301 | — | 0.213 | abc1234 |"]
+                    "98.1 ± 0.2 | — | — | — | 2301 | — | 0.213 | 94.6 | abc1234 |"]
     (folder / "c_try.json").write_text(json.dumps({"name": "c_try", "metrics": {}}))
     with pytest.raises(DataError, match=r"c_try\.json: a try's record lacks 'changed'"):
         mnist_probe.ablations_table(tmp_path)
