@@ -36,6 +36,7 @@ from probcaps.metrics import (
     class_purity,
     classification_summary,
     dominant_object_accuracy,
+    kmeans_from_class_means,
     kmeans_labels,
     kmeans_spread,
     mean_by_class,
@@ -375,6 +376,10 @@ def compute_evaluation(checkpoint: str | Path, name: str | None = None, data_dir
                 metrics.update({f"kmeans_{key}_test_acc_init_{q}": spread[q] for q in ("min", "median", "max")})
                 metrics[f"kmeans_{key}_test_confused_pair"] = most_confused_pair(
                     reports["kmeans", key]["confusion"], reports["kmeans", key]["classes"])
+                # whether the shortfall is the objective's: the fit from the class means, its accuracy and inertia
+                if len(torch.unique(labels)) == 10:  # one centre per class (a small test split may lack some)
+                    metrics[f"kmeans_{key}_test_class_start"] = kmeans_from_class_means(
+                        feats[key][1], labels, n_clusters=10, n_init=ecfg.kmeans_n_init)
         if key in REPORTED_PROBES:
             reports["probe", key] = classification_summary(test_labels, probe.predict(test_feats[key][0]),
                                                            classes=torch.unique(torch.cat([train_labels, test_labels])))

@@ -404,6 +404,10 @@ def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_cle
         assert 0.0 <= low <= mid <= high <= 1.0
         pair = metrics[f"kmeans_{key}_test_confused_pair"]
         assert len(set(pair["classes"])) == 2 and 0.0 <= pair["share"] <= 1.0
+        start = metrics.get(f"kmeans_{key}_test_class_start")  # only where the test split has all ten digits
+        assert (start is not None) == (len(torch.unique(test_labels)) == 10)
+        if start:  # its best fit is the one the tables report
+            assert start["best_accuracy"] == pytest.approx(metrics[f"kmeans_{key}_test_acc"])
     M = cfg["model"].num_parts  # each template's nearest other one (Figure 6), and the figures of it and Figure 7
     assert len(metrics["template_nearest"]) == M and all(j != m for m, j in enumerate(metrics["template_nearest"]))
     assert metrics["template_distinctness_min"] == pytest.approx(min(metrics["template_distinctness"]))

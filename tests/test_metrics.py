@@ -281,6 +281,30 @@ def test_kmeans_spread_covers_single_initialisations():
     assert kmeans_spread(separated, labels, n_clusters=4, inits=3)["min"] == 1.0
 
 
+def test_kmeans_from_class_means_tells_the_objective_from_its_starts():
+    # catches: the fit from the class means replaced by a random start, the inertias swapped, or a class inertia that
+    # is not each point to its own class mean
+    from probcaps.metrics import kmeans_from_class_means
+
+    rng = np.random.default_rng(0)
+    # class 0 spread wide on a line, classes 1 and 2 tight and close: k-means' best 3 clusters split class 0 and
+    # merge 1 with 2, while the class partition, a fixed point of Lloyd's algorithm, costs more inertia
+    wide = np.stack([np.linspace(0.0, 6.0, 60), np.zeros(60)], 1)
+    tight = [np.array([10.0, 0.0]), np.array([10.5, 0.0])]
+    features = np.concatenate([wide, *(c + rng.normal(scale=0.02, size=(30, 2)) for c in tight)])
+    labels = np.repeat([0, 1, 2], [60, 30, 30])
+    out = kmeans_from_class_means(features, labels, n_clusters=3)
+    own = sum(((features[labels == c] - features[labels == c].mean(0)) ** 2).sum() for c in range(3))
+    assert out["class_inertia"] == pytest.approx(own)
+    assert out["accuracy"] == 1.0 and out["inertia"] == pytest.approx(own)
+    assert out["best_inertia"] < out["inertia"] and out["best_accuracy"] <= 0.75
+    separated = np.repeat(np.eye(3) * 10, 20, axis=0)  # the objective and the classes agree
+    same = kmeans_from_class_means(separated, np.repeat(np.arange(3), 20), n_clusters=3)
+    assert same["accuracy"] == same["best_accuracy"] == 1.0 and same["inertia"] == pytest.approx(same["best_inertia"])
+    with pytest.raises(ValueError, match="one centre per class"):
+        kmeans_from_class_means(features, labels, n_clusters=4)
+
+
 def test_most_confused_pair_sums_both_directions():
     # catches: only one direction of the confusion counted (4 given as 9 but not 9 as 4), or the diagonal counted
     from probcaps.metrics import most_confused_pair
