@@ -297,7 +297,9 @@ def recipes_table(results_dir: Path) -> str | None:
 #: the models read out for how stable their clustering is and how distinct their templates are (Smith et al. 2020,
 #: Figure 6): ``(results name, what it is)``; ``results_dir/mnist_clustering.md``
 CLUSTERING = "mnist_clustering"
-CLUSTERING_RUNS = [("mnist_objects_seed0", "`mnist_objects.toml`, seed 0 (`checkpoints/mnist_objects.pt`)")]
+CLUSTERING_RUNS = [("mnist_objects_seed0", "`mnist_objects.toml`, seed 0 (`checkpoints/mnist_objects.pt`)"),
+                   ("mnist_objects_seed1", "`mnist_objects.toml`, seed 1"),
+                   ("mnist_objects_seed2", "`mnist_objects.toml`, seed 2")]
 
 
 def clustering_table(results_dir: Path) -> str | None:
