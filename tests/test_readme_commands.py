@@ -286,11 +286,13 @@ def test_recorded_paths_are_relative_to_the_repository(tmp_path, monkeypatch):
 def _mnist_probe_runs() -> list[str]:
     """The names of the multi-seed runs of experiments/mnist_probe.py in results/mnist_probe/: each aggregate JSON
     records the command that wrote it and its seeds' metrics (``per_seed``); the readouts are tables of their own."""
+    from probcaps.report import command_text  # the launch form, whether run as a script or `probcaps run`
+
     names = []
     for path in sorted((ROOT / "results" / "mnist_probe").glob("*.json")):
         record = json.loads(path.read_text())
         prov, metrics = record.get("provenance") or {}, record.get("metrics") or {}
-        if str(prov.get("command")).startswith("experiments/mnist_probe.py") and "per_seed" in metrics:
+        if command_text(prov.get("command")).startswith("probcaps run mnist_probe") and "per_seed" in metrics:
             names.append(path.stem)
     return names
 
@@ -303,11 +305,13 @@ TABLE_SOURCES = [
     *[("experiments.mnist_probe", "mnist_probe", ["--name", n],
        [n, "ablations", "mnist_layers_by_recipe", "mnist_nonlinear_by_recipe", "mnist_recipes", "mnist_clustering"])
       for n in _mnist_probe_runs()],
-    *[("experiments.affnist", "affnist", ["--name", n], [n, "ablations"]) for n in ("affnist", "affnist_fast")],
+    *[("experiments.affnist", "affnist", ["--name", n], [n, "ablations"]) for n in ("affnist", "affnist_fast",
+                                                                                       "affnist_objects")],
     *[("experiments.rotated_digits", "rotated_digits", ["--name", n], [n]) for n in ("rotated_digits",
                                                                                   "rotated_digits_fast")],
     *[("experiments.ttvi_classification", "ttvi_classification", ["--name", n], [n, "ablations"])
-      for n in ("ttvi_classification", "ttvi_classification_fast", "ttvi_classification_fair")],
+      for n in ("ttvi_classification", "ttvi_classification_fast", "ttvi_classification_fair",
+                "ttvi_classification_fair_objects")],
     ("experiments.normal_guide", "normal_guide", [], ["normal_guide"]),
     *[("experiments.rotated_training", "rotated_training", ["--name", n], [n, "ablations"])
       for n in ("rotated_training", "rotated_training_headline", "rotated_training_objects")],
