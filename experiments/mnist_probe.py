@@ -5,10 +5,10 @@ probes and k-means accuracy (paper §5, Table 1; SCAE's anchors).
     probcaps run mnist_probe --seeds 0 --resume               # continue interrupted runs
     probcaps run mnist_probe --seeds 0 --set train.steps=5 --set data.dataset="synthetic"   # smoke test
 
-Writes ``results/mnist_probe/<name>_seed<S>.json`` per seed, ``results/mnist_probe/<name>.json`` (per-seed metrics,
-mean and std), the first seed's figures and its final model without optimiser state, ``checkpoints/<name>.pt`` (for
+Writes ``results/mnist_probe/<name>.json`` (per-seed metrics, mean and std), the figures of the first seed that the
+page shows (``PAGE_FIGURES``) and its final model without optimiser state, ``checkpoints/<name>.pt`` (for
 ``probcaps evaluate``); ``name`` is the config's (``mnist`` for the mnist recipe) unless ``--name``.  Runs go to
-``runs/<name>/seed<S>``.
+``runs/<name>/seed<S>``, each with its seed's results, ``<name>_seed<S>.json``.
 """
 
 from __future__ import annotations
@@ -91,6 +91,9 @@ def readme_table(metrics: dict, prov: dict) -> str:
     return "\n".join(lines)
 
 
+#: the figures of a recipe's first seed that its page shows (``results_dir/<name>_seed<S>_<figure>.png``); the
+#: rest of what an evaluation draws is `probcaps evaluate`'s
+PAGE_FIGURES = ("objects_by_class", "objects_drawn", "reconstructions", "template_neighbours")
 #: the tries that changed the shipped recipes: one record each, ``results_dir/ablations/<try>.json``
 #: (:func:`probcaps.report.load_try`), laid out as ``results_dir/ablations.md``
 ABLATIONS = "ablations"
@@ -140,21 +143,36 @@ def try_record(name: str, runs: list[dict], summary: dict, cfg: dict, prov: dict
     return record
 
 
-def recorded_seed(record_path: Path, seed: int, cfg: dict, run_dir: Path) -> tuple[dict, dict] | None:
-    """Seed ``seed``'s readouts and training state (``step``, ``wall_time_s``) from the try's record
-    ``record_path`` (its ``per_seed``), for a seed whose run folder holds neither a model nor its results: None
-    where it does, or where the record does not list the seed; an error where the record is of another config."""
+def recorded_seed(record_path: Path, seed: int, cfg: dict, run_dir: Path, as_try: bool = True
+                  ) -> tuple[dict, dict] | None:
+    """Seed ``seed``'s readouts and training state (``step``, ``wall_time_s``) from the ``per_seed`` of a try's
+    record ``record_path`` (``as_try``) or of a recipe's results file, for a seed whose run folder holds neither a
+    model nor its results: None where it does, or where the file does not list the seed; an error where the file
+    is of another config."""
     if not record_path.is_file() or holds_model(run_dir):
         return None
-    record = load_try(record_path)
-    kept = [r for r in record.get("per_seed", []) if r["seed"] == seed]
+    if as_try:
+        record = load_try(record_path)
+        listed, same = record.get("per_seed", []), record["changed"] == changed_from_recipe(cfg)
+    else:  # the seeds' summary records the recipe's config, the seed left at its default
+        results = json.loads(record_path.read_text())
+        listed = results.get("metrics", {}).get("per_seed", [])
+        same = (without_seed(results.get("provenance", {}).get("configs", {}))
+                == without_seed(json.loads(json.dumps(config_dicts(cfg)))))
+    kept = [r for r in listed if r["seed"] == seed]
     if not kept:
         return None
-    if record["changed"] != changed_from_recipe(cfg) or kept[0]["steps"] != cfg["train"].steps:
+    if not same or kept[0]["steps"] != cfg["train"].steps:
         raise ProbcapsError(f"{record_path}: it records seed {seed} of another config, and {run_dir} holds no model "
                             "to evaluate instead; drop --reuse-results to train the seed again")
     metrics = {k: v for k, v in kept[0].items() if k not in ("seed", "steps", "train_wall_time_s")}
     return metrics, {"step": kept[0]["steps"], "wall_time_s": kept[0]["train_wall_time_s"]}
+
+
+def without_seed(configs: dict) -> dict:
+    """``configs`` (section -> keys) with the training seed left out."""
+    return {section: {k: v for k, v in keys.items() if not (section == "train" and k == "seed")}
+            for section, keys in configs.items()}
 
 
 def ablations_table(results_dir: Path) -> str | None:
@@ -367,16 +385,15 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the alpha compositing and the part CNN (faster steps)")
     p.add_argument("--reuse-results", action="store_true",
-                   help="take a seed's metrics from its results JSON (a try's: in its run folder) when that is newer "
-                   "than its final checkpoint, or when its run folder holds no model and the JSON records the same "
-                   "config; a try's seed with neither, from the try's record (RESULTS_DIR/ablations/<name>.json) "
-                   "when that lists it with the same config")
+                   help="take a seed's metrics from its results JSON in its run folder when that is newer than its "
+                   "final checkpoint, or when its run folder holds no model and the JSON records the same config; a "
+                   "seed with neither, from the seeds' summary (RESULTS_DIR/<name>.json; a try's record, "
+                   "RESULTS_DIR/ablations/<name>.json) when that lists it with the same config")
     p.add_argument("--train-only", action="store_true",
                    help="train and stop (to run seeds as parallel processes; a later --resume call evaluates)")
     p.add_argument("--try", dest="as_try", action="store_true",
                    help="record the run as a try of the table of tries, RESULTS_DIR/ablations/<name>.json (its changes "
-                   "against mnist.toml, readouts, seeds, commit, device and command); each seed's results go to its "
-                   "run folder, and no model is exported")
+                   "against mnist.toml, readouts, seeds, commit, device and command), no figures and no model")
     add_run_args(p, EXPERIMENT, out_help="run folders, <out>/seed<S> (default: runs/<name>)",
                  resume="continue each seed from its last checkpoint", tables="tables (RESULTS_DIR/<name>.md, "
                  "RESULTS_DIR/ablations.md)", checkpoint_out="export the first seed's model here (default: "
@@ -392,11 +409,13 @@ def main(argv=None) -> int:
         overrides = [*args.set, f"train.seed={seed}", *flags]
         cfg = load_experiment_config(args.config, overrides)
         run_dir = Path(args.out) / f"seed{seed}"
-        # a try's seeds keep their results in their run folders, where evaluation writes them
-        seed_json = (run_dir if args.as_try else Path(args.results_dir)) / f"{args.name}_seed{seed}.json"
+        # each seed's results stay in its run folder; the results folder gets the seeds' summary (a try's record)
+        seed_json = run_dir / f"{args.name}_seed{seed}.json"
         kept = results_without_model(seed_json, run_dir, cfg) if args.reuse_results else None
-        if args.reuse_results and args.as_try and kept is None and not seed_json.is_file():
-            kept = recorded_seed(Path(args.results_dir) / ABLATIONS / f"{args.name}.json", seed, cfg, run_dir)
+        if args.reuse_results and kept is None and not seed_json.is_file():
+            summary_json = Path(args.results_dir) / (f"{ABLATIONS}/{args.name}.json" if args.as_try
+                                                     else f"{args.name}.json")
+            kept = recorded_seed(summary_json, seed, cfg, run_dir, args.as_try)
         final, state = (None, kept[1]) if kept else train_run(cfg, run_dir, args)
         if args.train_only:
             continue
@@ -405,10 +424,11 @@ def main(argv=None) -> int:
         elif args.reuse_results and seed_json.is_file() and seed_json.stat().st_mtime > final.stat().st_mtime:
             metrics = json.loads(seed_json.read_text())["metrics"]
         else:
-            metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}",
-                                          results_dir=seed_json.parent,
+            shown = seed == args.seeds[0] and not args.as_try and cfg["eval"].figures
+            metrics = evaluate_checkpoint(final, name=f"{args.name}_seed{seed}", results_dir=run_dir,
                                           data_dir=args.data_dir, device=args.device, progress=not args.quiet,
-                                          figures=seed == args.seeds[0] and not args.as_try, eval_config=cfg["eval"])
+                                          figures=PAGE_FIGURES if shown else False, figures_dir=args.results_dir,
+                                          eval_config=cfg["eval"])
         runs.append({**metrics, "seed": seed, "steps": state["step"], "train_wall_time_s": state["wall_time_s"]})
         if init_from_env().rank == 0:
             print(f"seed {seed}: probe presence+pose {metrics['probe_presence_pose_test_acc']:.4f}, presence "

@@ -10,6 +10,7 @@ score is reported on the guide's (prior) presences, on the posterior ones, on bo
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,8 +53,8 @@ __all__ = ["evaluate_checkpoint", "compute_evaluation", "write_evaluation", "Eva
            "reconstruction_error", "parent_log_posterior",
            "posterior_presences", "posterior_part_counts", "readout_features", "readout_table", "evaluate_seeds",
            "parts_in_parent_frame", "part_pose_explained", "object_drawings", "plot_object_drawings",
-           "layer_features", "part_features", "READOUTS", "LAYER_READOUTS", "NONLINEAR_PROBES", "REPORTED_KMEANS",
-           "SCAE_PUBLISHED"]
+           "layer_features", "part_features", "READOUTS", "FIGURES", "LAYER_READOUTS", "NONLINEAR_PROBES",
+           "REPORTED_KMEANS", "SCAE_PUBLISHED", "check_figures"]
 
 #: The feature sets every probe and k-means score is reported on (key -> what it is).
 READOUTS = {"presence": "prior presences (the guide's)",
@@ -76,6 +77,10 @@ REPORTED_PROBES = ("presence", "presence_pose")
 #: The feature sets whose test k-means clusters (each named by its matched class) get the same: which digits share
 #: a cluster.
 REPORTED_KMEANS = ("presence", "posterior_counts")
+#: The figures an evaluation can draw, ``<name>_<figure>.png`` (:func:`write_evaluation`'s ``figures`` names some).
+FIGURES = ("templates", "template_neighbours", "reconstructions", "presence_by_class", "objects_by_class",
+           *(f"confusion_{key}" for key in REPORTED_PROBES), *(f"confusion_kmeans_{key}" for key in REPORTED_KMEANS),
+           "objects_drawn")
 #: SCAE's MNIST scores (Kosiorek et al. 2019, Table 1): linear classifier on the object capsules (LIN-PRED) and
 #: k-means with 10 clusters matched to the classes (LIN-MATCH), test accuracy.
 SCAE_PUBLISHED = {"probe_test_acc": 0.990, "kmeans_test_acc": 0.987}
@@ -128,14 +133,18 @@ def parts_by_template(model, latents: Latents) -> tuple[torch.Tensor, torch.Tens
 
 @torch.no_grad()
 def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, device: str = "cpu",
-                 neighbours: dict | None = None) -> list[str]:
-    """Learned templates (with each one's nearest other template under the best affine warp, when ``neighbours``
-    from :func:`template_neighbours` is given), and inputs vs reconstructions, coloured by template and by object
-    (each part's contribution given to its parents by the exact posterior over them; the clutter parent grey)."""
-    templates = system.model.templates().cpu()
-    paths = [plotting.plot_templates(templates[:, 0], f"{out_prefix}_templates.png", alphas=templates[:, 1],
-                                     title="learned templates (top) and alphas (bottom)")]
-    if neighbours is not None:
+                 neighbours: dict | None = None, only: Collection[str] | None = None) -> list[str]:
+    """Learned templates (``<out_prefix>_templates.png``; with each one's nearest other template under the best
+    affine warp, ``_template_neighbours.png``, when ``neighbours`` from :func:`template_neighbours` is given), and
+    inputs vs reconstructions, coloured by template and by object (each part's contribution given to its parents by
+    the exact posterior over them; the clutter parent grey; ``_reconstructions.png``).  ``only``: of these figures,
+    the ones so named alone (default: all)."""
+    paths = []
+    if only is None or "templates" in only:
+        templates = system.model.templates().cpu()
+        paths.append(plotting.plot_templates(templates[:, 0], f"{out_prefix}_templates.png", alphas=templates[:, 1],
+                                             title="learned templates (top) and alphas (bottom)"))
+    if neighbours is not None and (only is None or "template_neighbours" in only):
         drawn = drawn_templates(system.model).cpu()
         t = drawn.shape[-1]
         warped = warp(drawn[neighbours["nearest"]], neighbours["warp"], t)
@@ -146,6 +155,8 @@ def save_figures(system, images: torch.Tensor, out_prefix: Path, n: int = 8, dev
                         enumerate(zip(neighbours["nearest"], neighbours["distance"].tolist()))],
             title=f"each template and its nearest other template under the best affine warp (share left "
                   f"unexplained; mean {neighbours['mean']:.3f})"))
+    if only is not None and "reconstructions" not in only:
+        return [str(p) for p in paths]
     x = to_float(images[:n]).to(device).unsqueeze(1)
     lat = system.encoder.encode(x)
     recon, contributions, by_template = parts_by_template(system.model, lat)
@@ -450,10 +461,19 @@ def heldout_bound(system, images: torch.Tensor, ecfg, device: str = "cpu", progr
                         for k, b in per_k.items()}}
 
 
-def write_evaluation(ev: Evaluation, results_dir: str | Path = "results", figures: bool | None = None) -> dict:
+def check_figures(figures: bool | Collection[str]) -> bool | Collection[str]:
+    """``figures`` as given, where it is a bool or names figures of :data:`FIGURES` alone (else ValueError)."""
+    if not isinstance(figures, bool) and (unknown := sorted(set(figures) - set(FIGURES))):
+        raise ValueError(f"figures: no figure named {', '.join(unknown)} (the figures: {', '.join(FIGURES)})")
+    return figures
+
+
+def write_evaluation(ev: Evaluation, results_dir: str | Path = "results", figures: bool | Collection[str] | None = None,
+                     figures_dir: str | Path | None = None) -> dict:
     """Write what :func:`compute_evaluation` measured: ``results_dir/<name>.json`` (metrics + provenance) and its
-    table, both or neither, and with ``figures`` (default: the eval config's) ``<name>_*.png``; under ``torchrun``
-    rank 0 alone writes.  Returns the metrics and the run."""
+    table, both or neither, and with ``figures`` (default: the eval config's) ``figures_dir/<name>_<figure>.png``
+    (default: in ``results_dir``): every figure of :data:`FIGURES` when ``figures`` is true, those it names when it
+    is a collection of names; under ``torchrun`` rank 0 alone writes.  Returns the metrics and the run."""
     name, metrics, run, cfg, system, device = ev.name, ev.metrics, ev.run, ev.cfg, ev.system, ev.device
     test_images, test_labels, test_lat, test_counts = ev.test_images, ev.test_labels, ev.test_latents, ev.test_counts
     test_presence, reports, neighbours, ecfg = ev.test_presence, ev.reports, ev.neighbours, cfg["eval"]
@@ -461,33 +481,39 @@ def write_evaluation(ev: Evaluation, results_dir: str | Path = "results", figure
     if init_from_env().rank > 0:  # under torchrun: every process computes, rank 0 alone writes
         return metrics | run
     results_dir = Path(results_dir)
+    prefix = Path(results_dir if figures_dir is None else figures_dir) / name
+    figures = check_figures(ecfg.figures if figures is None else figures)
+    only = None if isinstance(figures, bool) else set(figures)
+
+    def wanted(figure: str) -> bool:
+        return only is None or figure in only
+
     figure_paths = []
-    if ecfg.figures if figures is None else figures:
+    if figures:
         counts_by_class, classes = mean_by_class(test_counts, test_labels)
         presence_by_class, _ = mean_by_class(test_presence, test_labels)
-        # objects on whatever the digit show as full columns, class-specific ones as a scattered pattern
-        figure_paths = save_figures(system, test_images, results_dir / name, device=device,
-                                    neighbours=neighbours) + [str(p) for p in [
-            plotting.plot_heatmap(presence_by_class.T, results_dir / f"{name}_presence_by_class.png",
-                                  row_labels=classes, xlabel="object capsule", ylabel="digit class",
-                                  title="mean object presence per class (test set)", vmin=0, vmax=1,
-                                  colorbar_label="presence"),
-            plotting.plot_objects_by_class(
+        figure_paths = save_figures(system, test_images, prefix, device=device, neighbours=neighbours, only=only)
+        if wanted("presence_by_class"):
+            figure_paths.append(str(plotting.plot_heatmap(
+                presence_by_class.T, f"{prefix}_presence_by_class.png", row_labels=classes, xlabel="object capsule",
+                ylabel="digit class", title="mean object presence per class (test set)", vmin=0, vmax=1,
+                colorbar_label="presence")))
+        if wanted("objects_by_class"):
+            # objects on whatever the digit show as full columns, class-specific ones as a scattered pattern
+            figure_paths.append(str(plotting.plot_objects_by_class(
                 {"mean expected part count": counts_by_class, "mean presence": presence_by_class},
-                results_dir / f"{name}_objects_by_class.png", class_labels=classes,
+                f"{prefix}_objects_by_class.png", class_labels=classes,
                 title=f"objects by class (test set): class purity {metrics['object_class_purity']:.2f} by part "
-                      f"counts, {metrics['object_class_purity_presence']:.2f} by presences"),
-            *(plotting.plot_confusion_matrix(
-                report["confusion"],
-                results_dir / f"{name}_confusion_{key if kind == 'probe' else f'kmeans_{key}'}.png",
-                class_labels=report["classes"],
-                xlabel="predicted class" if kind == "probe" else "class its k-means cluster is matched to",
-                title=f"{'linear probe' if kind == 'probe' else 'k-means (10)'} on {READOUTS[key]}: test accuracy "
-                      f"{100 * report['accuracy']:.1f}%")
-              for (kind, key), report in reports.items())]]
-        drawings = object_drawings(system.model, test_lat, test_images)
-        if drawings is not None:
-            figure_paths.append(str(plot_object_drawings(drawings, results_dir / f"{name}_objects_drawn.png",
+                      f"counts, {metrics['object_class_purity_presence']:.2f} by presences")))
+        for (kind, key), report in reports.items():
+            if wanted(figure := f"confusion_{key if kind == 'probe' else f'kmeans_{key}'}"):
+                figure_paths.append(str(plotting.plot_confusion_matrix(
+                    report["confusion"], f"{prefix}_{figure}.png", class_labels=report["classes"],
+                    xlabel="predicted class" if kind == "probe" else "class its k-means cluster is matched to",
+                    title=f"{'linear probe' if kind == 'probe' else 'k-means (10)'} on {READOUTS[key]}: test "
+                          f"accuracy {100 * report['accuracy']:.1f}%")))
+        if wanted("objects_drawn") and (drawings := object_drawings(system.model, test_lat, test_images)) is not None:
+            figure_paths.append(str(plot_object_drawings(drawings, f"{prefix}_objects_drawn.png",
                                                          "objects drawn alone at their mean latents (test set)")))
     prov = provenance(seed=seed, steps=state.get("step"), wall_time_s=state.get("wall_time_s"),
                       device=device, checkpoint=str(checkpoint), eval_wall_time_s=time.perf_counter() - t0,
@@ -501,14 +527,16 @@ def write_evaluation(ev: Evaluation, results_dir: str | Path = "results", figure
 
 def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results_dir: str | Path = "results",
                         data_dir=None, device: str = "cpu", overrides: list[str] = (), progress: bool = True,
-                        figures: bool | None = None, seed_suffix: bool = False, eval_config=None) -> dict:
+                        figures: bool | Collection[str] | None = None, seed_suffix: bool = False, eval_config=None,
+                        figures_dir: str | Path | None = None) -> dict:
     """Probe and k-means accuracies on every readout of :data:`READOUTS`, the objects' class purity, per-class
     accuracies of the probes of :data:`REPORTED_PROBES`, test ELBO and reconstruction error of a checkpoint.
 
     Probes are fit on the training features and scored on both splits; k-means (10 clusters, matched by the
     Hungarian algorithm) is fit on each split.  :func:`compute_evaluation` measures, then :func:`write_evaluation`
-    writes ``results_dir/<name>.json`` (metrics + provenance) and, with figures, ``<name>_*.png`` (under
-    ``torchrun``: rank 0 alone); returns the metrics (``probe_<readout>_<split>_acc``,
+    writes ``results_dir/<name>.json`` (metrics + provenance) and, with ``figures`` (true: all of :data:`FIGURES`,
+    or the ones it names), ``figures_dir/<name>_*.png`` (default: in ``results_dir``; under ``torchrun``: rank 0
+    alone); returns the metrics (``probe_<readout>_<split>_acc``,
     ``kmeans_<readout>_<split>_acc``, ``probe_<readout>_test_report`` for :data:`REPORTED_PROBES`,
     ``kmeans_<readout>_test_report`` for :data:`REPORTED_KMEANS`, ``object_class_purity[_presence]``,
     ``dominant_object_test_acc`` (:func:`~probcaps.metrics.dominant_object_accuracy` of the posterior part counts),
@@ -519,8 +547,10 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
     ``overrides``) in place of those the model was trained with: a recipe's readouts, changed since, apply to its
     trained models.
     """
+    if figures is not None:
+        check_figures(figures)  # before the model is read out, not after
     return write_evaluation(compute_evaluation(checkpoint, name, data_dir, device, overrides, progress, seed_suffix,
-                                               eval_config), results_dir, figures)
+                                               eval_config), results_dir, figures, figures_dir)
 
 
 def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "results", device: str = "cpu",

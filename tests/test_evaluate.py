@@ -322,6 +322,31 @@ def test_information_rows_rank_the_seeds_and_correlate_by_hand():
     assert "Rank correlation" not in information_rows(runs[:2])[-1]   # two seeds: no correlation to speak of
 
 
+def test_evaluate_checkpoint_draws_the_figures_it_is_asked_for(tiny_toml, tmp_path, pyro_clean, monkeypatch):
+    # catches: a figure drawn that was not asked for, one asked for missing or written beside the results instead of
+    # where told, or an unknown figure name found only after the model has been read out
+    from probcaps.inference import evaluate
+    from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
+
+    train_capsules(load_experiment_config(tiny_toml, ["train.steps=2"]), tmp_path / "run", progress=False)
+    results, figures = tmp_path / "results", tmp_path / "figures"
+    asked = ["reconstructions", "confusion_kmeans_presence"]
+    evaluate_checkpoint(tmp_path / "run" / "final.pt", name="tiny", results_dir=results, progress=False,
+                        figures=asked, figures_dir=figures)
+    drawn = [str(figures / f"tiny_{figure}.png") for figure in asked]
+    assert sorted(str(p) for p in figures.iterdir()) == sorted(drawn)
+    assert sorted(p.name for p in results.iterdir()) == ["tiny.json", "tiny.md"]
+    assert json.loads((results / "tiny.json").read_text())["provenance"]["figures"] == drawn
+
+    def read_out(*args, **kwargs):
+        raise AssertionError("the model was read out before its figures were checked")
+
+    monkeypatch.setattr(evaluate, "compute_evaluation", read_out)
+    with pytest.raises(ValueError, match="no figure named templatez"):
+        evaluate_checkpoint(tmp_path / "run" / "final.pt", name="tiny", results_dir=results, progress=False,
+                            figures=["templates", "templatez"])
+
+
 @pytest.mark.parametrize("codes", [0, 2])
 def test_evaluate_checkpoint_reports_every_readout(tiny_toml, tmp_path, pyro_clean, seed, codes):
     # catches: a readout, split or per-class report missing from the results, or figures not written; with object

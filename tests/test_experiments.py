@@ -28,8 +28,12 @@ def test_mnist_probe_entry_point(tmp_path, tiny_toml, pyro_clean):
     assert [r["seed"] for r in per_seed] == [0, 1]
     accs = [r["probe_presence_pose_test_acc"] for r in per_seed]
     assert summary["metrics"]["probe_presence_pose_test_acc_mean"] == pytest.approx(sum(accs) / 2)
-    assert (results / "tiny_seed0_templates.png").is_file()
-    assert (results / "tiny_training.png").is_file()
+    # the results folder gets the seeds' summary and the figures the page shows; each seed's results stay in its run
+    assert sorted(p.name for p in results.glob("*.png")) == sorted(
+        ["tiny_training.png", *(f"tiny_seed0_{figure}.png" for figure in mnist_probe.PAGE_FIGURES)])
+    assert not list(results.glob("tiny_seed*.json"))
+    assert [json.loads((tmp_path / "runs" / f"seed{s}" / f"tiny_seed{s}.json").read_text())["metrics"]
+            ["probe_presence_pose_test_acc"] for s in (0, 1)] == accs
     # the exported checkpoint evaluates without training and holds no optimiser state
     exported = torch.load(ckpt, weights_only=False)
     assert "optimiser" not in exported and exported["metadata"]["kind"] == "capsule_model"
@@ -66,7 +70,7 @@ def test_mnist_probe_aggregates_a_seed_whose_model_was_not_kept(tmp_path, tiny_t
     assert "not exported" in capsys.readouterr().out
     assert mnist_probe.main([*args[:-4], "--set", "train.steps=3", "--resume", "--reuse-results"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "tiny_seed0.json" in err and "config" in err
+    assert len(err.splitlines()) == 1 and "tiny.json" in err and "config" in err
     assert not (runs / "seed0").exists()
 
 
@@ -79,10 +83,10 @@ def test_mnist_probe_reads_a_trained_model_out_with_the_runs_eval_settings(tmp_p
     args = ["--config", str(tiny_toml), "--seeds", "0", "--out", str(runs), "--results-dir", str(results),
             "--checkpoint-out", "", "--quiet", "--set", "train.steps=2", "--set", "eval.figures=false"]
     assert mnist_probe.main(args) == 0
-    first = json.loads((results / "tiny_seed0.json").read_text())
+    first = json.loads((runs / "seed0" / "tiny_seed0.json").read_text())
     assert "mlp_presence_pose_test_acc" not in first["metrics"]
     assert mnist_probe.main([*args, "--resume", "--set", "eval.nonlinear_probes=true"]) == 0
-    again = json.loads((results / "tiny_seed0.json").read_text())
+    again = json.loads((runs / "seed0" / "tiny_seed0.json").read_text())
     assert 0.0 <= again["metrics"]["mlp_presence_pose_test_acc"] <= 1.0
     assert again["provenance"]["configs"]["eval"]["nonlinear_probes"] is True
     assert again["metrics"]["probe_presence_pose_test_acc"] == first["metrics"]["probe_presence_pose_test_acc"]
