@@ -23,7 +23,7 @@ from probcaps.checkpoints import load_checkpoint
 from probcaps.config import check_file_name
 from probcaps.data import iterate_batches, to_float
 from probcaps.distributions import RELAXED_CLAMP
-from probcaps.errors import CheckpointError
+from probcaps.errors import CheckpointError, ConfigError
 from probcaps.geometry import compose_pose6, invert, matrix_to_pose6, pose6_to_matrix, restrict_pose6
 from probcaps.inference.capsule_svi import encode_dataset, load_images, load_trained, probe_features, stored_config
 from probcaps.inference.distributed import init_from_env
@@ -462,9 +462,9 @@ def heldout_bound(system, images: torch.Tensor, ecfg, device: str = "cpu", progr
 
 
 def check_figures(figures: bool | Collection[str]) -> bool | Collection[str]:
-    """``figures`` as given, where it is a bool or names figures of :data:`FIGURES` alone (else ValueError)."""
+    """``figures`` as given, where it is a bool or names figures of :data:`FIGURES` alone (else ConfigError)."""
     if not isinstance(figures, bool) and (unknown := sorted(set(figures) - set(FIGURES))):
-        raise ValueError(f"figures: no figure named {', '.join(unknown)} (the figures: {', '.join(FIGURES)})")
+        raise ConfigError(f"--figures: no figure named {', '.join(unknown)} (the figures: {', '.join(FIGURES)})")
     return figures
 
 
@@ -554,21 +554,22 @@ def evaluate_checkpoint(checkpoint: str | Path, name: str | None = None, results
 
 
 def evaluate_seeds(checkpoints: list, name: str, results_dir: str | Path = "results", device: str = "cpu",
-                   figures: bool = True, **kwargs) -> dict:
+                   figures: bool | Collection[str] = True, **kwargs) -> dict:
     """:func:`evaluate_checkpoint` of each of ``checkpoints`` (one per training seed) into
-    ``results_dir/<name>_seed<S>.json`` and its table (the figures of the first seed alone), then ``<name>.json``:
+    ``results_dir/<name>_seed<S>.json`` and its table (the ``figures`` of the first seed alone), then ``<name>.json``:
     the seeds' metrics (``per_seed``), the mean and standard deviation of each number over them, and its table."""
     from probcaps.runner import seed_summary
 
     t0 = time.perf_counter()
     check_file_name(name, "--name")
+    check_figures(figures)
     seen = {}  # every checkpoint read before anything is written; one file per seed
     for path in checkpoints:
         seed = stored_config(load_checkpoint(path), path)["train"].seed
         if seed in seen:
             raise CheckpointError(f"{path}: trained with seed {seed}, like {seen[seed]}; give one checkpoint per seed")
         seen[seed] = path
-    runs = [evaluate_checkpoint(path, name, results_dir, device=device, figures=figures and i == 0,
+    runs = [evaluate_checkpoint(path, name, results_dir, device=device, figures=figures if i == 0 else False,
                                 seed_suffix=True, **kwargs) for i, path in enumerate(checkpoints)]
     runs = [{k: v for k, v in run.items() if not isinstance(v, dict)} for run in runs]  # the per-class reports stay
     summary = {"per_seed": runs, **seed_summary(runs, [k for k, v in runs[0].items()

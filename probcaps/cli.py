@@ -104,7 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", type=file_name_arg, default=None,
                    help="results/<name>.json (default: <the run's config name>_seed<its training seed>)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--no-figures", action="store_true")
+    drawn = p.add_mutually_exclusive_group()
+    drawn.add_argument("--no-figures", action="store_true")
+    drawn.add_argument("--figures", nargs="+", metavar="FIGURE",
+                       help="draw these figures alone, each <name>_<FIGURE>.png (default: all of them; an unknown "
+                       "name is refused with the list)")
     add_common_args(p, results_dir="results")
 
     p = sub.add_parser("ttvi", help="free-form test-time VI on test images with a trained checkpoint")
@@ -223,7 +227,12 @@ def _evaluate_path(checkpoint, args, name=None, overrides=()):
 
     return evaluate_checkpoint(checkpoint, name=name, results_dir=args.results_dir, data_dir=args.data_dir,
                                device=args.device, overrides=list(overrides), progress=not args.quiet,
-                               figures=not getattr(args, "no_figures", False))
+                               figures=_figures(args))
+
+
+def _figures(args) -> bool | list[str]:
+    """What ``probcaps evaluate`` draws: the figures ``--figures`` names, none with ``--no-figures``, else all."""
+    return getattr(args, "figures", None) or not getattr(args, "no_figures", False)
 
 
 def _evaluate(args) -> None:
@@ -233,7 +242,7 @@ def _evaluate(args) -> None:
 
     summary = evaluate_seeds(args.checkpoint, args.name, results_dir=args.results_dir, data_dir=args.data_dir,
                              device=args.device, overrides=list(args.set), progress=not args.quiet,
-                             figures=not args.no_figures)
+                             figures=_figures(args))
     _print_metrics({k: v for k, v in summary.items() if k.endswith("_mean")})
 
 

@@ -85,6 +85,24 @@ def test_train_resume_evaluate(tiny_toml, tmp_path, capsys):
     assert "probe_presence_test_acc" in capsys.readouterr().out
 
 
+def test_evaluate_draws_the_figures_named(tiny_toml, tmp_path, capsys):
+    # catches: --figures ignored (every figure drawn) or drawn for every seed, or an unknown figure name ending in a
+    # traceback, or refused only after the model has been read out and the results written
+    runs = [tmp_path / f"run{s}" for s in (0, 1)]
+    for seed, out in enumerate(runs):
+        assert main(["train", "--config", str(tiny_toml), "--out", str(out), "--steps", "2", "--seed", str(seed),
+                     "--quiet"]) == 0
+    results = tmp_path / "results"
+    args = ["evaluate", "--checkpoint", *(str(out / "final.pt") for out in runs), "--name", "pair", "--results-dir",
+            str(results), "--quiet"]
+    assert main([*args, "--figures", "objects_by_class", "nope"]) == 2
+    _one_error_line(capsys, "--figures", "nope", "objects_by_class")
+    assert not results.exists()
+    assert main([*args, "--figures", "objects_by_class", "templates"]) == 0
+    assert sorted(p.name for p in results.glob("*.png")) == ["pair_seed0_objects_by_class.png",
+                                                             "pair_seed0_templates.png"]
+
+
 def test_evaluate_several_seeds_gives_mean_and_std(tiny_toml, tmp_path, capsys):
     # catches: several checkpoints not each evaluated under its own seed, a summary that is not their mean and
     # sample std, figures of every seed, or a missing --name not refused in one line

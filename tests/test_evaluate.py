@@ -325,6 +325,7 @@ def test_information_rows_rank_the_seeds_and_correlate_by_hand():
 def test_evaluate_checkpoint_draws_the_figures_it_is_asked_for(tiny_toml, tmp_path, pyro_clean, monkeypatch):
     # catches: a figure drawn that was not asked for, one asked for missing or written beside the results instead of
     # where told, or an unknown figure name found only after the model has been read out
+    from probcaps.errors import ConfigError
     from probcaps.inference import evaluate
     from probcaps.inference.capsule_svi import load_experiment_config, train_capsules
 
@@ -342,7 +343,7 @@ def test_evaluate_checkpoint_draws_the_figures_it_is_asked_for(tiny_toml, tmp_pa
         raise AssertionError("the model was read out before its figures were checked")
 
     monkeypatch.setattr(evaluate, "compute_evaluation", read_out)
-    with pytest.raises(ValueError, match="no figure named templatez"):
+    with pytest.raises(ConfigError, match="no figure named templatez"):
         evaluate_checkpoint(tmp_path / "run" / "final.pt", name="tiny", results_dir=results, progress=False,
                             figures=["templates", "templatez"])
 
