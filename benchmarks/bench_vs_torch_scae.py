@@ -71,7 +71,8 @@ def ours(overrides: list[str], parts: int, parents: int, batch: int, device: str
 
     def step():
         optimiser.zero_grad(set_to_none=True)
-        system.loss(elbo, x).backward()
+        loss = system.loss(elbo, x)  # with the recipe's information term: (loss, its entropies)
+        (loss[0] if isinstance(loss, tuple) else loss).backward()
         optimiser.step()
 
     described = {"config": RECOMMENDED, "overrides": overrides, "encoder": cfg["encoder"].to_dict(),

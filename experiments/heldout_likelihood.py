@@ -8,8 +8,8 @@ model trained under other inference, side by side.
 The bound needs a guide with a density over every latent: a model with Normal poses (``normal_guide``).  Writes
 ``results/heldout_likelihood/<name>.json`` and its table; the maths is :mod:`probcaps.inference.likelihood`.
 
-With ``--objectives``, each of the recommended recipe's trained models (``--start``, one per seed) gets Normal
-poses and is trained on from there, as ``normal_guide`` trains its model, once under each objective
+With ``--objectives``, each of the first recommended MNIST recipe's trained models (``--start``, one per seed) gets
+Normal poses and is trained on from there, as ``normal_guide`` trains its model, once under each objective
 (:mod:`probcaps.inference.objectives`): the relaxed ELBO, the importance-weighted bound, and score-function
 gradients for Bernoulli presences, the model before the concrete relaxation.  Every objective draws the same number
 of samples a step (``--particles`` K per image on a batch K times smaller), so a step costs about the same.  Each
@@ -58,8 +58,9 @@ INFERENCES = {
     "iwae": ("relaxed", "iwae", "importance-weighted bound (concrete presences, K samples)"),
     "score_function": ("bernoulli", "score_function", "Bernoulli presences, score-function gradients (K samples)"),
 }
-#: the recommended recipe's trained models, one per seed: where each comparison starts
-START = ["mnist", "mnist_seed1", "mnist_seed2"]
+#: the first recommended MNIST recipe's trained models (regions of every digit), one per seed: where each comparison
+#: starts
+START = ["mnist_regions", "mnist_regions_seed1", "mnist_regions_seed2"]
 #: the readouts of each trained model kept in the comparison (``compute_evaluation``'s numbers)
 KEPT = ("probe_presence_pose_test_acc", "probe_presence_test_acc", "kmeans_posterior_counts_test_acc",
         "kmeans_posterior_counts_test_acc_init_median", "object_class_purity", "mean_active_parents",
@@ -117,10 +118,10 @@ def inferences_table(m: dict, prov: dict) -> str:
                      + " | ".join(pm([r[k] for r in runs], 100.0) for k in KEPT[:4])
                      + f" | {pm([r['object_class_purity'] for r in runs], 1.0, 3)} | "
                        f"{pm([r['mean_active_parents'] for r in runs])} | {pm(per_step, 1.0, 2)} |")
-    lines += ["", f"Mean ± std over the seeds; each seed starts from its own model of the recommended recipe "
-              f"({', '.join(f'`{c}`' for c in m['start'])}), gets Normal poses and trains {m['steps']} more steps "
-              f"under the inference of its row, {m['samples_per_step']} samples a step (K = {m['particles']} samples "
-              f"per image on {m['samples_per_step'] // m['particles']} images for the K-sample objectives). "
+    lines += ["", "Mean ± std over the seeds; each seed starts from its own model of the first recommended MNIST "
+              f"recipe ({', '.join(f'`{c}`' for c in m['start'])}), gets Normal poses and trains {m['steps']} more "
+              f"steps under the inference of its row, {m['samples_per_step']} samples a step (K = {m['particles']} "
+              f"samples per image on {m['samples_per_step'] // m['particles']} images for the K-sample objectives). "
               f"Held-out bound: "
               f"presences scored by their logits' densities, on the first {m['n_bound_images']} test images; the gain "
               f"is image by image. Probes fit on {m['n_train']} training images, probes and k-means scored on the "
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
     g.add_argument("--objectives", nargs="+", choices=list(INFERENCES), default=None,
                    help="train the --start models on under each of these and compare (instead of --checkpoint)")
     g.add_argument("--start", type=checkpoint_arg, nargs="+", default=None,
-                   help="delta-trained models of the relaxed ELBO, one per seed (default: the recommended recipe's, "
+                   help="delta-trained models of the relaxed ELBO, one per seed (default: the first recommended MNIST "
+                        "recipe's, "
                         f"{' '.join(START)})")
     g.add_argument("--particles", type=positive_int, default=4, help="K of the K-sample objectives")
     g.add_argument("--probe-train-limit", type=non_negative_int, default=10000, help="0: all")

@@ -4,10 +4,8 @@ it on test digits rotated the same way; probe accuracy against ``theta_max`` (pa
 The paper's finding: the more rotation in training, the less the parents specialise to one class and the lower the
 probe accuracy; ``finding`` in the JSON tests it (the slope of accuracy against ``theta_max``, and its sign).
 
-    probcaps run rotated_training --thetas 0 45 90 180 --seeds 0 1          # the committed run
+    probcaps run rotated_training --thetas 0 45 90 180 --seeds 0 1 2        # the committed run
     probcaps run rotated_training --resume                                   # continue interrupted runs
-    probcaps run rotated_training --config rotated_training_objects --seeds 0 1 2
-                                                      # the same with objects that stand for digits (mnist_objects)
     probcaps run rotated_training --thetas 0 90 --seeds 0 --set train.steps=5 --set data.dataset="synthetic"
 
 Each (theta_max, seed) trains in ``<out>/theta<T>_seed<S>/`` and leaves its ``metrics.json`` there (``--resume``

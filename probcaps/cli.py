@@ -4,7 +4,7 @@
     probcaps evaluate --checkpoint mnist [--name mnist] [--results-dir results]
     probcaps evaluate --checkpoint runs/a/final.pt runs/b/final.pt --name mnist_readout   # one per seed: mean ± std
     probcaps ttvi --checkpoint mnist [--limit 1000] [--out results/ttvi_mnist.json]
-    probcaps draw-objects --checkpoint mnist_objects [--out results/mnist_objects_drawn.png]
+    probcaps draw-objects --checkpoint mnist [--out results/mnist_objects_drawn.png]
     probcaps run <experiment> [its arguments]   # any experiment, e.g. probcaps run mnist_probe --seeds 0
     probcaps list                      # the recipes, experiments and shipped models
     probcaps demo                      # a few minutes of training on real MNIST, then the probe report

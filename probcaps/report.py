@@ -200,7 +200,7 @@ _CHECKPOINT_PATHS = re.compile(r"(--checkpoint)((?: checkpoints/[\w.-]+\.pt(?= |
 def command_text(command) -> str:
     """A recorded command as the docs show it: in the one launch form (``probcaps run <experiment>``, ``probcaps
     <subcommand>``) whatever script or module path ran it, shipped configs and models by their bare names
-    (``--config mnist_objects``, ``--checkpoint mnist``), other paths relative to the repository."""
+    (``--config mnist``, ``--checkpoint mnist``), other paths relative to the repository."""
     text = repo_relative(str(command))
     for pattern, form in _LAUNCH:
         text = pattern.sub(form, text)

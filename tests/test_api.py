@@ -53,7 +53,7 @@ def test_encode_gives_the_encoders_capsules_by_name_and_an_exact_parent_posterio
     K, M = model.num_objects, model.num_parts
     caps = model.encode(x)
     assert (K, M) == (16, 24) and len(caps) == N
-    shapes = {"object_presence": (N, K), "object_pose": (N, K, 6), "object_code": (N, K, 0),
+    shapes = {"object_presence": (N, K), "object_pose": (N, K, 6), "object_code": (N, K, 8),
               "part_presence": (N, M), "part_pose": (N, M, 6), "parent_posterior": (N, M, K + 1)}
     assert {k: tuple(getattr(caps, k).shape) for k in shapes} == shapes
     # catches: named fields that are not the encoder's (swapped, logits for probabilities, codes cut wrong)
@@ -61,7 +61,8 @@ def test_encode_gives_the_encoders_capsules_by_name_and_an_exact_parent_posterio
     assert torch.allclose(caps.part_presence, torch.sigmoid(direct.part_logits), atol=1e-6)
     assert torch.allclose(caps.object_presence, torch.sigmoid(direct.parent_logits), atol=1e-6)
     assert torch.allclose(caps.part_pose, direct.part_poses, atol=1e-6)
-    assert torch.allclose(caps.object_pose, direct.parent_poses, atol=1e-6)
+    assert torch.allclose(caps.object_pose, direct.parent_poses[..., :6], atol=1e-6)
+    assert torch.allclose(caps.object_code, direct.parent_poses[..., 6:], atol=1e-6)
     # catches: a posterior not normalised over each part's candidates (the dummy included), or over the wrong dim
     q = caps.parent_posterior
     assert (q >= 0).all()
@@ -86,18 +87,26 @@ def test_reconstruct_is_the_pyro_models_rendering_of_the_encoders_parts(mnist):
     assert ((recon - x) ** 2).mean() < 0.02  # and it is a reconstruction: the digits, not a blank canvas
 
 
-def test_log_likelihood_bound_is_the_training_loss_per_image(mnist):
-    # catches: a bound that is not the training objective (another density, log q left out or counted twice, the
-    # parents not summed out, a mean for a sum), per batch and image by image
+def test_log_likelihood_bound_is_the_elbo_the_training_loss_holds_per_image(mnist):
+    # catches: a bound that is not the ELBO of training (another density, log q left out or counted twice, the
+    # parents not summed out, a mean for a sum), per batch and image by image; the recipe's training loss also
+    # subtracts the information term, which is no part of the bound
     model, x, _ = mnist
+    system = model.system
+
+    def neg_elbo(images):  # the negative ELBO per image that system.loss holds, averaged over the batch
+        return make_elbo().differentiable_loss(system.model, system.guide, images) / images.shape[0]
+
     bound = model.log_likelihood_bound(x, seed=3)
     assert bound.shape == (N,) and torch.isfinite(bound).all()
     torch.manual_seed(3)
-    loss = model.system.loss(make_elbo(), x)  # the negative ELBO per image, averaged over the batch
-    assert torch.allclose(-bound.mean(), loss.detach(), rtol=1e-5)
+    assert torch.allclose(-bound.mean(), neg_elbo(x).detach(), rtol=1e-5)
+    torch.manual_seed(3)
+    loss, _ = system.loss(make_elbo(), x)
+    assert model.model.config.object_information_weight > 0 and loss.item() < -bound.mean().item()
     for i in range(3):
         torch.manual_seed(10 + i)
-        alone = model.system.loss(make_elbo(), x[i:i + 1]).item()
+        alone = neg_elbo(x[i:i + 1]).item()
         assert model.log_likelihood_bound(x[i:i + 1], seed=10 + i).item() == pytest.approx(-alone, rel=1e-5)
     # the seed fixes the sample, and leaves the caller's RNG where it was
     state = torch.get_rng_state()
@@ -134,15 +143,19 @@ def test_features_are_the_probes_and_draw_objects_the_models(mnist):
     for kind in ("presence", "presence_pose"):
         assert torch.allclose(model.features(x, kind=kind), probe_features(lat)[kind], atol=1e-6)
     assert model.features(x).shape == (N, 7 * model.num_objects)
-    with pytest.raises(ValueError, match="kind: must be one of presence, presence_pose"):
-        model.features(x, kind="presence_pose_code")  # this model has no codes
+    D = model.model.config.object_code_dims
+    assert D == 8 and model.features(x, kind="presence_pose_code").shape == (N, (7 + D) * model.num_objects)
+    with pytest.raises(ValueError, match="kind: must be one of presence, presence_pose, presence_pose_code"):
+        model.features(x, kind="pose")
     alone = model.draw_objects()
     assert alone.grid.shape == (model.num_objects, 1, 40, 40) and alone.columns == ["identity pose"]
-    assert torch.allclose(alone.grid, model.model.draw_objects(torch.zeros(model.num_objects, 6)))
+    assert torch.allclose(alone.grid, model.model.draw_objects(torch.zeros(model.num_objects, 6 + D)))
     in_use = model.draw_objects(x)
     on = (model.encode(x).object_presence > 0.5).float().mean(0) >= 0.01
     assert in_use.objects == [f"object {k}" for k in on.nonzero().flatten().tolist()]
-    assert in_use.grid.shape == (int(on.sum()), 2, 40, 40)
+    # the image where each is most present, its mean latents, and its code ±2σ along two principal directions
+    assert in_use.grid.shape == (int(on.sum()), 2 + 2 * 2, 40, 40)
+    assert in_use.columns == ["most present", "mean", "−2σ code 1", "+2σ code 1", "−2σ code 2", "+2σ code 2"]
 
 
 @pytest.mark.parametrize("bad, says", [

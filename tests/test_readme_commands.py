@@ -314,7 +314,7 @@ TABLE_SOURCES = [
                 "ttvi_classification_fair_objects")],
     ("experiments.normal_guide", "normal_guide", [], ["normal_guide"]),
     *[("experiments.rotated_training", "rotated_training", ["--name", n], [n, "ablations"])
-      for n in ("rotated_training", "rotated_training_headline", "rotated_training_objects",
+      for n in ("rotated_training", "rotated_training_headline", "rotated_training_regions",
                 "rotated_training_objects_one_on")],
     ("experiments.rotated_mnist_cnn_vs_capsnet", "rotated_mnist_cnn_vs_capsnet", [], ["rotated_mnist_cnn_vs_capsnet"]),
     ("experiments.rotated_mnist_cnn_vs_capsnet", "rotated_mnist_cnn_vs_capsnet",

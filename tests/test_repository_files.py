@@ -76,7 +76,7 @@ def test_the_reference_check_can_fail(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("<!-- results:mnist_probe/mnist_recipes -->\nx\n<!-- /results:mnist_probe/mnist_recipes -->\n")
     files = [RESULTS / "mnist_probe" / "mnist_recipes.md", RESULTS / "mnist_probe" / "mnist_training.png",
-             RESULTS / "mnist_probe" / "mnist_objects.json"]
+             RESULTS / "mnist_probe" / "mnist.json"]
     assert unreferenced(files, [doc], "") == ["results/mnist_probe/mnist_training.png"]
     assert unreferenced(files[1:2], [doc], "results/mnist_probe/mnist_training.png") == []
 
@@ -150,8 +150,8 @@ _NAMED = re.compile(r"(--config|--checkpoint)((?:[ \t]+[^\s`'\"|;#()-][^\s`'\"|;
 
 def named_paths(text: str) -> set[str]:
     """The repository paths ``text`` names: paths under ``experiments/configs/``, ``checkpoints/``, ``results/``
-    and ``docs/``, and the configs and models named by bare name (``--config mnist_objects`` ->
-    ``experiments/configs/mnist_objects.toml``, ``--checkpoint mnist`` -> ``checkpoints/mnist.pt``); templates
+    and ``docs/``, and the configs and models named by bare name (``--config demo`` ->
+    ``experiments/configs/demo.toml``, ``--checkpoint mnist`` -> ``checkpoints/mnist.pt``); templates
     (``<name>``, ``$VAR``, ``…``) and run folders are not files of the repository."""
     found = {m.rstrip("/.") for m in _PATH.findall(text)} | {path for _, path in _LINK.findall(text)}
     for option, words in _NAMED.findall(text):
@@ -167,10 +167,10 @@ def named_paths(text: str) -> set[str]:
 
 def test_named_paths_are_read_as_meant():
     # catches: the path check reading nothing, or reading a template as a file
-    text = ("`probcaps run mnist_probe --config mnist_objects --seeds 0` `probcaps evaluate --checkpoint mnist "
+    text = ("`probcaps run mnist_probe --config demo --seeds 0` `probcaps evaluate --checkpoint mnist "
             "mnist_seed1 --name x`; results/mnist_probe/mnist.json, results/<experiment>/<name>.json, "
             "`--checkpoint runs/x/final.pt`, docs/README.md, ![a figure](../results/mnist_probe/mnist_training.png).")
-    assert named_paths(text) == {"experiments/configs/mnist_objects.toml", "checkpoints/mnist.pt",
+    assert named_paths(text) == {"experiments/configs/demo.toml", "checkpoints/mnist.pt",
                                  "checkpoints/mnist_seed1.pt", "results/mnist_probe/mnist.json", "docs/README.md",
                                  "results/mnist_probe/mnist_training.png"}
 
