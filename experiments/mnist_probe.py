@@ -303,11 +303,13 @@ def recipes_table(results_dir: Path) -> str | None:
     lines.append("| steps; training minutes per seed | " + " | ".join(
         f"{runs[0]['steps']:,}; " + ", ".join(f"{r['train_wall_time_s'] / 60:.0f}" for r in runs) for runs in seeds)
         + " | | |")
+    lines.append("| device of the readout | " + " | ".join(prov.get("device") or "—" for _, _, prov in loaded)
+                 + " | | |")
     lines += ["", "Seeds " + "; ".join(f"{head}: " + ", ".join(str(r["seed"]) for r in runs)
                                       for (head, _, _), runs in zip(loaded, seeds))
               + f"; probes fit on the {seeds[0][0]['n_train']:,} training images, probes and k-means scored on the "
               f"{seeds[0][0]['n_test']:,} test images; the targets are for the mean over three seeds; each column's "
-              "command, commit and device are in its results file "
+              "command and commit are in its results file "
               "(`results/mnist_probe/<name>.json`: " + ", ".join(f"`{name}`" for name, _ in RECIPE_RUNS) + ")."]
     return "\n".join(lines)
 
