@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# the convolutions in bfloat16 where the CPU has bfloat16 kernels (BF16 below), else in float32
 demo: install
-	$(VENV)/bin/probcaps demo
+	$(VENV)/bin/probcaps demo --set encoder.bf16=$(BF16)
 
 # lint and import order first (ruff, configured in pyproject.toml), then the suite
 test: install
