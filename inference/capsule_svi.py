@@ -122,25 +122,30 @@ class CapsuleSystem(nn.Module):
         self.guide_spec = {"family": "normal", "init_scale": init_scale, "min_scale": min_scale}
         return self
 
-    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None):
-        """Negative ELBO per image (``s`` enumerated out); ``expected_parents``: the prior at this training step
-        (:func:`prior_schedule`; ``None``: the config's final value).
+    def negative_elbo(self, elbo, x: torch.Tensor, expected_parents: float | None = None, guide=None) -> torch.Tensor:
+        """Negative ELBO per image (``s`` enumerated out), averaged over the batch ``x``; ``expected_parents``: the
+        prior at this training step (:func:`prior_schedule`; ``None``: the config's final value); ``guide``: the
+        guide to score (default: the system's)."""
+        guide = guide or self.guide
+        return elbo.differentiable_loss(self.model, guide, x, expected_parents=expected_parents) / x.shape[0]
 
-        With ``model.object_information_weight``, that weight times the mutual information between an image and
-        its objects (:func:`~probcaps.models.capsule_model.object_information` of the expected part counts, at the
-        guide's sample this ELBO scores) is subtracted, and the loss is returned as ``(loss, {"within_entropy",
+    def loss(self, elbo, x: torch.Tensor, expected_parents: float | None = None):
+        """The training loss: :meth:`negative_elbo`, and with ``model.object_information_weight``, that weight times
+        the mutual information between an image and its objects
+        (:func:`~probcaps.models.capsule_model.object_information` of the expected part counts, at the guide's
+        sample this ELBO scores) subtracted, the loss then returned as ``(loss, {"within_entropy",
         "between_entropy"})`` for the training log.
         """
         weight = self.model.config.object_information_weight
         if not weight:
-            return elbo.differentiable_loss(self.model, self.guide, x, expected_parents=expected_parents) / x.shape[0]
+            return self.negative_elbo(elbo, x, expected_parents)
         drawn = []
 
         def guide(*args, **kwargs):  # keeps the latents the ELBO scores (one particle: one call)
             drawn.append(self.guide(*args, **kwargs))
             return drawn[-1]
 
-        neg_elbo = elbo.differentiable_loss(self.model, guide, x, expected_parents=expected_parents) / x.shape[0]
+        neg_elbo = self.negative_elbo(elbo, x, expected_parents, guide=guide)
         counts = self.model.parent_log_posterior(*drawn[-1])[..., 1:].exp().sum(-2)   # (B, K), the dummy left out
         within, between = object_information(counts)
         return neg_elbo - weight * (between - within), {"within_entropy": within.item(),
