@@ -133,8 +133,8 @@ class CapsuleSystem(nn.Module):
         """The training loss: :meth:`negative_elbo`, and with ``model.object_information_weight``, that weight times
         the mutual information between an image and its objects
         (:func:`~probcaps.models.capsule_model.object_information` of the expected part counts, at the guide's
-        sample this ELBO scores) subtracted, the loss then returned as ``(loss, {"within_entropy",
-        "between_entropy"})`` for the training log.
+        sample this ELBO scores; its within-image entropy scaled by ``model.object_within_share``) subtracted, the
+        loss then returned as ``(loss, {"within_entropy", "between_entropy"})`` for the training log.
         """
         weight = self.model.config.object_information_weight
         if not weight:
@@ -148,8 +148,9 @@ class CapsuleSystem(nn.Module):
         neg_elbo = self.negative_elbo(elbo, x, expected_parents, guide=guide)
         counts = self.model.parent_log_posterior(*drawn[-1])[..., 1:].exp().sum(-2)   # (B, K), the dummy left out
         within, between = object_information(counts)
-        return neg_elbo - weight * (between - within), {"within_entropy": within.item(),
-                                                        "between_entropy": between.item()}
+        share = self.model.config.object_within_share
+        return neg_elbo - weight * (between - share * within), {"within_entropy": within.item(),
+                                                                "between_entropy": between.item()}
 
     def reference_loss(self, x: torch.Tensor, expected_parents: float | None = None) -> torch.Tensor:
         """The same negative ELBO per image written directly in torch (``s`` summed by ``logsumexp``).

@@ -76,6 +76,10 @@ class CapsuleModelConfig(Section):
     # of the expected part counts under the exact posterior over the parts' parents): few objects within an image,
     # different ones in different images; 0: the plain negative ELBO
     object_information_weight: float = 0.0
+    # the share of that term's within-image entropy (1: the mutual information; 0: the between-image entropy alone).
+    # The within-image entropy is least when one object explains all of an image's parts, so it pulls the posterior
+    # towards one object per image whatever the prior asks
+    object_within_share: float = 1.0
     # D: each object also carries a code c_k ~ Normal(0, I_D) (y1's last D coordinates) that moves its parts'
     # offsets, Δ_km + U_km c_k, with each row of the learned U_km (6, D) at most code_deformation_std long: an
     # object can hold the layout of its parts within its class (SCAE's per-capsule deformations, Kosiorek et al.

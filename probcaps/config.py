@@ -163,7 +163,7 @@ RULES: list[tuple[tuple[str, ...], Range]] = [
     (("lr", "*temperature", "probe_C", "var_floor", "min_scale", "max_scale", "expected_parents",
       "dummy_affinity", "keypoint_radius", "grad_clip"), POSITIVE),
     (("dropout", "dummy_presence", "min_iou", "*_threshold", "m_plus", "m_minus", "margin_start", "margin_end",
-      "*_fraction"), PROBABILITY),
+      "*_fraction", "*_share"), PROBABILITY),
     (("*_weight", "weight_decay", "*_cap", "train_rotation", "jitter_*", "translation_px", "rotation_deg", "scale",
       "shear", "max_translation", "max_shear", "keypoint_offset_gain", "margin_lambda"), NON_NEGATIVE),
     (("angles",), Range(element=float)),

@@ -592,14 +592,14 @@ def test_object_information_by_hand():
     assert within.item() < 1e-6 and abs(between.item() - math.log(2)) < 1e-6
 
 
-@pytest.mark.parametrize("weight", [0.0, 7.0])
-def test_training_loss_subtracts_the_object_information_of_the_elbos_own_sample(weight):
-    # catches: the term computed on another draw of the guide than the ELBO's, the dummy counted as an object,
-    # a sign flipped, or a term added when the weight is 0
+@pytest.mark.parametrize("weight,share", [(0.0, 1.0), (7.0, 1.0), (7.0, 0.25)])
+def test_training_loss_subtracts_the_object_information_of_the_elbos_own_sample(weight, share):
+    # catches: the within share left out, the term computed on another draw of the guide than the ELBO's, the dummy
+    # counted as an object, a sign flipped, or a term added when the weight is 0
     from probcaps.inference.capsule_svi import CapsuleSystem
     from probcaps.inference.train import make_elbo
     cfg = CapsuleModelConfig(num_parents=K, num_parts=M, template_size=T, canvas_size=S, seed=0, **HYPER,
-                             object_information_weight=weight)
+                             object_information_weight=weight, object_within_share=share)
     system = CapsuleSystem(cfg, EncoderConfig(channels=[8], strides=[2], set_hidden=8, set_heads=1, set_inducing=2,
                                               parent_code=4, head_hidden=8, part_embedding=2, part_features=0))
     system = system.to(DT)
@@ -621,6 +621,6 @@ def test_training_loss_subtracts_the_object_information_of_the_elbos_own_sample(
     total = counts.sum(0) / counts.sum()
     between = -(total * total.log()).sum()
     loss, terms = out
-    torch.testing.assert_close(loss, neg_elbo - weight * (between - within))
+    torch.testing.assert_close(loss, neg_elbo - weight * (between - share * within))
     assert terms == pytest.approx({"within_entropy": within.item(), "between_entropy": between.item()})
     assert 0 < terms["within_entropy"] < math.log(K) and 0 < terms["between_entropy"] <= math.log(K) + 1e-9
